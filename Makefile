@@ -1,0 +1,26 @@
+# Two commands on a fresh machine:
+#   make run    the main job: chaos suites against the embedded CPU cluster, report under reports/
+#   make test   the harness's own tests and the default (non-slow) suites
+VENV ?= $(HOME)/.cache/kvchaos/venv
+export KVCHAOS_VENV := $(VENV)
+PY := $(VENV)/bin/python
+PYTEST_ARGS ?=
+
+.PHONY: setup run test test-unit bench clean-reports
+setup:
+	@bash scripts/setup.sh >/dev/null
+
+run: setup
+	$(PY) -m kvchaos run
+
+test: setup
+	$(PY) -m pytest -m "not slow and not gpu" -p no:cacheprovider $(PYTEST_ARGS)
+
+test-unit: setup
+	$(PY) -m pytest tests -m "not cluster" -p no:cacheprovider $(PYTEST_ARGS)
+
+bench: setup
+	$(PY) bench/cold_start.py
+
+clean-reports:
+	rm -rf reports/[0-9]*

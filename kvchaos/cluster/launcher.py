@@ -1,0 +1,379 @@
+"""Launch, attach to and supervise a prefill/decode/router cluster (and a single reference server).
+
+``Cluster(spec, workdir).start()`` starts SGLang prefill and decode servers concurrently, waits
+for each ``/health`` with a bounded deadline (checking every poll that the process is still
+alive, so a server that dies at start is reported with the tail of its log instead of a hang),
+then starts the router and waits until it reports both workers healthy and one request has
+made the full round trip. ``stop()`` is idempotent and also runs from the reaper if the owner
+dies. ``AttachedCluster`` offers the same surface over URLs of servers someone else runs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+from .ports import release_ports, reserve_ports
+from .procs import ManagedProcess, ProcessDied, leftover, tree_pids
+from .reaper import ENV_KEY, Reaper
+from .spec import ClusterSpec
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+BOOT_DIR = REPO_ROOT / "kvchaos" / "_boot"
+LOOPBACK = "127.0.0.1"
+
+
+class ClusterStartError(RuntimeError):
+    pass
+
+
+# --------------------------------------------------------------------------- commands
+def engine_env(spec: ClusterSpec, extra: dict | None = None) -> dict:
+    env = {k: v for k, v in os.environ.items() if k != ENV_KEY}
+    pp = [str(BOOT_DIR), str(REPO_ROOT)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(pp))
+    if spec.cpu_compat:
+        env["KVCHAOS_CPU_COMPAT"] = "1"
+    else:
+        env.pop("KVCHAOS_CPU_COMPAT", None)
+    if spec.transfer_backend == "mooncake_tcp":
+        env.setdefault("MC_FORCE_TCP", "1")
+    env.update(spec.env)
+    env.update(extra or {})
+    return env
+
+
+def server_argv(spec: ClusterSpec, model_path: str, role: str, port: int, bootstrap_port: int | None = None) -> list[str]:
+    """argv for one SGLang server. role: 'prefill' | 'decode' | 'single'."""
+    if role not in ("prefill", "decode", "single"):
+        raise ValueError(f"unknown role {role!r}")
+    argv = [
+        spec.python, "-m", "sglang.launch_server",
+        "--model-path", model_path,
+        "--device", spec.device,
+        "--dtype", spec.dtype,
+        "--max-total-tokens", str(spec.pool_tokens),
+        "--context-length", str(spec.context_length),
+        "--page-size", str(spec.page_size),
+        "--host", LOOPBACK, "--port", str(port),
+        "--enable-metrics",
+    ]
+    argv += spec.common_args
+    if role == "single":
+        return argv
+    argv += ["--disaggregation-mode", role, "--disaggregation-transfer-backend", spec.transfer_backend]
+    if spec.transfer_backend == "mooncake" and (spec.ib_device or os.environ.get("KVCHAOS_IB_DEVICE")):
+        argv += ["--disaggregation-ib-device", spec.ib_device or os.environ["KVCHAOS_IB_DEVICE"]]
+    if role == "prefill":
+        if bootstrap_port is None:
+            raise ValueError("prefill needs a bootstrap port")
+        argv += ["--disaggregation-bootstrap-port", str(bootstrap_port)] + spec.prefill_args
+    else:
+        argv += spec.decode_args
+    return argv
+
+
+def router_argv(spec: ClusterSpec, prefill_url: str, bootstrap_port: int, decode_url: str, port: int) -> list[str]:
+    argv = [
+        spec.python, "-m", "sglang_router.launch_router", "--pd-disaggregation",
+        "--prefill", prefill_url, str(bootstrap_port),
+        "--decode", decode_url,
+        "--host", LOOPBACK, "--port", str(port),
+    ]
+    if spec.router == "mini-lb":
+        argv.append("--mini-lb")
+    return argv + spec.router_args
+
+
+# --------------------------------------------------------------------------- helpers
+def _http_ok(url: str, timeout: float = 2.0) -> httpx.Response | None:
+    try:
+        r = httpx.get(url, timeout=timeout)
+    except httpx.HTTPError:
+        return None
+    return r if r.status_code == 200 else None
+
+
+def wait_healthy(procs: dict[str, ManagedProcess], urls: dict[str, str], deadline: float,
+                 check=None) -> None:
+    """Wait until every url in ``urls`` answers; raise ProcessDied / ClusterStartError otherwise.
+
+    ``check(role, response) -> bool`` can require more than HTTP 200.
+    """
+    pending = dict(urls)
+    while pending:
+        for role in list(pending):
+            p = procs[role]
+            if not p.alive():
+                raise p.died_error("died during startup")
+            r = _http_ok(pending[role])
+            if r is not None and (check is None or check(role, r)):
+                pending.pop(role)
+        if not pending:
+            return
+        if time.monotonic() > deadline:
+            tails = "\n".join(f"--- {r} ({procs[r].log_path}) ---\n{procs[r].tail(25)}" for r in pending)
+            raise ClusterStartError(f"timed out waiting for {sorted(pending)} to become healthy\n{tails}")
+        time.sleep(0.5)
+
+
+@dataclass
+class Endpoints:
+    router: str
+    prefill: str
+    decode: str
+    bootstrap_port: int | None = None
+
+    def as_dict(self) -> dict:
+        return {"router": self.router, "prefill": self.prefill, "decode": self.decode,
+                "bootstrap_port": self.bootstrap_port}
+
+
+class _ClusterAPI:
+    """What suites use, launched or attached."""
+
+    endpoints: Endpoints
+    spec: ClusterSpec
+
+    def server_info(self, role: str = "decode", timeout: float = 10.0) -> dict:
+        url = getattr(self.endpoints, role)
+        r = httpx.get(f"{url}/server_info", timeout=timeout)
+        r.raise_for_status()
+        return r.json()
+
+    def generate(self, text=None, input_ids=None, max_new_tokens=16, timeout=None, via="router", **extra) -> httpx.Response:
+        body = {"sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0.0}, **extra}
+        if input_ids is not None:
+            body["input_ids"] = input_ids
+        else:
+            body["text"] = text
+        url = getattr(self.endpoints, via) if via in ("router", "prefill", "decode") else via
+        return httpx.post(f"{url}/generate", json=body, timeout=timeout or self.spec.request_timeout_s)
+
+    def check_alive(self) -> None:
+        pass
+
+    def log_paths(self) -> dict:
+        return {}
+
+
+# --------------------------------------------------------------------------- launched cluster
+class Cluster(_ClusterAPI):
+    def __init__(self, spec: ClusterSpec, workdir: str | os.PathLike, reaper: Reaper | None = None):
+        self.spec = spec
+        self.workdir = Path(workdir)
+        self.token = f"kvc-{os.getpid()}-{secrets.token_hex(4)}"
+        self._own_reaper = reaper is None
+        self.reaper = reaper
+        self.procs: dict[str, ManagedProcess] = {}
+        self.ports: list[int] = []
+        self.endpoints: Endpoints | None = None
+        self.timings: dict[str, float] = {}
+        self.model_path: str | None = None
+
+    # -- lifecycle
+    def start(self) -> "Cluster":
+        t0 = time.monotonic()
+        try:
+            self._start(t0)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _start(self, t0: float) -> None:
+        spec = self.spec
+        if self.reaper is None:
+            self.reaper = Reaper(self.token)
+        self.model_path = spec.resolve_model()
+        p_port, boot_port, d_port, r_port = self.ports = reserve_ports(4)
+        env = engine_env(spec)
+        logs = self.workdir / "logs"
+        pre = f"http://{LOOPBACK}:{p_port}"
+        dec = f"http://{LOOPBACK}:{d_port}"
+        rou = f"http://{LOOPBACK}:{r_port}"
+        self.endpoints = Endpoints(router=rou, prefill=pre, decode=dec, bootstrap_port=boot_port)
+        self.procs["prefill"] = ManagedProcess(
+            "prefill", server_argv(spec, self.model_path, "prefill", p_port, boot_port), env,
+            logs / "prefill.log", self.reaper, self.token)
+        self.procs["decode"] = ManagedProcess(
+            "decode", server_argv(spec, self.model_path, "decode", d_port), env,
+            logs / "decode.log", self.reaper, self.token)
+        deadline = t0 + spec.startup_timeout_s
+        wait_healthy(self.procs, {"prefill": f"{pre}/health", "decode": f"{dec}/health"}, deadline)
+        self.timings["servers_healthy_s"] = time.monotonic() - t0
+        self.procs["router"] = ManagedProcess(
+            "router", router_argv(spec, pre, boot_port, dec, r_port), env,
+            logs / "router.log", self.reaper, self.token)
+        if spec.router == "sglang-router":
+            wait_healthy(self.procs, {"router": f"{rou}/readiness"}, deadline,
+                         check=lambda _r, resp: resp.json().get("healthy_workers", 0) >= 2)
+        else:
+            wait_healthy(self.procs, {"router": f"{rou}/health"}, deadline)
+        self._first_round_trip(deadline)
+        self.timings["router_ready_s"] = time.monotonic() - t0
+
+    def _first_round_trip(self, deadline: float) -> None:
+        last = None
+        while time.monotonic() < deadline:
+            self.check_alive()
+            try:
+                r = self.generate(text="kvchaos warmup", max_new_tokens=1, timeout=30)
+                if r.status_code == 200:
+                    return
+                last = f"HTTP {r.status_code}: {r.text[:300]}"
+            except httpx.HTTPError as e:
+                last = repr(e)
+            time.sleep(1.0)
+        raise ClusterStartError(f"router never completed a request: {last}")
+
+    def check_alive(self) -> None:
+        for p in self.procs.values():
+            if not p.alive():
+                raise p.died_error("is no longer running")
+
+    def stop(self) -> list[int]:
+        """Stop everything (router first, so no new requests reach dying servers). Returns leftovers."""
+        for role in ("router", "decode", "prefill"):
+            p = self.procs.get(role)
+            if p is not None:
+                p.stop()
+        release_ports(self.ports)
+        self.ports = []
+        left = leftover([p.pgid for p in self.procs.values()], self.token)
+        if self._own_reaper and self.reaper is not None:
+            self.reaper.close()
+            self.reaper = None
+        return left
+
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, *exc):
+        self.stop()
+
+    def log_paths(self) -> dict:
+        return {r: str(p.log_path) for r, p in self.procs.items()}
+
+    def all_pids(self) -> list[int]:
+        """Every live process of this cluster (servers, their scheduler/detokenizer children, router)."""
+        return tree_pids([p.pgid for p in self.procs.values()], self.token)
+
+    def describe(self) -> dict:
+        return {"mode": "launched", "spec": self.spec.to_dict(), "endpoints": self.endpoints.as_dict() if self.endpoints else None,
+                "model_path": self.model_path, "timings": self.timings, "logs": self.log_paths(),
+                "pids": {r: p.pid for r, p in self.procs.items()}}
+
+
+class SingleServer(_ClusterAPI):
+    """A non-disaggregated server of the same model and settings: the reference for differential checks."""
+
+    def __init__(self, spec: ClusterSpec, workdir, reaper: Reaper | None = None):
+        self.spec, self.workdir = spec, Path(workdir)
+        self.token = f"kvc-{os.getpid()}-{secrets.token_hex(4)}"
+        self._own_reaper = reaper is None
+        self.reaper = reaper
+        self.proc: ManagedProcess | None = None
+        self.ports: list[int] = []
+        self.url: str | None = None
+
+    def start(self) -> "SingleServer":
+        try:
+            if self.reaper is None:
+                self.reaper = Reaper(self.token)
+            (port,) = self.ports = reserve_ports(1)
+            self.url = f"http://{LOOPBACK}:{port}"
+            self.endpoints = Endpoints(router=self.url, prefill=self.url, decode=self.url)
+            self.proc = ManagedProcess("single", server_argv(self.spec, self.spec.resolve_model(), "single", port),
+                                       engine_env(self.spec), self.workdir / "logs" / "single.log", self.reaper, self.token)
+            wait_healthy({"single": self.proc}, {"single": f"{self.url}/health"},
+                         time.monotonic() + self.spec.startup_timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def check_alive(self) -> None:
+        if self.proc and not self.proc.alive():
+            raise self.proc.died_error("is no longer running")
+
+    def stop(self) -> list[int]:
+        left = []
+        if self.proc:
+            self.proc.stop()
+            left = leftover([self.proc.pgid], self.token)
+        release_ports(self.ports)
+        self.ports = []
+        if self._own_reaper and self.reaper is not None:
+            self.reaper.close()
+            self.reaper = None
+        return left
+
+    def log_paths(self) -> dict:
+        return {"single": str(self.proc.log_path)} if self.proc else {}
+
+
+# --------------------------------------------------------------------------- attach mode
+class AttachedCluster(_ClusterAPI):
+    """Servers someone else runs (a staging deployment, a GPU box). Nothing is started or killed."""
+
+    def __init__(self, endpoints: Endpoints, spec: ClusterSpec | None = None):
+        self.endpoints = endpoints
+        self.spec = spec or ClusterSpec.load("cpu")
+        self.timings = {}
+
+    @classmethod
+    def parse(cls, text: str, spec: ClusterSpec | None = None) -> "AttachedCluster":
+        """``router=URL,prefill=URL,decode=URL`` (all three required)."""
+        parts = {}
+        for item in filter(None, (s.strip() for s in text.split(","))):
+            if "=" not in item:
+                raise ValueError(f"--kvchaos-attach: {item!r} is not role=URL (roles: router, prefill, decode)")
+            k, v = item.split("=", 1)
+            if k not in ("router", "prefill", "decode"):
+                raise ValueError(f"--kvchaos-attach: unknown role {k!r} (roles: router, prefill, decode)")
+            if not v.startswith(("http://", "https://")):
+                raise ValueError(f"--kvchaos-attach: {k}={v!r} must be an http(s) URL")
+            parts[k] = v.rstrip("/")
+        missing = {"router", "prefill", "decode"} - set(parts)
+        if missing:
+            raise ValueError(f"--kvchaos-attach: missing {sorted(missing)}; give router=URL,prefill=URL,decode=URL")
+        return cls(Endpoints(**parts), spec)
+
+    def start(self, timeout_s: float = 30.0) -> "AttachedCluster":
+        deadline = time.monotonic() + timeout_s
+        pending = {"router": f"{self.endpoints.router}/health", "prefill": f"{self.endpoints.prefill}/health",
+                   "decode": f"{self.endpoints.decode}/health"}
+        while pending and time.monotonic() < deadline:
+            for k in list(pending):
+                if _http_ok(pending[k]):
+                    pending.pop(k)
+            if pending:
+                time.sleep(0.5)
+        if pending:
+            raise ClusterStartError(f"attach: no healthy answer within {timeout_s:.0f}s from {pending}")
+        return self
+
+    def stop(self) -> list[int]:
+        return []
+
+    def describe(self) -> dict:
+        return {"mode": "attached", "endpoints": self.endpoints.as_dict()}
+
+
+def dump_describe(obj, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(obj.describe(), indent=2, default=str))
+
+
+if __name__ == "__main__":  # pragma: no cover
+    c = Cluster(ClusterSpec.load(sys.argv[1] if len(sys.argv) > 1 else "cpu"), "/tmp/kvchaos-manual")
+    with c:
+        print(json.dumps(c.describe(), indent=2))

@@ -1,0 +1,43 @@
+"""Read SGLang's Prometheus ``/metrics`` (servers run with ``--enable-metrics``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+
+@dataclass(frozen=True)
+class Sample:
+    name: str
+    labels: tuple
+    value: float
+
+
+class Metrics:
+    def __init__(self, samples: list[Sample]):
+        self.samples = samples
+
+    @classmethod
+    def parse(cls, text: str) -> "Metrics":
+        out = []
+        for fam in text_string_to_metric_families(text):
+            for s in fam.samples:
+                labels = tuple(sorted((k, v) for k, v in s.labels.items() if k != "model_name"))
+                out.append(Sample(s.name, labels, float(s.value)))
+        return cls(out)
+
+    @classmethod
+    def fetch(cls, base_url: str, timeout: float = 10.0) -> "Metrics":
+        r = httpx.get(f"{base_url}/metrics", timeout=timeout)
+        r.raise_for_status()
+        return cls.parse(r.text)
+
+    def value(self, name: str, **labels) -> float:
+        """Sum of samples named ``name`` whose labels include ``labels`` (0.0 if none)."""
+        want = set(labels.items())
+        return sum(s.value for s in self.samples if s.name == name and want <= set(s.labels))
+
+    def delta(self, before: "Metrics", name: str, **labels) -> float:
+        return self.value(name, **labels) - before.value(name, **labels)

@@ -1,0 +1,207 @@
+"""Out-of-process reaper: nothing kvchaos starts outlives the process that started it.
+
+The owner (pytest, ``kvchaos up``) starts one reaper in a session of its own with a pipe on its
+stdin. The owner writes ``pgid N`` (and ``token T``) lines as it launches process groups. When the pipe reaches EOF
+— the owner exited normally, crashed, got Ctrl-C, or was SIGKILLed (the kernel closes its fds) —
+the reaper kills:
+
+* every process in the session or group of a registered leader, every descendant of one (also
+  those that called ``setsid``; the reaper snapshots the tree every 0.5 s, keyed by pid and start
+  time so a recycled pid is never hit), and every process whose environment carries
+  ``KVCHAOS_OWNER=<token>`` — SIGTERM, then SIGKILL after a grace period.
+
+Run as ``python -m kvchaos.cluster.reaper TOKEN [GRACE_S]``. It writes what it killed to stderr.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ENV_KEY = "KVCHAOS_OWNER"
+
+
+def proc_table() -> dict[int, tuple[int, int, int, int, str]]:
+    """pid -> (ppid, pgid, sid, starttime, state) for every process, from /proc."""
+    out = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            f = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        out[int(entry.name)] = (int(f[1]), int(f[2]), int(f[3]), int(f[19]), f[0])
+    return out
+
+
+def pids_with_token(token: str, table=None) -> list[int]:
+    """Live processes whose *initial* environment has KVCHAOS_OWNER=<token> (excluding ourselves).
+
+    Processes that call setproctitle (SGLang's scheduler and detokenizer) overwrite the memory
+    /proc/<pid>/environ shows, so this alone undercounts: see :func:`related`.
+    """
+    needle = f"{ENV_KEY}={token}".encode()
+    me = os.getpid()
+    table = proc_table() if table is None else table
+    found = []
+    for pid, (_pp, _g, _s, _st, state) in table.items():
+        if pid == me or state == "Z":
+            continue
+        try:
+            env = Path(f"/proc/{pid}/environ").read_bytes()
+        except OSError:
+            continue
+        if needle in env.split(b"\0"):
+            found.append(pid)
+    return found
+
+
+def related(roots: set[int], tokens, table=None) -> dict[int, int]:
+    """Live processes belonging to the launched trees: pid -> starttime.
+
+    A process belongs if it is in the session or process group of a root (we start every root
+    with its own session), descends from a root or from such a process (ppid closure, which
+    follows a child that called setsid), or carries one of ``tokens`` in its environment.
+    """
+    table = proc_table() if table is None else table
+    tokens = [tokens] if isinstance(tokens, str) else list(tokens)
+    me = os.getpid()
+    members = {pid for pid, (_pp, g, sid, _st, _state) in table.items() if g in roots or sid in roots or pid in roots}
+    for t in tokens:
+        members.update(pids_with_token(t, table))
+    children: dict[int, list[int]] = {}
+    for pid, (pp, *_rest) in table.items():
+        children.setdefault(pp, []).append(pid)
+    stack = list(members)
+    while stack:
+        for c in children.get(stack.pop(), ()):
+            if c not in members:
+                members.add(c)
+                stack.append(c)
+    return {p: table[p][3] for p in members if p != me and p in table and table[p][4] != "Z"}
+
+
+def _still_same(known: dict[int, int], table) -> set[int]:
+    """Previously seen pids that still run the same process (start time unchanged: no pid reuse)."""
+    return {p for p, st in known.items() if p in table and table[p][3] == st and table[p][4] != "Z"}
+
+
+def kill_tree(roots: set[int], tokens, grace_s: float = 5.0, known: dict[int, int] | None = None) -> list[int]:
+    """SIGTERM every related process, wait up to grace_s, SIGKILL the rest. Returns survivors."""
+    known = dict(known or {})
+
+    def targets():
+        table = proc_table()
+        now = related(roots, tokens, table)
+        known.update(now)
+        return set(now) | _still_same(known, table)
+
+    def send(pids, sig):
+        for p in pids:
+            try:
+                os.kill(p, sig)
+            except (ProcessLookupError, PermissionError):
+                pass
+
+    t = targets()
+    if not t:
+        return []
+    send(t, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline:
+        t = targets()
+        if not t:
+            return []
+        time.sleep(0.1)
+    for _ in range(3):
+        send(targets(), signal.SIGKILL)
+        time.sleep(0.3)
+        t = targets()
+        if not t:
+            return []
+    return sorted(t)
+
+
+def main(argv: list[str]) -> int:
+    if not argv:
+        sys.stderr.write("usage: python -m kvchaos.cluster.reaper TOKEN [GRACE_S]\n")
+        return 2
+    token = argv[0]
+    grace = float(argv[1]) if len(argv) > 1 else 5.0
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C in the terminal must not kill the reaper first
+    roots: set[int] = set()
+    tokens = {token}
+    known: dict[int, int] = {}
+    buf = b""
+    while True:
+        ready, _, _ = select.select([0], [], [], 0.5)
+        if ready:
+            chunk = os.read(0, 4096)
+            if not chunk:  # EOF: the owner is gone (or closed us on purpose)
+                break
+            buf += chunk
+            *lines, buf = buf.split(b"\n")
+            for line in lines:
+                parts = line.decode(errors="replace").split()
+                if len(parts) == 2 and parts[0] == "pgid" and parts[1].isdigit():
+                    roots.add(int(parts[1]))
+                elif len(parts) == 2 and parts[0] == "token":
+                    tokens.add(parts[1])
+        if roots:  # remember every descendant we have seen, in case it later escapes its group
+            known.update(related(roots, tokens))
+    left = kill_tree(roots, tokens, grace, known)
+    if left:
+        sys.stderr.write(f"kvchaos reaper: still alive after SIGKILL: {left}\n")
+        return 1
+    return 0
+
+
+class Reaper:
+    """Owner-side handle. Start once per owning process; register every launched group."""
+
+    def __init__(self, token: str, grace_s: float = 5.0, python: str = sys.executable):
+        self.token = token
+        self._tokens = {token}
+        self.proc = subprocess.Popen(
+            [python, "-c", "import sys; from kvchaos.cluster.reaper import main; sys.exit(main(sys.argv[1:]))", token, str(grace_s)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.DEVNULL,
+            start_new_session=True,
+            env={**os.environ, "PYTHONPATH": _repo_root() + os.pathsep + os.environ.get("PYTHONPATH", "")},
+            text=True,
+        )
+
+    def register(self, pgid: int, token: str | None = None) -> None:
+        """Kill group ``pgid`` (and everything tagged ``token``) when the owner goes away."""
+        if self.proc.poll() is None:
+            if token and token not in self._tokens:
+                self._tokens.add(token)
+                self.proc.stdin.write(f"token {token}\n")
+            self.proc.stdin.write(f"pgid {pgid}\n")
+            self.proc.stdin.flush()
+
+    def close(self, timeout: float = 30.0) -> int | None:
+        """Close the pipe (the reaper sweeps once more) and wait for it."""
+        try:
+            self.proc.stdin.close()
+        except OSError:
+            pass
+        try:
+            return self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            return None
+
+
+def _repo_root() -> str:
+    return str(Path(__file__).resolve().parents[2])
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

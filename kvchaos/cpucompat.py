@@ -1,0 +1,224 @@
+"""CPU compatibility layer for real SGLang prefill/decode on a machine without a GPU.
+
+Loaded into every SGLang process (and the harness's own) by ``kvchaos/_boot/sitecustomize.py``
+when ``KVCHAOS_CPU_COMPAT=1``. It changes nothing on disk: every patch is applied at import time,
+only to the module that needs it, and only where the measured incompatibility exists
+(``shared/notes/sglang-on-cpu.md``). The GPU profile never loads it.
+
+It is pinned to the versions it was written for. On any other version it refuses to run with a
+message naming the package, the version found and the version expected — silently patching code
+we have not read would be worse than not starting.
+
+Patches (each is a no-op when its precondition is absent):
+
+1. ``torchvision._meta_registrations`` — PyPI's torchvision 0.28.0 is a CUDA build whose compiled
+   ops are missing beside the CPU torch; the module registers fakes for ``torchvision::nms`` and
+   ``torchvision::qnms`` unconditionally and import fails with
+   ``operator torchvision::nms does not exist``. The source is rewritten at load time so those two
+   registrations run only when ``torchvision.extension._has_ops()``, like every other one there.
+2. ``vllm._custom_ops`` — ``sglang.srt.layers.rotary_embedding.base`` imports
+   ``rotary_embedding`` from it in ``__init__`` on platforms it does not recognise; only
+   ``forward_cuda`` would call it. A stand-in module is provided when vllm is not installed; calling
+   the function raises.
+3. ``sglang.srt.disaggregation.mooncake.conn.MooncakeKVSender.supports_host_tensor_indices`` is set
+   False: with True, ``prefill.py`` allocates ``pin_memory=True`` tensors and a ``torch.cuda.Event``
+   on every KV chunk send, which fails without CUDA. False takes the existing
+   ``kv_to_page_indices`` path.
+4. ``sglang.srt.disaggregation.nixl.conn`` — NIXL labels the KV pool ``VRAM`` whatever the device;
+   UCX then rejects it. Memory kinds are mapped VRAM→DRAM.
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import importlib.machinery
+import importlib.util
+import os
+import sys
+import types
+
+# package -> exact versions this layer was written and tested against
+PINNED = {
+    "sglang": ("0.5.23",),
+    "torch": ("2.13.0+cpu", "2.13.0"),
+    "torchvision": ("0.28.0",),
+    "sglang-router": ("0.3.2",),
+}
+
+APPLIED: list[str] = []
+
+
+class CompatVersionError(RuntimeError):
+    pass
+
+
+def _dist_version(name: str) -> str | None:
+    from importlib import metadata
+
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def check_versions(pinned: dict = PINNED) -> None:
+    """Raise CompatVersionError naming every package whose version differs from the pin."""
+    bad = []
+    for name, allowed in pinned.items():
+        found = _dist_version(name)
+        if found is None:
+            continue  # not installed in this interpreter (e.g. router-only env); nothing to patch
+        if found not in allowed:
+            bad.append(f"{name}=={found} (kvchaos.cpucompat was written for {' or '.join(allowed)})")
+    if bad:
+        raise CompatVersionError(
+            "kvchaos CPU compatibility layer refuses to patch unverified versions: "
+            + "; ".join(bad)
+            + ". Rebuild the environment with `make setup` or unset KVCHAOS_CPU_COMPAT for a GPU profile."
+        )
+
+
+# ---------------------------------------------------------------- source-rewriting loader
+class _RewritingLoader(importlib.machinery.SourceFileLoader):
+    def __init__(self, fullname, path, rewrite):
+        super().__init__(fullname, path)
+        self._rewrite = rewrite
+
+    def get_code(self, fullname):
+        src = self.get_data(self.path).decode("utf-8")
+        return compile(self._rewrite(src), self.path, "exec", dont_inherit=True)
+
+
+def _rewrite_tv_meta(src: str) -> str:
+    guard = "(torch.library.register_fake({op}) if torchvision.extension._has_ops() else (lambda f: f))"
+    out = src
+    for op in ('"torchvision::nms"', '"torchvision::qnms"'):
+        needle = f"@torch.library.register_fake({op})"
+        if needle in out:
+            out = out.replace(needle, "@" + guard.format(op=op))
+    if out != src:
+        APPLIED.append("torchvision-meta-guard")
+    return out
+
+
+class _VllmStandIn(importlib.abc.Loader):
+    def create_module(self, spec):
+        return None
+
+    def exec_module(self, module):
+        if module.__name__ == "vllm":
+            module.__path__ = []
+            module.__kvchaos_stand_in__ = True
+        else:
+            def rotary_embedding(*a, **k):  # noqa: ARG001
+                raise RuntimeError(
+                    "vllm._custom_ops.rotary_embedding is a kvchaos CPU stand-in; "
+                    "it is only reachable from forward_cuda, which must not run on CPU"
+                )
+
+            module.rotary_embedding = rotary_embedding
+        APPLIED.append(f"stand-in:{module.__name__}")
+
+
+def _patch_mooncake_conn(mod) -> None:
+    cls = getattr(mod, "MooncakeKVSender", None)
+    if cls is not None and getattr(cls, "supports_host_tensor_indices", False):
+        cls.supports_host_tensor_indices = False
+        APPLIED.append("mooncake-no-host-tensor-indices")
+
+
+def _patch_nixl_conn(mod) -> None:
+    # NIXL's python API takes mem type strings; sglang passes "VRAM" for the KV pool regardless
+    # of device. Wrap every callable in the module's agent that registers memory.
+    try:
+        import nixl._api as nixl_api  # type: ignore
+    except Exception:  # nixl not installed: nothing to patch
+        return
+    agent_cls = getattr(nixl_api, "nixl_agent", None)
+    if agent_cls is None or getattr(agent_cls, "_kvchaos_dram", False):
+        return
+    for meth in ("get_reg_descs", "get_xfer_descs", "register_memory"):
+        orig = getattr(agent_cls, meth, None)
+        if orig is None:
+            continue
+
+        def wrapped(self, *args, __orig=orig, **kwargs):
+            args = tuple("DRAM" if a == "VRAM" else a for a in args)
+            if kwargs.get("mem_type") == "VRAM":
+                kwargs["mem_type"] = "DRAM"
+            return __orig(self, *args, **kwargs)
+
+        setattr(agent_cls, meth, wrapped)
+    agent_cls._kvchaos_dram = True
+    APPLIED.append("nixl-vram-as-dram")
+
+
+POST_IMPORT = {
+    "sglang.srt.disaggregation.mooncake.conn": _patch_mooncake_conn,
+    "sglang.srt.disaggregation.nixl.conn": _patch_nixl_conn,
+}
+REWRITE = {"torchvision._meta_registrations": _rewrite_tv_meta}
+
+
+class _PostImportLoader(importlib.abc.Loader):
+    def __init__(self, inner, hook):
+        self._inner, self._hook = inner, hook
+
+    def create_module(self, spec):
+        return self._inner.create_module(spec)
+
+    def exec_module(self, module):
+        self._inner.exec_module(module)
+        self._hook(module)
+
+
+class CompatFinder(importlib.abc.MetaPathFinder):
+    """Meta-path finder that routes the few modules we patch through our loaders."""
+
+    def __init__(self):
+        self._vllm_missing = None
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname in REWRITE or fullname in POST_IMPORT:
+            spec = importlib.machinery.PathFinder.find_spec(fullname, path)
+            if spec is None or not isinstance(spec.loader, importlib.machinery.SourceFileLoader):
+                return spec
+            if fullname in REWRITE:
+                spec.loader = _RewritingLoader(fullname, spec.origin, REWRITE[fullname])
+            else:
+                spec.loader = _PostImportLoader(spec.loader, POST_IMPORT[fullname])
+            return spec
+        if fullname in ("vllm", "vllm._custom_ops"):
+            if self._vllm_missing is None:
+                self._vllm_missing = importlib.machinery.PathFinder.find_spec("vllm") is None
+            if self._vllm_missing:
+                return importlib.util.spec_from_loader(fullname, _VllmStandIn(), is_package=fullname == "vllm")
+        return None
+
+
+_INSTALLED = False
+
+
+def install(check: bool = True) -> None:
+    """Install the import hooks (idempotent). Call before sglang/torchvision are imported."""
+    global _INSTALLED
+    if _INSTALLED:
+        return
+    if check:
+        check_versions()
+    for name in list(REWRITE) + list(POST_IMPORT):
+        if name in sys.modules:  # imported before us: apply post-import patches directly
+            hook = POST_IMPORT.get(name)
+            if hook:
+                hook(sys.modules[name])
+    sys.meta_path.insert(0, CompatFinder())
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    _INSTALLED = True
+
+
+def enabled() -> bool:
+    return os.environ.get("KVCHAOS_CPU_COMPAT", "") == "1"
+
+
+def describe() -> types.SimpleNamespace:
+    return types.SimpleNamespace(installed=_INSTALLED, applied=list(APPLIED), pinned=PINNED)

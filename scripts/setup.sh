@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# Build (or reuse) the kvchaos environment: SGLang 0.5.23 without its CUDA stack, CPU torch,
+# sglang-router 0.3.2, Mooncake (non-CUDA), the harness deps, and kvchaos itself (editable).
+#
+# Idempotent and fast when done: the venv carries a stamp (hash of RECIPE below, the requirement
+# files and the Python version); a matching stamp skips straight to the editable install check.
+# The venv lives outside the checkout (default ~/.cache/kvchaos/venv) so CI's fresh clones reuse it.
+# Prints the venv path on its last line.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+REPO=$(pwd)
+PYTHON=${KVCHAOS_BASE_PYTHON:-python3}
+VENV=${KVCHAOS_VENV:-$HOME/.cache/kvchaos/venv}
+log() { echo "[setup] $*" >&2; }
+
+# --- Debian: mooncake's .so needs libibverbs.so.1 even for TCP transfers
+if ! ldconfig -p 2>/dev/null | grep -q 'libibverbs.so.1 '; then
+  log "installing libibverbs1 (apt)"
+  SUDO=""; [ "$(id -u)" = 0 ] || SUDO=sudo
+  $SUDO apt-get update -qq >&2
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq libibverbs1 >&2
+fi
+
+# Bump RECIPE when the install steps below change; the requirement files are hashed in.
+RECIPE=1
+STAMP=$(cat env/requirements-engine.txt env/requirements-harness.txt \
+        <(echo "recipe $RECIPE") <("$PYTHON" -c 'import sys; print(sys.version)') | sha256sum | cut -c1-16)
+
+if [ "$(cat "$VENV/.kvchaos-stamp" 2>/dev/null)" != "$STAMP" ]; then
+  log "building $VENV (stamp $STAMP); a few minutes on a fresh machine"
+  rm -rf "$VENV"
+  "$PYTHON" -m venv "$VENV"
+  pip_install() {  # pip, minus the noise about this machine's empty local index folders
+    "$VENV/bin/python" -m pip install -q --disable-pip-version-check "$@" 2> >(grep -v 'is ignored: it is neither' >&2)
+  }
+  # CPU torch first: a plain 'torch' requirement would pull a multi-GB CUDA build.
+  pip_install torch==2.13.0
+  echo "torch==2.13.0" > "$VENV/constraints.txt"
+  pip_install -c "$VENV/constraints.txt" -r env/requirements-engine.txt -r env/requirements-harness.txt
+  # sglang's metadata pins torch==2.14.1 + the CUDA stack; its runtime deps are listed above.
+  # torchvision 0.28.0 is a CUDA build; kvchaos.cpucompat makes its import work on CPU torch.
+  pip_install --no-deps sglang==0.5.23 torchvision==0.28.0
+  "$VENV/bin/python" - <<'PY'
+from importlib import metadata as m
+want = {"sglang": "0.5.23", "sglang-router": "0.3.2", "torch": "2.13.0+cpu", "torchvision": "0.28.0",
+        "mooncake-transfer-engine-non-cuda": "0.3.13.post1"}
+bad = {k: m.version(k) for k, v in want.items() if m.version(k) != v}
+assert not bad, f"unexpected versions after install: {bad}"
+PY
+  echo "$STAMP" > "$VENV/.kvchaos-stamp"
+  log "environment ready"
+fi
+
+# --- kvchaos itself, editable, pointing at this checkout (CI clones elsewhere: re-point cheaply)
+HERE=$(cd / && "$VENV/bin/python" -c 'import kvchaos, os; print(os.path.dirname(os.path.dirname(os.path.abspath(kvchaos.__file__))))' 2>/dev/null || true)
+if [ "$HERE" != "$REPO" ]; then
+  log "installing kvchaos (editable) from $REPO"
+  (cd /tmp && "$VENV/bin/python" -m pip install -q --disable-pip-version-check --no-deps --no-build-isolation -e "$REPO") >&2
+fi
+echo "$VENV"
