@@ -1,0 +1,64 @@
+"""The CPU compatibility layer: each patch is needed (fails without) and works (passes with)."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvchaos import cpucompat
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _py(code: str, compat: bool) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "KVCHAOS_CPU_COMPAT"}
+    env["PYTHONPATH"] = f"{REPO / 'kvchaos' / '_boot'}:{REPO}"
+    if compat:
+        env["KVCHAOS_CPU_COMPAT"] = "1"
+    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300, cwd="/")
+
+
+def test_version_pin_refuses_other_versions_with_a_clear_message():
+    with pytest.raises(cpucompat.CompatVersionError) as e:
+        cpucompat.check_versions({"pytest": ("0.0.1",)})
+    msg = str(e.value)
+    assert "pytest==" in msg and "written for 0.0.1" in msg and "make setup" in msg
+
+
+def test_installed_versions_match_the_pins():
+    cpucompat.check_versions()  # the environment built by scripts/setup.sh
+
+
+def test_rewrite_guards_only_nms_and_qnms():
+    src = ('@torch.library.register_fake("torchvision::nms")\ndef a(): pass\n'
+           '@torch.library.register_fake("torchvision::qnms")\ndef b(): pass\n'
+           '@torch.library.register_fake("torchvision::other")\ndef c(): pass\n')
+    out = cpucompat._rewrite_tv_meta(src)
+    assert out.count("if torchvision.extension._has_ops() else") == 2
+    assert '@torch.library.register_fake("torchvision::other")' in out
+
+
+def test_torchvision_import_needs_the_patch():
+    bad = _py("import torchvision", compat=False)
+    assert bad.returncode != 0 and "torchvision::nms does not exist" in bad.stderr
+    ok = _py("import torchvision; from kvchaos import cpucompat; print(cpucompat.APPLIED)", compat=True)
+    assert ok.returncode == 0, ok.stderr[-2000:]
+    assert "torchvision-meta-guard" in ok.stdout
+
+
+def test_mooncake_sender_and_vllm_stand_in():
+    code = (
+        "from sglang.srt.disaggregation.mooncake.conn import MooncakeKVSender as S\n"
+        "print('host_idx', S.supports_host_tensor_indices)\n"
+        "from vllm._custom_ops import rotary_embedding\n"
+        "try:\n    rotary_embedding()\nexcept RuntimeError as e:\n    print('raises', 'CPU stand-in' in str(e))\n"
+        "from kvchaos import cpucompat; print(cpucompat.APPLIED)\n"
+    )
+    ok = _py(code, compat=True)
+    assert ok.returncode == 0, ok.stderr[-2000:]
+    assert "host_idx False" in ok.stdout and "raises True" in ok.stdout
+    assert "mooncake-no-host-tensor-indices" in ok.stdout and "stand-in:vllm._custom_ops" in ok.stdout
+    plain = _py("import vllm", compat=False)
+    assert plain.returncode != 0  # there is no real vllm here: the stand-in is what makes it importable

@@ -1,0 +1,119 @@
+"""Nothing kvchaos starts outlives its owner: pass, failure, Ctrl-C, SIGKILL.
+
+These use small stand-in process trees (a leader with a child in its group and a grandchild that
+escapes with setsid), so every branch of the reaper is exercised in seconds. The same guarantee
+against the real SGLang cluster is checked in tests/test_teardown_real.py.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from kvchaos.cluster.procs import ManagedProcess
+from kvchaos.cluster.reaper import Reaper, pids_with_token, proc_table, related
+
+TREE = textwrap.dedent("""
+    import os, sys, time, signal
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)      # stubborn: needs SIGKILL
+    if os.fork() == 0:                                  # child, same group
+        if os.fork() == 0:                              # grandchild leaves the group and, like
+            os.setsid()                                 # SGLang's scheduler, retitles itself,
+            import setproctitle                         # which clobbers /proc/<pid>/environ
+            setproctitle.setproctitle("kvchaos-escapee " + "x" * 4096)
+            time.sleep(600)
+        time.sleep(600)
+    time.sleep(600)
+""")
+
+OWNER = textwrap.dedent("""
+    import json, os, sys, time
+    from pathlib import Path
+    from kvchaos.cluster.reaper import Reaper
+    from kvchaos.cluster.procs import ManagedProcess
+    out = Path(sys.argv[1]); token = sys.argv[2]
+    r = Reaper(token, grace_s=1.0)
+    p = ManagedProcess("tree", [sys.executable, "-c", sys.argv[3]], dict(os.environ), out.parent / "tree.log", r, token)
+    time.sleep(1.0)
+    out.write_text(json.dumps({"owner": os.getpid(), "leader": p.pid}))
+    if sys.argv[4] == "crash":
+        raise SystemExit(3)
+    time.sleep(600)
+""")
+
+
+def _alive(tree: dict[int, int]) -> list[int]:
+    t = proc_table()
+    return [p for p, st in tree.items() if p in t and t[p][3] == st and t[p][4] != "Z"]
+
+
+def _wait_gone(tree, timeout=20.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and _alive(tree):
+        time.sleep(0.2)
+    return _alive(tree)
+
+
+def _tree(leader, token, want=3, timeout=10.0) -> dict[int, int]:
+    """The stand-in tree once all three processes run, the escapee already untagged."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        tree = related({leader}, token)
+        if len(tree) >= want and len(pids_with_token(token)) == want - 1:
+            return tree
+        time.sleep(0.1)
+    raise AssertionError(f"stand-in tree did not come up: {related({leader}, token)}, tagged {pids_with_token(token)}")
+
+
+@pytest.mark.parametrize("how", ["SIGKILL", "SIGINT", "SIGTERM", "crash"])
+def test_owner_death_kills_whole_tree(tmp_path, how):
+    token = f"kvc-test-{os.getpid()}-{how}"
+    info = tmp_path / "info.json"
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    owner = subprocess.Popen([sys.executable, "-c", OWNER, str(info), token, TREE, how], env=env)
+    try:
+        deadline = time.monotonic() + 30
+        while not info.exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert info.exists(), "owner never started its tree"
+        tree = _tree(json.loads(info.read_text())["leader"], token)
+        if how != "crash":
+            owner.send_signal(getattr(signal, how))
+        owner.wait(timeout=20)
+        assert _wait_gone(tree) == [], f"processes left after owner {how}"
+    finally:
+        if owner.poll() is None:
+            owner.kill()
+        for pid in _alive(tree) if "tree" in locals() else []:
+            os.kill(pid, signal.SIGKILL)
+
+
+def test_stop_kills_stubborn_group_and_reports_no_leftovers(tmp_path):
+    token = f"kvc-test-{os.getpid()}-stop"
+    r = Reaper(token, grace_s=1.0)
+    try:
+        p = ManagedProcess("tree", [sys.executable, "-c", TREE], dict(os.environ), tmp_path / "t.log", r, token)
+        tree = _tree(p.pid, token)
+        time.sleep(0.7)  # one reaper snapshot
+        p.stop(grace_s=0.5)
+        escapee = _alive(tree)
+        assert len(escapee) == 1  # left its group and lost its tag: only the reaper's snapshot knows it
+        assert r.close() == 0
+        assert _alive(tree) == []
+    finally:
+        for pid in _alive(tree) if "tree" in locals() else []:
+            os.kill(pid, signal.SIGKILL)
+
+
+def test_process_that_dies_at_start_reports_its_log_tail(tmp_path):
+    p = ManagedProcess("bad", [sys.executable, "-c", "import sys; print('boom: no such model'); sys.exit(7)"],
+                       dict(os.environ), tmp_path / "bad.log", None, "kvc-test-bad")
+    p.popen.wait(10)
+    err = p.died_error("died during startup")
+    assert "code 7" in str(err) and "boom: no such model" in str(err) and str(tmp_path / "bad.log") in str(err)

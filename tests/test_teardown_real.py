@@ -1,0 +1,71 @@
+"""Against the real SGLang cluster: no process survives a pytest run killed mid-suite, and a server
+that dies at start is reported with its log instead of hanging."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from kvchaos.cluster import Cluster, ClusterSpec, ProcessDied
+from kvchaos.cluster.reaper import proc_table, related
+
+pytestmark = pytest.mark.cluster
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _alive(pids: dict) -> list[int]:
+    t = proc_table()
+    return [int(p) for p, st in pids.items() if int(p) in t and t[int(p)][3] == st and t[int(p)][4] != "Z"]
+
+
+@pytest.mark.parametrize("sig", ["SIGKILL", "SIGINT"])
+def test_no_leftover_processes_after_pytest_is_killed_mid_suite(tmp_path, sig):
+    out = tmp_path / "inner.json"
+    env = {**os.environ, "KVCHAOS_INNER_OUT": str(out)}
+    inner = subprocess.Popen(
+        [sys.executable, "-m", "pytest", str(REPO / "tests/data/inner_suite.py"), "-q", "-p", "no:cacheprovider",
+         "--kvchaos-reports", str(tmp_path / "reports"), "-o", "testpaths="],
+        env=env, cwd=REPO, stdout=open(tmp_path / "inner.log", "w"), stderr=subprocess.STDOUT,
+        start_new_session=True)
+    try:
+        deadline = time.monotonic() + 420
+        while not out.exists():
+            assert inner.poll() is None, f"inner pytest exited early:\n{(tmp_path / 'inner.log').read_text()[-3000:]}"
+            assert time.monotonic() < deadline, "inner cluster never came up"
+            time.sleep(0.5)
+        info = json.loads(out.read_text())
+        pids = info["pids"]
+        # the real cluster: launch_server x2 + scheduler/detokenizer each + router (>= 7 processes)
+        assert len(pids) >= 7, pids
+        assert httpx.get(info["router"] + "/health", timeout=5).status_code == 200
+        tree = related(set(info["pgids"]), info["token"])
+        assert set(tree) == set(pids)
+        os.kill(inner.pid, getattr(signal, sig))
+        inner.wait(timeout=60)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and _alive(tree):
+            time.sleep(0.5)
+        assert _alive(tree) == [], f"after {sig} of pytest, still alive: {_alive(tree)}"
+        assert related(set(info["pgids"]), info["token"]) == {}
+    finally:
+        if inner.poll() is None:
+            os.killpg(inner.pid, signal.SIGKILL)
+
+
+def test_server_that_dies_at_start_is_reported_with_its_log(tmp_path):
+    spec = ClusterSpec.load("cpu", prefill_args=["--no-such-flag-kvchaos"], startup_timeout_s=240)
+    c = Cluster(spec, tmp_path)
+    t0 = time.monotonic()
+    with pytest.raises(ProcessDied) as e:
+        c.start()
+    msg = str(e.value)
+    assert "prefill" in msg and "died during startup" in msg
+    assert "--no-such-flag-kvchaos" in msg  # argparse's complaint, from the log tail
+    assert time.monotonic() - t0 < 120
+    assert related({p.pgid for p in c.procs.values()}, c.token) == {}
