@@ -21,7 +21,7 @@ from pathlib import Path
 import httpx
 
 from .ports import release_ports, reserve_ports
-from .procs import ManagedProcess, ProcessDied, leftover, tree_pids
+from .procs import ManagedProcess, ProcessDied, leftover, stop_all, tree_pids
 from .reaper import ENV_KEY, Reaper
 from .spec import ClusterSpec
 
@@ -241,10 +241,9 @@ class Cluster(_ClusterAPI):
 
     def stop(self) -> list[int]:
         """Stop everything (router first, so no new requests reach dying servers). Returns leftovers."""
-        for role in ("router", "decode", "prefill"):
-            p = self.procs.get(role)
-            if p is not None:
-                p.stop()
+        if "router" in self.procs:
+            stop_all([self.procs["router"]], grace_s=3.0)
+        stop_all([p for r, p in self.procs.items() if r != "router"])
         release_ports(self.ports)
         self.ports = []
         left = leftover([p.pgid for p in self.procs.values()], self.token)

@@ -73,18 +73,9 @@ class ManagedProcess:
         except ProcessLookupError:
             return False
 
-    def stop(self, grace_s: float = 5.0) -> None:
-        """SIGTERM the group, wait, SIGKILL the group and any tagged stragglers."""
-        if self.signal_group(signal.SIGTERM):
-            deadline = time.monotonic() + grace_s
-            while time.monotonic() < deadline and self._group_alive():
-                time.sleep(0.05)
-            self.signal_group(signal.SIGKILL)
-        try:
-            self.popen.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            pass
-        self._log.close()
+    def stop(self, grace_s: float = 8.0) -> None:
+        """SIGTERM the group, wait up to grace_s, SIGKILL the group."""
+        stop_all([self], grace_s)
 
     def _group_alive(self) -> bool:
         self.popen.poll()  # reap the leader if it exited
@@ -94,6 +85,21 @@ class ManagedProcess:
             return False
         # a group whose only members are zombies is dead for our purposes
         return any(_is_live(p) for p in _group_members(self.pgid))
+
+
+def stop_all(procs: list[ManagedProcess], grace_s: float = 8.0) -> None:
+    """Stop several groups in parallel (SGLang servers take ~5.5 s to exit on SIGTERM)."""
+    signalled = [p for p in procs if p.signal_group(signal.SIGTERM)]
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline and any(p._group_alive() for p in signalled):
+        time.sleep(0.05)
+    for p in procs:
+        p.signal_group(signal.SIGKILL)
+        try:
+            p.popen.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            pass
+        p._log.close()
 
 
 def _group_members(pgid: int) -> list[int]:

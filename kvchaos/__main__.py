@@ -1,0 +1,5 @@
+import sys
+
+from kvchaos.cli import main
+
+sys.exit(main())

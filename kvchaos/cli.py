@@ -1,0 +1,123 @@
+"""kvchaos command line.
+
+  kvchaos up   [--profile P] [--model M]        stand up a cluster, print its URLs, wait for Ctrl-C
+  kvchaos run  [--profile P] [SUITE ...]        run chaos suites against a cluster, write a report dir
+
+Defaults come from ``[tool.kvchaos]`` in ./pyproject.toml (keys: profile, model, reports, suites),
+then from flags.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import tomllib
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _config() -> dict:
+    p = Path.cwd() / "pyproject.toml"
+    if not p.exists():
+        return {}
+    try:
+        return tomllib.loads(p.read_text()).get("tool", {}).get("kvchaos", {})
+    except tomllib.TOMLDecodeError as e:
+        raise SystemExit(f"kvchaos: {p}: invalid TOML: {e}")
+
+
+def cmd_up(args) -> int:
+    from kvchaos.cluster import Cluster, ClusterSpec
+
+    spec = ClusterSpec.load(args.profile, model=args.model)
+    run_dir = Path(args.reports) / ("up-" + time.strftime("%Y%m%d-%H%M%S"))
+    c = Cluster(spec, run_dir)
+    print(f"kvchaos: starting {spec.name} cluster (logs in {run_dir}/logs) ...", flush=True)
+    stop = {"now": False}
+
+    def on_term(*_):
+        stop["now"] = True
+
+    signal.signal(signal.SIGTERM, on_term)
+    try:
+        c.start()
+        e = c.endpoints
+        print(json.dumps({"router": e.router, "prefill": e.prefill, "decode": e.decode,
+                          "bootstrap_port": e.bootstrap_port, "timings_s": c.timings}, indent=2), flush=True)
+        print("kvchaos: attach with --kvchaos-attach "
+              f"router={e.router},prefill={e.prefill},decode={e.decode}  (Ctrl-C to stop)", flush=True)
+        while not stop["now"]:
+            time.sleep(1.0)
+            c.check_alive()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        left = c.stop()
+        print(f"kvchaos: cluster stopped; leftover processes: {left or 'none'}", flush=True)
+    return 0
+
+
+def cmd_run(args) -> int:
+    run_id = time.strftime("%Y%m%d-%H%M%S") + f"-{os.getpid()}"
+    run_dir = Path(args.reports).resolve() / run_id
+    run_dir.mkdir(parents=True, exist_ok=True)
+    suites = args.suites or [str(REPO / "suites")]
+    for s in suites:
+        if not Path(s.split("::")[0]).exists():
+            raise SystemExit(f"kvchaos run: suite path {s!r} does not exist")
+    cmd = [sys.executable, "-m", "pytest", *suites, "-p", "no:cacheprovider", "-o", "testpaths=",
+           "--kvchaos-profile", args.profile, "--kvchaos-reports", str(run_dir.parent),
+           f"--junitxml={run_dir / 'junit.xml'}", "-m", args.markers, "-rA"]
+    if args.model:
+        cmd += ["--kvchaos-model", args.model]
+    if args.attach:
+        cmd += ["--kvchaos-attach", args.attach]
+    if args.k:
+        cmd += ["-k", args.k]
+    env = {**os.environ, "KVCHAOS_RUN_ID": run_id}
+    print(f"kvchaos run {run_id}: {' '.join(cmd)}", flush=True)
+    t0 = time.monotonic()
+    rc = subprocess.call(cmd, env=env, cwd=REPO)
+    summary = {"run_id": run_id, "exit_code": rc, "wall_s": round(time.monotonic() - t0, 1),
+               "profile": args.profile, "suites": suites, "junit": str(run_dir / "junit.xml")}
+    (run_dir / "run.json").write_text(json.dumps(summary, indent=2))
+    print(f"kvchaos: report in {run_dir} (exit {rc})", flush=True)
+    return rc
+
+
+def build_parser() -> argparse.ArgumentParser:
+    cfg = _config()
+    p = argparse.ArgumentParser(prog="kvchaos", description="Chaos harness for disaggregated LLM inference")
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    def common(sp):
+        sp.add_argument("--profile", default=cfg.get("profile", "cpu"), help="cluster profile name or TOML path")
+        sp.add_argument("--model", default=cfg.get("model"), help="tiny:SEED or a model directory")
+        sp.add_argument("--reports", default=cfg.get("reports", "reports"), help="reports directory")
+
+    up = sub.add_parser("up", help="stand up a cluster and print its URLs until Ctrl-C")
+    common(up)
+    up.set_defaults(fn=cmd_up)
+    run = sub.add_parser("run", help="run chaos suites and write reports/<run-id>/")
+    common(run)
+    run.add_argument("suites", nargs="*", default=cfg.get("suites"), help="suite files/dirs (default: suites/)")
+    run.add_argument("--attach", default=None, help="router=URL,prefill=URL,decode=URL instead of launching")
+    run.add_argument("-k", default=None, help="pytest -k expression")
+    run.add_argument("-m", dest="markers", default="not slow and not gpu", help="pytest marker expression")
+    run.set_defaults(fn=cmd_run)
+    return p
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.fn(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
