@@ -56,16 +56,21 @@ def _recipe_digest(seed: int) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()[:12]
 
 
-def build_char_tokenizer(out_dir: Path) -> None:
+def char_vocab(vocab_size: int = VOCAB_SIZE) -> dict[str, int]:
+    vocab = {tok: i for i, tok in enumerate(SPECIALS)}
+    for ch in CHARSET:
+        vocab.setdefault(ch, len(vocab))
+    for i in range(len(vocab), vocab_size):  # unused slots keep vocab == model vocab
+        vocab[f"<unused{i}>"] = i
+    return vocab
+
+
+def build_char_tokenizer(out_dir: Path, vocab_size: int = VOCAB_SIZE, max_len: int = 8192) -> None:
     """Save a char-level WordLevel tokenizer as a PreTrainedTokenizerFast in ``out_dir``."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {tok: i for i, tok in enumerate(SPECIALS)}
-    for ch in CHARSET:
-        vocab.setdefault(ch, len(vocab))
-    for i in range(len(vocab), VOCAB_SIZE):  # unused slots keep vocab == model vocab
-        vocab[f"<unused{i}>"] = i
+    vocab = char_vocab(vocab_size)
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
     tok.decoder = decoders.Fuse()
@@ -77,7 +82,7 @@ def build_char_tokenizer(out_dir: Path) -> None:
         pad_token="<pad>",
     )
     fast.add_bos_token = False
-    fast.model_max_length = TINY_LLAMA["max_position_embeddings"]
+    fast.model_max_length = max_len
     fast.save_pretrained(str(out_dir))
 
 

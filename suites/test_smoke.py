@@ -7,9 +7,10 @@ How we know decode used the transferred KV (three independent pieces of evidence
    computes exactly ``max_new_tokens - 1`` tokens in decode mode (the first token comes from
    prefill) and no prompt tokens at all, while prefill computes every prompt token and its
    ``kv_transfer_total_mb`` grows by exactly the KV bytes of those prompts (±1 %).
-2. *Context dependence.* For each prompt, the single server's output changes when only the
-   early part of the prompt is changed (last 16 characters kept). Decode never saw the prompt
-   text's early part except through the transferred KV pages.
+2. *Context dependence.* The probe model recites the canaries of its context, so for each prompt
+   the single server's output changes when only the early part of the prompt (where the canaries
+   are) is changed, the last 16 characters kept. Decode never saw the early part of the prompt
+   except through the transferred KV pages — and its replies contain those canaries.
 3. *Equality.* Yet the PD output is token-identical to the single server's for every prompt.
    Decode attending over anything but the right pages would have to reproduce an output that
    (by 2) depends on exactly those pages.
@@ -21,20 +22,21 @@ import random
 
 import pytest
 
+from kvchaos import canary
 from kvchaos.cluster.metrics import Metrics
+from kvchaos.probe import prompt
 
 N_PROMPTS = 12
-MAX_NEW = 24
+MAX_NEW = 40  # up to 3 canaries (12 tokens each) + closing "[" + EOS
 pytestmark = pytest.mark.cluster
 
 
-def _prompts(seed: int = 1234) -> list[str]:
+def _prompts(seed: int = 1234) -> list[tuple[str, list[str]]]:
     rng = random.Random(seed)
-    alphabet = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789 .,;:!?-"
     out = []
-    for i in range(N_PROMPTS):
-        n = rng.randrange(40, 700)
-        out.append(f"[{i}] " + "".join(rng.choice(alphabet) for _ in range(n)))
+    for _ in range(N_PROMPTS):
+        cs = canary.mint(rng, rng.randint(1, 3))
+        out.append((prompt(rng, rng.randrange(80, 700), cs), cs))
     return out
 
 
@@ -42,12 +44,11 @@ def _gen(server, text):
     r = server.generate(text=text, max_new_tokens=MAX_NEW)
     assert r.status_code == 200, f"HTTP {r.status_code}: {r.text[:400]}"
     body = r.json()
-    assert body["meta_info"]["completion_tokens"] == MAX_NEW, body["meta_info"]
-    return body["output_ids"], body["meta_info"]["prompt_tokens"]
+    return body["output_ids"], body["meta_info"]["prompt_tokens"], body["meta_info"]["completion_tokens"], body["text"]
 
 
 def test_pd_output_token_identical_to_single_server(cluster, reference_server):
-    prompts = _prompts()
+    prompts = [p for p, _ in _prompts()]
     pd = [_gen(cluster, p)[0] for p in prompts]
     ref = [_gen(reference_server, p)[0] for p in prompts]
     mismatches = [(i, a, b) for i, (a, b) in enumerate(zip(pd, ref)) if a != b]
@@ -57,15 +58,19 @@ def test_pd_output_token_identical_to_single_server(cluster, reference_server):
 
 
 def test_decode_generated_from_transferred_kv(cluster, reference_server):
-    prompts = _prompts(seed=99)
+    items = _prompts(seed=99)
+    prompts = [p for p, _ in items]
     pre_p, pre_d = Metrics.fetch(cluster.endpoints.prefill), Metrics.fetch(cluster.endpoints.decode)
-    pd, prompt_tokens = zip(*[_gen(cluster, p) for p in prompts])
+    pd, prompt_tokens, completion, texts = zip(*[_gen(cluster, p) for p in prompts])
     post_p, post_d = Metrics.fetch(cluster.endpoints.prefill), Metrics.fetch(cluster.endpoints.decode)
     n, total_prompt = len(prompts), sum(prompt_tokens)
+    # the replies recite the canaries that were only in the (transferred) prompt KV
+    for (_, cs), text in zip(items, texts):
+        assert all(canary.payload(c) in text for c in cs), (cs, text)
 
     # 1. counters
     assert post_d.delta(pre_d, "sglang:per_stage_req_latency_seconds_count", stage="decode_transferred") == n
-    assert post_d.delta(pre_d, "sglang:realtime_tokens_total", mode="decode") == n * (MAX_NEW - 1)
+    assert post_d.delta(pre_d, "sglang:realtime_tokens_total", mode="decode") == sum(completion) - n
     assert post_d.delta(pre_d, "sglang:prefill_effective_tokens_total") == 0, "decode ran a prefill itself"
     assert post_p.delta(pre_p, "sglang:prefill_effective_tokens_total") == total_prompt
     assert post_p.delta(pre_p, "sglang:kv_transfer_total_mb_count") >= n
@@ -80,8 +85,8 @@ def test_decode_generated_from_transferred_kv(cluster, reference_server):
     changed = 0
     rng = random.Random(7)
     for p, out in zip(prompts, pd):
-        head = "".join(rng.choice("xyzXYZ0189") for _ in range(len(p) - 16))
-        alt, _ = _gen(reference_server, head + p[-16:])
+        head = prompt(rng, len(p), canary.mint(rng, 2))[:-16]
+        alt = _gen(reference_server, head + p[-16:])[0]
         changed += alt != list(out)
     assert changed >= n - 1, f"only {changed}/{n} outputs depend on the early prompt; evidence too weak"
 

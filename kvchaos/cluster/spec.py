@@ -33,7 +33,7 @@ class ClusterSpec:
     name: str = "cpu"
     engine: str = "sglang"
     engine_python: str = ""  # interpreter that runs the engine; "" = the harness's own
-    model: str = "tiny:0"  # "tiny:<seed>" (generated locally) or a model directory
+    model: str = "tiny:0"  # "tiny:<seed>" or "probe" (generated locally) or a model directory
     device: str = "cpu"
     dtype: str = "float32"
     pool_tokens: int = 2048  # --max-total-tokens on each server
@@ -129,8 +129,8 @@ class ClusterSpec:
             bad(f"pool_tokens={self.pool_tokens} must be a multiple of page_size={self.page_size}")
         if self.startup_timeout_s <= 0 or self.request_timeout_s <= 0:
             bad("timeouts must be > 0")
-        if not (self.model.startswith("tiny:") or Path(self.model).expanduser().exists()):
-            bad(f"model={self.model!r} is neither 'tiny:<seed>' nor an existing model directory")
+        if not (self.model.startswith("tiny:") or self.model == "probe" or Path(self.model).expanduser().exists()):
+            bad(f"model={self.model!r} is neither 'tiny:<seed>', 'probe' nor an existing model directory")
         if self.model.startswith("tiny:") and not self.model[5:].isdigit():
             bad(f"model={self.model!r}: the seed after 'tiny:' must be a non-negative integer")
 
@@ -142,16 +142,19 @@ class ClusterSpec:
     def resolve_model(self) -> str:
         """Model directory; a ``tiny:<seed>`` model is generated on first use in the engine's
         interpreter (which has torch), so the harness itself never imports torch."""
+        if self.model == "probe":
+            from kvchaos.probe.build import COMMITTED
+
+            return str(COMMITTED)
         if self.model.startswith("tiny:"):
             import subprocess
 
             from kvchaos.model import is_complete, tiny_model_dir
-            from .launcher import engine_env
 
             seed = int(self.model[5:])
             path = tiny_model_dir(seed)
             if not is_complete(path):
-                r = subprocess.run([self.python, "-m", "kvchaos.model", str(seed)], env=engine_env(self),
+                r = subprocess.run([self.python, "-m", "kvchaos.model", str(seed)], env=_engine_env(self),
                                    capture_output=True, text=True, timeout=600)
                 if r.returncode != 0 or not is_complete(path):
                     raise SpecError(f"generating tiny model (seed {seed}) failed:\n{r.stderr[-3000:]}")
@@ -160,3 +163,9 @@ class ClusterSpec:
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+
+def _engine_env(spec):
+    from .launcher import engine_env
+
+    return engine_env(spec)

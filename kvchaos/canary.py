@@ -1,0 +1,90 @@
+"""Canary format.
+
+A canary is ``[`` + 10 characters of the RFC 4648 base32 alphabet (``A-Z2-7``) + ``]``, e.g.
+``[K7QZ2MXA4D]``: 50 bits of entropy, 12 characters, each one token in kvchaos' character-level
+tokenizers (and few tokens in any BPE vocabulary: no spaces, no lower case). Filler text kvchaos
+generates never contains ``[``, ``]``, upper case letters or the digits 2-7, so a canary cannot
+appear by accident and a scan is one regular expression or one Aho-Corasick pass.
+
+The probe model (``kvchaos.probe``) recites every canary in its context in ascending order of the
+first payload character, so canaries minted for one request have distinct first characters.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+
+ALPHABET = "ABCDEFGHIJKLMNOPQRSTUVWXYZ234567"
+START, END = "[", "]"
+PAYLOAD_LEN = 10
+LENGTH = PAYLOAD_LEN + 2
+BITS = PAYLOAD_LEN * 5
+PATTERN = re.compile(r"\[[A-Z2-7]{10}\]")
+# filler: lower-case words, spaces and light punctuation — disjoint from the canary alphabet
+FILLER_WORDS = (
+    "the of and to in is was for on that with as by at from it an be this which or are have "
+    "had not but were all their one there been has when who will more no if out so said what "
+    "up its about into than them can only other new some could time these two may then do "
+    "first any my now such like our over man me even most made after also did many before "
+    "must through back years where much your way well down should because each just those "
+    "people how too little state good very make world still own see men work long get here "
+    "between both life being under never day same another know while last might us great old "
+    "year off come since against go came right used take three"
+).split()
+
+
+def trigrams(s: str) -> set[str]:
+    return {s[i:i + 3] for i in range(len(s) - 2)}
+
+
+def mint(rng: random.Random, n: int = 1, distinct_first: bool = True, avoid_first=()) -> list[str]:
+    """``n`` fresh canaries minted together (for one request).
+
+    With ``distinct_first`` their first payload characters differ (the probe model recites in
+    ascending order of it), and no trigram occurs twice across the set (the probe copies by
+    trigram; a repeated one would make the recitation ambiguous).
+    """
+    if distinct_first and n + len(set(avoid_first)) > len(ALPHABET):
+        raise ValueError(f"cannot mint {n} canaries with distinct first characters (max {len(ALPHABET)})")
+    firsts = [c for c in ALPHABET if c not in set(avoid_first)]
+    rng.shuffle(firsts)
+    out: list[str] = []
+    seen: set[str] = set()
+    for i in range(n):
+        while True:
+            first = firsts[i] if distinct_first else rng.choice(ALPHABET)
+            c = START + first + "".join(rng.choice(ALPHABET) for _ in range(PAYLOAD_LEN - 1)) + END
+            grams = [c[j:j + 3] for j in range(len(c) - 2)]
+            if len(set(grams)) == len(grams) and not seen.intersection(grams):
+                break
+        seen.update(grams)
+        out.append(c)
+    return out
+
+
+def payload(c: str) -> str:
+    """What a reply must contain for the canary to count as echoed (the probe's trigger supplies
+    the first ``[``, so the opening bracket is not part of the match)."""
+    return c[1:-1]
+
+
+def filler(rng: random.Random, n_chars: int) -> str:
+    """``n_chars`` of lower-case word filler (exact length)."""
+    if n_chars <= 0:
+        return ""
+    parts, size = [], 0
+    while size <= n_chars:
+        w = rng.choice(FILLER_WORDS)
+        parts.append(w)
+        size += len(w) + 1
+    return " ".join(parts)[:n_chars]
+
+
+def find(text: str) -> list[tuple[int, str]]:
+    """(offset, canary) for every well-formed canary in ``text``."""
+    return [(m.start(), m.group()) for m in PATTERN.finditer(text)]
+
+
+def is_canary(s: str) -> bool:
+    return bool(PATTERN.fullmatch(s))
