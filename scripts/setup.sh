@@ -21,22 +21,24 @@ if ! ldconfig -p 2>/dev/null | grep -q 'libibverbs.so.1 '; then
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq libibverbs1 >&2
 fi
 
-# Bump RECIPE when the install steps below change; the requirement files are hashed in.
+# Bump RECIPE when the install steps below change. The engine stamp covers the heavy part (a
+# change rebuilds the venv from scratch); the harness stamp only re-runs a pip install on top.
 RECIPE=1
-STAMP=$(cat env/requirements-engine.txt env/requirements-harness.txt \
+STAMP=$(cat env/requirements-engine.txt \
         <(echo "recipe $RECIPE") <("$PYTHON" -c 'import sys; print(sys.version)') | sha256sum | cut -c1-16)
+HSTAMP=$(sha256sum env/requirements-harness.txt | cut -c1-16)
+pip_install() {  # pip, minus the noise about this machine's empty local index folders
+  "$VENV/bin/python" -m pip install -q --disable-pip-version-check "$@" 2> >(grep -v 'is ignored: it is neither' >&2)
+}
 
 if [ "$(cat "$VENV/.kvchaos-stamp" 2>/dev/null)" != "$STAMP" ]; then
   log "building $VENV (stamp $STAMP); a few minutes on a fresh machine"
   rm -rf "$VENV"
   "$PYTHON" -m venv "$VENV"
-  pip_install() {  # pip, minus the noise about this machine's empty local index folders
-    "$VENV/bin/python" -m pip install -q --disable-pip-version-check "$@" 2> >(grep -v 'is ignored: it is neither' >&2)
-  }
   # CPU torch first: a plain 'torch' requirement would pull a multi-GB CUDA build.
   pip_install torch==2.13.0
   echo "torch==2.13.0" > "$VENV/constraints.txt"
-  pip_install -c "$VENV/constraints.txt" -r env/requirements-engine.txt -r env/requirements-harness.txt
+  pip_install -c "$VENV/constraints.txt" -r env/requirements-engine.txt
   # sglang's metadata pins torch==2.14.1 + the CUDA stack; its runtime deps are listed above.
   # torchvision 0.28.0 is a CUDA build; kvchaos.cpucompat makes its import work on CPU torch.
   pip_install --no-deps sglang==0.5.23 torchvision==0.28.0
@@ -48,7 +50,14 @@ bad = {k: m.version(k) for k, v in want.items() if m.version(k) != v}
 assert not bad, f"unexpected versions after install: {bad}"
 PY
   echo "$STAMP" > "$VENV/.kvchaos-stamp"
-  log "environment ready"
+  rm -f "$VENV/.kvchaos-harness-stamp"
+  log "engine environment ready"
+fi
+
+if [ "$(cat "$VENV/.kvchaos-harness-stamp" 2>/dev/null)" != "$HSTAMP" ]; then
+  log "installing harness requirements"
+  pip_install -c "$VENV/constraints.txt" -r env/requirements-harness.txt
+  echo "$HSTAMP" > "$VENV/.kvchaos-harness-stamp"
 fi
 
 # --- kvchaos itself, editable, pointing at this checkout (CI clones elsewhere: re-point cheaply)
