@@ -65,7 +65,8 @@ def char_vocab(vocab_size: int = VOCAB_SIZE) -> dict[str, int]:
     return vocab
 
 
-def build_char_tokenizer(out_dir: Path, vocab_size: int = VOCAB_SIZE, max_len: int = 8192) -> None:
+def build_char_tokenizer(out_dir: Path, vocab_size: int = VOCAB_SIZE, max_len: int = 8192,
+                         chat_template: str | None = None) -> None:
     """Save a char-level WordLevel tokenizer as a PreTrainedTokenizerFast in ``out_dir``."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
@@ -83,6 +84,8 @@ def build_char_tokenizer(out_dir: Path, vocab_size: int = VOCAB_SIZE, max_len: i
     )
     fast.add_bos_token = False
     fast.model_max_length = max_len
+    if chat_template:
+        fast.chat_template = chat_template
     fast.save_pretrained(str(out_dir))
 
 

@@ -13,6 +13,9 @@ Fixtures
   reference_server  session-scoped single (non-disaggregated) server of the same model
   kvchaos_run_dir   reports/<run-id>/ for this session
 
+The cluster fixture runs the planted-leak self-test (kvchaos.selftest) once per session: a
+cluster on which a planted leak goes unseen errors every test that uses it.
+
 Markers
   gpu   needs CUDA; skipped with the reason when no CUDA device is visible
   slow  long sweeps; deselected by the default ``make test`` (run with ``-m slow``)
@@ -111,6 +114,11 @@ def cluster(pytestconfig, kvchaos_spec, kvchaos_run_dir, kvchaos_reaper):
         c = Cluster(kvchaos_spec, kvchaos_run_dir, reaper=kvchaos_reaper).start()
     (kvchaos_run_dir / "cluster.json").write_text(json.dumps(c.describe(), indent=2, default=str))
     try:
+        # every session proves the harness can see a leak on this cluster before trusting a PASS
+        from kvchaos.selftest import planted_leak_selftest
+
+        c.selftest = planted_leak_selftest(c, kvchaos_run_dir)
+        c.leak_sensitive = c.selftest["status"] == "caught"
         yield c
     finally:
         left = c.stop()

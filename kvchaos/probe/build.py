@@ -208,7 +208,9 @@ def build(dest: Path) -> Path:
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
         (tmp / "generation_config.json").write_text(json.dumps(
             {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0, "do_sample": False}, indent=2))
-        build_char_tokenizer(tmp, vocab_size=VOCAB, max_len=MAX_POS)
+        # chat = the messages' contents concatenated, so /v1/chat/completions sees the probe prompt as is
+        build_char_tokenizer(tmp, vocab_size=VOCAB, max_len=MAX_POS,
+                             chat_template="{% for m in messages %}{{ m['content'] }}{% endfor %}")
         digest = hashlib.sha256((tmp / "model.safetensors").read_bytes()).hexdigest()
         (tmp / "kvchaos-model.json").write_text(json.dumps(
             {"kind": "probe", "recipe": RECIPE, "weights_sha256": digest, "echoes_context": True,

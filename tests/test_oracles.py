@@ -1,0 +1,131 @@
+"""Every oracle on hand-made event logs: one log where it must FAIL, one where it must PASS, and
+the UNKNOWN cases in between."""
+
+import pytest
+
+from kvchaos import oracles
+from kvchaos.oracles import FAIL, PASS, UNKNOWN
+
+A = "[ABCDEFGHIJ]"   # minted for r1 (tenant ta)
+B = "[KLMNOPQRST]"   # minted for r2 (tenant tb)
+C = "[UVWXYZ2345]"   # minted for r3 (tenant ta)
+
+
+def plan(rid, tenant, canaries, **kw):
+    return {"ev": "plan", "rid": rid, "tenant": tenant, "canaries": canaries, "expect_echo": True,
+            "oversized": False, "kind": "plain", **kw}
+
+
+def done(rid, text, status=200, latency=0.5, error=None, outcome=None):
+    return [{"ev": "status", "rid": rid, "status": status},
+            {"ev": "body", "rid": rid, "text": text, "error": error, "meta": {"finish_reason": {"type": "stop"}}},
+            {"ev": "end", "rid": rid, "outcome": outcome or ("ok" if status == 200 else "http_error"), "latency_s": latency}]
+
+
+def clean_log():
+    ev = [plan("r1", "ta", [A]), plan("r2", "tb", [B]), plan("r3", "ta", [C])]
+    ev += done("r1", A[1:] + "][") + done("r2", B[1:] + "][") + done("r3", C[1:] + "][")
+    return ev
+
+
+def test_isolation_passes_on_clean_echoing_log():
+    v = oracles.isolation(clean_log())
+    assert v.status == PASS and v.witnesses == [] and "3/3" in v.summary
+
+
+def test_isolation_fails_with_witness_naming_victim_and_owner():
+    ev = [plan("r1", "ta", [A]), plan("r2", "tb", [B])]
+    ev += done("r1", A[1:] + "][") + done("r2", B[1:] + "][" + A[1:] + "][")  # r2 recites r1's canary
+    v = oracles.isolation(ev)
+    assert v.status == FAIL
+    w = v.witnesses[0]
+    assert (w["victim_rid"], w["victim_tenant"], w["owner_rid"], w["owner_tenant"]) == ("r2", "tb", "r1", "ta")
+    assert w["matched"] == "ABCDEFGHIJ" and w["match"] == "exact" and w["status"] == 200
+    s, e = w["offsets"]
+    assert (B[1:] + "][" + A[1:] + "][")[s:e] == "ABCDEFGHIJ"
+    assert len(v.witnesses) == 1  # the partial windows inside the exact hit are not reported again
+
+
+def test_isolation_catches_partial_and_same_tenant_leaks():
+    ev = [plan("r1", "ta", [A]), plan("r3", "ta", [C])]
+    ev += done("r1", A[1:]) + done("r3", C[1:] + " ...CDEFGHIJ")  # 8-char window of r1's canary
+    v = oracles.isolation(ev)
+    assert v.status == FAIL
+    w = v.witnesses[0]
+    assert w["match"] == "partial" and w["owner_rid"] == "r1" and w["same_tenant"] is True
+    assert w["matched"] == "CDEFGHIJ"
+
+
+def test_isolation_is_unknown_not_pass_when_the_model_does_not_echo():
+    ev = [plan("r1", "ta", [A]), plan("r2", "tb", [B])]
+    ev += done("r1", "zzzz") + done("r2", "qqqq")  # a random model: no echo, no leak visible
+    v = oracles.isolation(ev)
+    assert v.status == UNKNOWN and "cannot show a leak" in v.summary
+
+
+def test_leak_found_even_when_echo_is_low():
+    ev = [plan("r1", "ta", [A]), plan("r2", "tb", [B])]
+    ev += done("r1", "zzzz") + done("r2", "x" + A[1:])
+    assert oracles.isolation(ev).status == FAIL
+
+
+def test_isolation_scans_error_bodies_too():
+    ev = [plan("r1", "ta", [A]), plan("r2", "tb", [B])]
+    ev += done("r1", A[1:]) + done("r2", "", status=400, error="bad request near " + A[1:])
+    v = oracles.isolation(ev)
+    assert v.status == FAIL and v.witnesses[0]["status"] == 400
+
+
+def test_sensitivity_pass_and_unknown():
+    assert oracles.sensitivity(clean_log()).status == PASS
+    ev = clean_log()
+    ev[-2]["text"] = "nothing"  # r3 forgot its canary: 2/3 < 99 %
+    v = oracles.sensitivity(ev)
+    assert v.status == UNKNOWN and v.stats["eligible"] == 3 and v.stats["echoed"] == 2
+    assert oracles.sensitivity([]).status == UNKNOWN
+
+
+def test_differential():
+    ev = [plan("r1", "ta", [A])] + done("r1", A[1:])
+    ev[2]["output_ids"] = [1, 2, 3]
+    assert oracles.differential(ev, {"r1": {"output_ids": [1, 2, 3]}}).status == PASS
+    v = oracles.differential(ev, {"r1": {"output_ids": [1, 9, 3], "text": "x"}})
+    assert v.status == FAIL and v.witnesses[0]["first_diff"] == 1
+    assert oracles.differential(ev, {}).status == UNKNOWN
+
+
+def test_http_semantics():
+    ok = [plan("r9", "ta", [A], oversized=True)] + done("r9", "", status=400, error="Input length exceeds")
+    assert oracles.http_semantics(ok).status == PASS
+    bad = [plan("r9", "ta", [A], oversized=True)] + done("r9", "fluent reply " + A[1:], status=200)
+    v = oracles.http_semantics(bad)
+    assert v.status == FAIL and v.witnesses[0]["problem"] == "rejected-size prompt answered HTTP 200"
+    five = [plan("r9", "ta", [A], oversized=True)] + done("r9", "", status=503, error="no workers")
+    assert oracles.http_semantics(five).status == FAIL
+    hang = [plan("r9", "ta", [A], oversized=True), {"ev": "end", "rid": "r9", "outcome": "timeout", "latency_s": 60}]
+    assert oracles.http_semantics(hang).status == UNKNOWN
+
+
+@pytest.mark.parametrize("case,status", [
+    ("clean", PASS), ("hang", FAIL), ("no_end", FAIL), ("slow", FAIL), ("pool_lost", FAIL),
+    ("dead_after", FAIL), ("no_probe", UNKNOWN)])
+def test_liveness(case, status):
+    ev = clean_log()
+    probes = [{"ev": "probe", "phase": "before", "role": "decode", "kv_used": 0},
+              {"ev": "probe", "phase": "after", "role": "decode", "kv_used": 0, "ok": True}]
+    if case == "hang":
+        ev[-1] = {"ev": "end", "rid": "r3", "outcome": "timeout", "latency_s": 30}
+    elif case == "no_end":
+        ev = ev[:-1]
+    elif case == "slow":
+        ev[-1]["latency_s"] = 31
+    elif case == "pool_lost":
+        probes[1]["kv_used"] = 512
+    elif case == "dead_after":
+        probes[1]["ok"] = False
+    if case != "no_probe":
+        ev += probes
+    v = oracles.liveness(ev, bound_s=30)
+    assert v.status == status, v
+    if status == FAIL:
+        assert v.witnesses
