@@ -36,6 +36,8 @@ def test_router_selection(router, flag):
     argv = router_argv(ClusterSpec.load("cpu", router=router), "http://127.0.0.1:1", 2, "http://127.0.0.1:3", 4)
     assert ("--mini-lb" in argv) is flag
     assert argv[argv.index("--prefill") + 1:argv.index("--prefill") + 3] == ["http://127.0.0.1:1", "2"]
+    with_metrics = router_argv(ClusterSpec.load("cpu", router=router), "http://127.0.0.1:1", 2, "http://127.0.0.1:3", 4, 5)
+    assert ("--prometheus-port" in with_metrics) is (not flag)  # no fixed 29000: two clusters coexist
 
 
 def test_engine_env_loads_boot_dir_and_compat():

@@ -80,7 +80,10 @@ def server_argv(spec: ClusterSpec, model_path: str, role: str, port: int, bootst
     return argv
 
 
-def router_argv(spec: ClusterSpec, prefill_url: str, bootstrap_port: int, decode_url: str, port: int) -> list[str]:
+def router_argv(spec: ClusterSpec, prefill_url: str, bootstrap_port: int, decode_url: str, port: int,
+                metrics_port: int | None = None) -> list[str]:
+    """sglang-router argv. Its Prometheus exporter binds a fixed port (29000) unless told otherwise,
+    so two clusters on one host collide: every router gets a reserved ``metrics_port``."""
     argv = [
         spec.python, "-m", "sglang_router.launch_router", "--pd-disaggregation",
         "--prefill", prefill_url, str(bootstrap_port),
@@ -89,6 +92,8 @@ def router_argv(spec: ClusterSpec, prefill_url: str, bootstrap_port: int, decode
     ]
     if spec.router == "mini-lb":
         argv.append("--mini-lb")
+    elif metrics_port is not None:
+        argv += ["--prometheus-host", LOOPBACK, "--prometheus-port", str(metrics_port)]
     return argv + spec.router_args
 
 
@@ -193,7 +198,7 @@ class Cluster(_ClusterAPI):
         if self.reaper is None:
             self.reaper = Reaper(self.token)
         self.model_path = spec.resolve_model()
-        p_port, boot_port, d_port, r_port = self.ports = reserve_ports(4)
+        p_port, boot_port, d_port, r_port, m_port = self.ports = reserve_ports(5)
         env = engine_env(spec)
         logs = self.workdir / "logs"
         pre = f"http://{LOOPBACK}:{p_port}"
@@ -210,7 +215,7 @@ class Cluster(_ClusterAPI):
         wait_healthy(self.procs, {"prefill": f"{pre}/health", "decode": f"{dec}/health"}, deadline)
         self.timings["servers_healthy_s"] = time.monotonic() - t0
         self.procs["router"] = ManagedProcess(
-            "router", router_argv(spec, pre, boot_port, dec, r_port), env,
+            "router", router_argv(spec, pre, boot_port, dec, r_port, m_port), env,
             logs / "router.log", self.reaper, self.token)
         if spec.router == "sglang-router":
             wait_healthy(self.procs, {"router": f"{rou}/readiness"}, deadline,
