@@ -1,0 +1,237 @@
+"""faults/proxy.py driven by the official toxiproxy-python client, over loopback.
+
+Each toxic is checked by its measured effect on real TCP traffic (a loopback echo / HTTP server),
+not by the API echoing what we posted, and by its ``fired`` counters."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import pytest
+from toxiproxy.exceptions import InvalidToxic, NotFound, ProxyExists
+
+from faults.proxy import ProxyServer, toxiproxy_client
+
+
+class EchoServer:
+    """Loopback TCP server: echoes every byte back; counts connections."""
+
+    def __init__(self):
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(64)
+        self.port = self.sock.getsockname()[1]
+        self.conns = 0
+        self._stop = False
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self):
+        while not self._stop:
+            try:
+                c, _ = self.sock.accept()
+            except OSError:
+                return
+            self.conns += 1
+            threading.Thread(target=self._echo, args=(c,), daemon=True).start()
+
+    @staticmethod
+    def _echo(c):
+        with c:
+            while True:
+                try:
+                    d = c.recv(65536)
+                except OSError:
+                    return
+                if not d:
+                    return
+                c.sendall(d)
+
+    def close(self):
+        self._stop = True
+        self.sock.close()
+
+
+@pytest.fixture(scope="module")
+def srv():
+    s = ProxyServer().start()
+    yield s
+    s.stop()
+
+
+@pytest.fixture
+def tp(srv):
+    client = toxiproxy_client("127.0.0.1", srv.port)
+    yield client
+    client.destroy_all()
+
+
+@pytest.fixture
+def echo():
+    e = EchoServer()
+    yield e
+    e.close()
+
+
+def _connect(listen: str, timeout=5.0) -> socket.socket:
+    host, port = listen.rsplit(":", 1)
+    return socket.create_connection((host, int(port)), timeout=timeout)
+
+
+def _roundtrip(s: socket.socket, payload: bytes) -> tuple[bytes, float]:
+    t0 = time.monotonic()
+    s.sendall(payload)
+    got = b""
+    while len(got) < len(payload):
+        d = s.recv(65536)
+        if not d:
+            break
+        got += d
+    return got, time.monotonic() - t0
+
+
+def test_create_list_get_destroy(tp, echo):
+    assert tp.running()
+    assert b"kvchaos" in tp.version()
+    p = tp.create(upstream=f"127.0.0.1:{echo.port}", name="echo")
+    assert p.listen.startswith("127.0.0.1:") and not p.listen.endswith(":0")
+    assert set(tp.proxies()) == {"echo"}
+    assert tp.get_proxy("echo").upstream == f"127.0.0.1:{echo.port}"
+    with pytest.raises(ProxyExists):
+        tp.create(upstream=f"127.0.0.1:{echo.port}", name="echo")
+    with _connect(p.listen) as s:
+        assert _roundtrip(s, b"hello")[0] == b"hello"
+    assert p.destroy()
+    assert tp.get_proxy("echo") is None
+
+
+def test_bad_input_named(tp, echo, srv):
+    p = tp.create(upstream=f"127.0.0.1:{echo.port}", name="bad")
+    with pytest.raises(InvalidToxic, match="unknown type"):
+        p.add_toxic(type="latencyy", attributes={"latency": 1})
+    with pytest.raises(InvalidToxic, match="unknown attribute .*latncy"):
+        p.add_toxic(type="latency", attributes={"latncy": 1})
+    with pytest.raises(InvalidToxic, match="toxicity"):
+        p.add_toxic(type="latency", toxicity=3, attributes={"latency": 1})
+    with pytest.raises(InvalidToxic, match="upstream must be host:port"):
+        tp.create(upstream="nonsense", name="bad2")
+    with pytest.raises(NotFound):
+        p.destroy_toxic("nope")
+    import requests
+
+    r = requests.post(f"{srv.url}/proxies", data=b"{not json", timeout=5)
+    assert r.status_code == 400 and "bad json" in r.json()["error"]
+
+
+def test_latency_applies_and_heals(tp, echo):
+    p = tp.create(upstream=f"127.0.0.1:{echo.port}", name="lat")
+    with _connect(p.listen) as s:
+        base = min(_roundtrip(s, b"x" * 100)[1] for _ in range(5))
+        p.add_toxic(type="latency", stream="downstream", attributes={"latency": 150, "jitter": 0})
+        got, dt = _roundtrip(s, b"y" * 100)  # the already-open connection is affected too
+        assert got == b"y" * 100
+        assert dt >= 0.15, f"latency toxic did not delay: {dt * 1000:.1f} ms"
+        fired = p.get_toxic("latency_downstream")
+        assert fired is not None
+        p.destroy_toxic("latency_downstream")
+        _, dt2 = _roundtrip(s, b"z" * 100)
+        assert dt2 < 0.1, f"still slow after heal: {dt2 * 1000:.1f} ms (baseline {base * 1000:.1f} ms)"
+
+
+def test_fired_counters_prove_the_toxic_touched_traffic(srv, tp, echo):
+    import requests
+
+    p = tp.create(upstream=f"127.0.0.1:{echo.port}", name="cnt")
+    p.add_toxic(type="latency", name="l", stream="upstream", attributes={"latency": 1})
+    p.add_toxic(type="latency", name="never", stream="upstream", toxicity=0.0, attributes={"latency": 500})
+    with _connect(p.listen) as s:
+        _roundtrip(s, b"a" * 1000)
+    toxics = {t["name"]: t for t in requests.get(f"{srv.url}/proxies/cnt/toxics", timeout=5).json()}
+    assert toxics["l"]["fired"]["bytes"] == 1000 and toxics["l"]["fired"]["connections"] == 1
+    assert toxics["never"]["fired"] == {"connections": 0, "chunks": 0, "bytes": 0}  # toxicity 0: did not fire
+
+
+def test_bandwidth(tp, echo):
+    p = tp.create(upstream=f"127.0.0.1:{echo.port}", name="bw")
+    p.add_toxic(type="bandwidth", stream="downstream", attributes={"rate": 100})  # 100 KB/s
+    with _connect(p.listen) as s:
+        got, dt = _roundtrip(s, b"b" * 50_000)
+    assert got == b"b" * 50_000
+    assert 0.4 <= dt <= 3.0, f"50 KB at 100 KB/s took {dt:.2f} s"
+
+
+def test_limit_data_closes_after_n_bytes(tp, echo):
+    p = tp.create(upstream=f"127.0.0.1:{echo.port}", name="lim")
+    p.add_toxic(type="limit_data", stream="downstream", attributes={"bytes": 10})
+    with _connect(p.listen) as s:
+        s.sendall(b"0123456789abcdef")
+        got = b""
+        while True:
+            d = s.recv(100)
+            if not d:
+                break
+            got += d
+    assert got == b"0123456789"
+
+
+def test_reset_peer(tp, echo):
+    p = tp.create(upstream=f"127.0.0.1:{echo.port}", name="rst")
+    p.add_toxic(type="reset_peer", attributes={"timeout": 100})
+    with _connect(p.listen) as s:
+        t0 = time.monotonic()
+        with pytest.raises(ConnectionResetError):
+            while time.monotonic() - t0 < 5:
+                s.sendall(b"x")
+                if not s.recv(10):
+                    raise AssertionError("closed cleanly, expected RST")
+                time.sleep(0.01)
+    assert 0.09 <= time.monotonic() - t0 < 2
+
+
+def test_timeout_drops_then_closes(tp, echo):
+    p = tp.create(upstream=f"127.0.0.1:{echo.port}", name="to")
+    p.add_toxic(type="timeout", stream="upstream", attributes={"timeout": 300})
+    with _connect(p.listen) as s:
+        t0 = time.monotonic()
+        s.sendall(b"dropped")
+        assert s.recv(10) == b""  # nothing echoed; closed after the timeout
+        assert time.monotonic() - t0 >= 0.29
+
+
+def test_slicer_and_slow_close(tp, echo):
+    p = tp.create(upstream=f"127.0.0.1:{echo.port}", name="sl")
+    p.add_toxic(type="slicer", stream="downstream",
+                attributes={"average_size": 10, "size_variation": 5, "delay": 2000})
+    with _connect(p.listen) as s:
+        got, dt = _roundtrip(s, b"s" * 500)
+    assert got == b"s" * 500 and dt >= 0.05  # ~50 slices x 2 ms
+    t = p.get_toxic("slicer_downstream")
+    assert t is not None
+
+
+def test_disable_drops_connections_and_reset_restores(tp, echo):
+    p = tp.create(upstream=f"127.0.0.1:{echo.port}", name="dn")
+    s = _connect(p.listen)
+    p.disable()
+    assert s.recv(10) == b""  # active connection dropped
+    s.close()
+    with pytest.raises(OSError):
+        _connect(p.listen, timeout=1).close()
+    p.add_toxic(type="latency", attributes={"latency": 1000})
+    assert tp.reset()
+    p2 = tp.get_proxy("dn")
+    assert p2.enabled and p2.toxics() == {}
+    with _connect(p2.listen) as s2:
+        got, dt = _roundtrip(s2, b"ok")
+    assert got == b"ok" and dt < 0.5
+
+
+def test_toxicity_is_per_connection(tp, echo):
+    p = tp.create(upstream=f"127.0.0.1:{echo.port}", name="tx")
+    p.add_toxic(type="latency", toxicity=0.5, attributes={"latency": 80})
+    slow = 0
+    for _ in range(40):
+        with _connect(p.listen) as s:
+            slow += _roundtrip(s, b"q")[1] >= 0.08
+    assert 8 <= slow <= 32, f"toxicity 0.5 applied to {slow}/40 connections"
