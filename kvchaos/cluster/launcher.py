@@ -13,7 +13,9 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import shutil
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -135,10 +137,14 @@ class Endpoints:
     prefill: str
     decode: str
     bootstrap_port: int | None = None
+    # with a network proxy: the router's own address ("router" is then the client-side proxy)
+    router_direct: str | None = None
+    proxies: dict = field(default_factory=dict)  # proxy name -> {"listen", "upstream"}
 
     def as_dict(self) -> dict:
         return {"router": self.router, "prefill": self.prefill, "decode": self.decode,
-                "bootstrap_port": self.bootstrap_port}
+                "bootstrap_port": self.bootstrap_port, "router_direct": self.router_direct,
+                "proxies": self.proxies}
 
 
 class _ClusterAPI:
@@ -182,6 +188,10 @@ class Cluster(_ClusterAPI):
         self.endpoints: Endpoints | None = None
         self.timings: dict[str, float] = {}
         self.model_path: str | None = None
+        self.agent_dir: str | None = None
+        self.proxy = None  # faults.netfault.NetworkFaults when spec.network_proxy is set
+        self._launch: dict[str, tuple] = {}  # role -> (argv, env, log, health url) for restart()
+        self.restarts: list[dict] = []
 
     # -- lifecycle
     def start(self) -> "Cluster":
@@ -205,25 +215,69 @@ class Cluster(_ClusterAPI):
         dec = f"http://{LOOPBACK}:{d_port}"
         rou = f"http://{LOOPBACK}:{r_port}"
         self.endpoints = Endpoints(router=rou, prefill=pre, decode=dec, bootstrap_port=boot_port)
-        self.procs["prefill"] = ManagedProcess(
-            "prefill", server_argv(spec, self.model_path, "prefill", p_port, boot_port), env,
-            logs / "prefill.log", self.reaper, self.token)
-        self.procs["decode"] = ManagedProcess(
-            "decode", server_argv(spec, self.model_path, "decode", d_port), env,
-            logs / "decode.log", self.reaper, self.token)
+        role_env = {"prefill": dict(env), "decode": dict(env)}
+        if spec.agent:
+            # short path: a Unix socket path must stay under 108 bytes
+            self.agent_dir = tempfile.mkdtemp(prefix=f"kvc-ag-{os.getpid()}-", dir="/tmp")
+            for role in role_env:
+                role_env[role].update(KVCHAOS_AGENT=self.agent_dir, KVCHAOS_AGENT_ROLE=role)
+        self._launch["prefill"] = (server_argv(spec, self.model_path, "prefill", p_port, boot_port),
+                                   role_env["prefill"], logs / "prefill.log", f"{pre}/health")
+        self._launch["decode"] = (server_argv(spec, self.model_path, "decode", d_port),
+                                  role_env["decode"], logs / "decode.log", f"{dec}/health")
+        for role in ("prefill", "decode"):
+            argv, renv, log, _ = self._launch[role]
+            self.procs[role] = ManagedProcess(role, argv, renv, log, self.reaper, self.token)
         deadline = t0 + spec.startup_timeout_s
         wait_healthy(self.procs, {"prefill": f"{pre}/health", "decode": f"{dec}/health"}, deadline)
         self.timings["servers_healthy_s"] = time.monotonic() - t0
+        r_pre, r_dec = pre, dec
+        if spec.network_proxy:
+            from faults.netfault import NetworkFaults
+
+            extra = reserve_ports(3)
+            self.ports += extra
+            self.proxy = NetworkFaults.open(spec.network_proxy, self.token)
+            r_pre = self.proxy.add("prefill", extra[0], p_port)
+            r_dec = self.proxy.add("decode", extra[1], d_port)
+            client = self.proxy.add("client", extra[2], r_port)
+            self.endpoints.router_direct = rou
+            self.endpoints.router = client
+            self.endpoints.proxies = self.proxy.describe()
         self.procs["router"] = ManagedProcess(
-            "router", router_argv(spec, pre, boot_port, dec, r_port, m_port), env,
+            "router", router_argv(spec, r_pre, boot_port, r_dec, r_port, m_port), env,
             logs / "router.log", self.reaper, self.token)
-        if spec.router == "sglang-router":
+        self._wait_router(deadline)
+        self._first_round_trip(deadline)
+        self.timings["router_ready_s"] = time.monotonic() - t0
+
+    def _wait_router(self, deadline: float) -> None:
+        rou = self.endpoints.router_direct or self.endpoints.router
+        if self.spec.router == "sglang-router":
             wait_healthy(self.procs, {"router": f"{rou}/readiness"}, deadline,
                          check=lambda _r, resp: resp.json().get("healthy_workers", 0) >= 2)
         else:
             wait_healthy(self.procs, {"router": f"{rou}/health"}, deadline)
-        self._first_round_trip(deadline)
-        self.timings["router_ready_s"] = time.monotonic() - t0
+
+    def restart(self, role: str, timeout_s: float | None = None) -> dict:
+        """Stop ``role`` (if still running) and start it again on the same ports and flags, then
+        wait until it is healthy and the router counts it again. Returns timings."""
+        if role not in self._launch:
+            raise ValueError(f"cannot restart {role!r}; roles: {sorted(self._launch)}")
+        t0 = time.monotonic()
+        old = self.procs.get(role)
+        if old is not None:
+            stop_all([old], grace_s=5.0)
+        argv, renv, log, health = self._launch[role]
+        self.procs[role] = ManagedProcess(role, argv, renv, log, self.reaper, self.token)
+        deadline = t0 + (timeout_s or self.spec.startup_timeout_s)
+        wait_healthy({role: self.procs[role]}, {role: health}, deadline)
+        healthy = time.monotonic() - t0
+        self._wait_router(deadline)
+        rec = {"role": role, "healthy_s": round(healthy, 2), "rejoined_s": round(time.monotonic() - t0, 2),
+               "pid": self.procs[role].pid}
+        self.restarts.append(rec)
+        return rec
 
     def _first_round_trip(self, deadline: float) -> None:
         last = None
@@ -251,6 +305,11 @@ class Cluster(_ClusterAPI):
         stop_all([p for r, p in self.procs.items() if r != "router"])
         release_ports(self.ports)
         self.ports = []
+        if self.proxy is not None:
+            self.proxy.close()
+            self.proxy = None
+        if self.agent_dir:
+            shutil.rmtree(self.agent_dir, ignore_errors=True)
         left = leftover([p.pgid for p in self.procs.values()], self.token)
         if self._own_reaper and self.reaper is not None:
             self.reaper.close()
@@ -272,6 +331,7 @@ class Cluster(_ClusterAPI):
 
     def describe(self) -> dict:
         return {"mode": "launched", "spec": self.spec.to_dict(), "endpoints": self.endpoints.as_dict() if self.endpoints else None,
+                "agent_dir": self.agent_dir, "restarts": self.restarts,
                 "model_path": self.model_path, "timings": self.timings, "logs": self.log_paths(),
                 "pids": {r: p.pid for r, p in self.procs.items()}}
 

@@ -50,6 +50,10 @@ class ClusterSpec:
     decode_args: list = field(default_factory=list)
     router_args: list = field(default_factory=list)
     ib_device: str = ""  # RDMA device for transfer_backend=mooncake (GPU profile)
+    agent: bool = True  # load the in-engine fault agent (faults/agent.py) into every server process
+    # fault proxy between client and router and between router and each server:
+    # "" = none, "embedded" = faults/proxy.py in the harness, "host:port" = a real toxiproxy-server
+    network_proxy: str = ""
 
     # ------------------------------------------------------------------ loading
     @classmethod
@@ -131,6 +135,10 @@ class ClusterSpec:
             bad("timeouts must be > 0")
         if not (self.model.startswith("tiny:") or self.model == "probe" or Path(self.model).expanduser().exists()):
             bad(f"model={self.model!r} is neither 'tiny:<seed>', 'probe' nor an existing model directory")
+        if self.network_proxy not in ("", "embedded"):
+            host, _, port = self.network_proxy.rpartition(":")
+            if not host or not port.isdigit():
+                bad(f"network_proxy={self.network_proxy!r}: use '' (none), 'embedded' or host:port of a toxiproxy-server")
         if self.model.startswith("tiny:") and not self.model[5:].isdigit():
             bad(f"model={self.model!r}: the seed after 'tiny:' must be a non-negative integer")
 

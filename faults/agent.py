@@ -1,0 +1,585 @@
+"""In-engine fault agent: loaded into every SGLang server process, controlled over a Unix socket.
+
+Loading. The launcher sets ``KVCHAOS_AGENT=<control dir>`` and ``KVCHAOS_AGENT_ROLE=<prefill|decode>``
+on each server; ``kvchaos/_boot/sitecustomize.py`` (first on PYTHONPATH) then calls :func:`boot`
+in every Python process of that server — the HTTP process and the scheduler/detokenizer
+subprocesses SGLang spawns. ``boot`` only installs import hooks; the hooks patch SGLang classes
+right after their modules load, and the first one starts the control server of that process.
+Nothing here depends on the device, so the same path works on the GPU profile (it composes
+with ``kvchaos.cpucompat`` when that is loaded: each hook wraps whatever loader the rest of
+``sys.meta_path`` returns).
+
+Control. Each process that patched something listens on ``<dir>/agent-<pid>.sock`` and describes
+itself in ``<dir>/agent-<pid>.json``. Requests and replies are one JSON object each
+(``faults.engine.AgentClient`` is the harness side). Commands: ``ping``, ``arm``, ``heal``,
+``release``, ``events``, ``armed``. Every fault that acts appends an event to
+``<dir>/events-<pid>.jsonl`` (and the in-memory log ``events`` returns) — the proof it fired.
+
+Where it hooks (sglang 0.5.23; functions read in the installed source):
+
+=============================== ===========================================================
+hook                            purpose
+=============================== ===========================================================
+``common.utils.FastQueue.get``  the prefill transfer worker (``MooncakeKVManager.transfer_worker``)
+                                dequeues one ``TransferKVChunk`` here; the agent remembers it in a
+                                thread-local so the send below knows its ``room``
+``PrefillBootstrapQueue.add``   records ``req.rid`` ↔ ``req.bootstrap_room`` (targets by rid/tenant)
+``MooncakeKVManager.send_kvcache`` one call per KV chunk, just before ``_send_kvcache_generic`` →
+                                ``_transfer_data`` → ``engine.batch_transfer_sync`` (the real write):
+                                ``transfer_start`` events and the faults ``delay``, ``fail``
+                                (return -1, no write), ``short`` (send only the first N pages of
+                                the chunk, report success), ``hold`` (block the write until the
+                                harness releases it, then land it: the late write after an abort)
+``disaggregation.prefill/decode`` mutation ``reject_admitted``: ``is_unadmitted_reject`` answers
+``.is_unadmitted_reject``       False, so a request the scheduler rejected at intake
+                                (``Req.set_finish_with_abort``: prompt swapped for one token,
+                                verdict parked in ``to_finish``) is bootstrapped and handed to
+                                decode — the path PRs #36988/#38935 closed. Optional
+                                ``prefill_max_input_len`` lowers ``Scheduler.max_req_input_len`` in
+                                the prefill scheduler while armed (a smaller prefill pool than the
+                                declared context, as in the incident), without a restart
+``DecodeTransferQueue``,        mutation ``early_free``: turns off deferred decode KV release
+``MooncakeKVManager``           (``SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE``, default on):
+(decode)                        decode frees an aborted request's pages without waiting for
+                                in-flight writes to drain (``_handle_legacy_abort_notification``)
+``TokenToKVPoolAllocator.alloc`` mutation ``double_alloc``: the next allocation hands out N
+(decode)                        pages that a live allocation already holds (one page, two requests)
+=============================== ===========================================================
+
+Targets: ``{"any": true}``, ``{"room": int}``, ``{"rid": str}``, ``{"rid_regex": str}``,
+``{"tenant": "t003"}`` (rids carry their tenant: ``...-t003-...``). ``count`` bounds how many
+times a fault fires (default unlimited for delay, 1 for others); every fault expires after
+``ttl_s`` (default 600) so a crashed harness cannot leave an engine poisoned forever.
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import importlib.machinery
+import json
+import os
+import random
+import re
+import socket
+import socketserver
+import sys
+import threading
+import time
+import weakref
+
+ROLE = os.environ.get("KVCHAOS_AGENT_ROLE", "")
+KINDS = ("delay", "fail", "short", "hold", "reject_admitted", "early_free", "double_alloc")
+MUTATIONS = ("reject_admitted", "early_free", "double_alloc")
+
+
+class Agent:
+    def __init__(self, ctl_dir: str):
+        self.dir = ctl_dir
+        self.pid = os.getpid()
+        self.lock = threading.RLock()
+        self.faults: dict[str, dict] = {}
+        self.events: list[dict] = []
+        self.hooks: list[str] = []
+        self.room_rid: dict[int, str] = {}
+        self.started_rooms: set[int] = set()
+        self.holds: dict[str, threading.Event] = {}
+        self.tls = threading.local()
+        self.instances: dict[str, weakref.WeakSet] = {}
+        self._srv = None
+        self._efile = None
+        self._seq = 0
+
+    # ------------------------------------------------------------- events
+    def emit(self, ev: str, **fields) -> dict:
+        with self.lock:
+            self._seq += 1
+            rec = {"t": time.monotonic(), "wall": time.time(), "ev": ev, "seq": self._seq, "pid": self.pid,
+                   "role": ROLE, "source": "agent", **fields}
+            self.events.append(rec)
+            if len(self.events) > 20000:
+                del self.events[:5000]
+            if self._efile is None:
+                self._efile = open(os.path.join(self.dir, f"events-{self.pid}.jsonl"), "a", buffering=1)
+            self._efile.write(json.dumps(rec, default=str) + "\n")
+        return rec
+
+    # ------------------------------------------------------------- faults
+    def match(self, kind: str, room=None, rid=None) -> dict | None:
+        """The first live fault of ``kind`` whose target matches; consumes one of its count."""
+        now = time.monotonic()
+        with self.lock:
+            for f in list(self.faults.values()):
+                if f["kind"] != kind:
+                    continue
+                if now > f["expires"]:
+                    self.faults.pop(f["id"], None)
+                    self.emit("fault_expired", fault=f["id"], kind=kind)
+                    continue
+                if not _target_ok(f["target"], room, rid):
+                    continue
+                if f["count"] is not None and f["fired"] >= f["count"]:
+                    continue
+                f["fired"] += 1
+                return f
+        return None
+
+    def armed(self) -> list[dict]:
+        with self.lock:
+            return [_public(f) for f in self.faults.values()]
+
+    def arm(self, req: dict) -> dict:
+        kind = req.get("kind")
+        if kind not in KINDS:
+            raise ValueError(f"unknown fault kind {kind!r}; one of {KINDS}")
+        target = req.get("target") or {"any": True}
+        _check_target(target)
+        fid = str(req.get("id") or f"f{int(time.time() * 1000) % 10**9}-{random.randrange(10**6)}")
+        params = dict(req.get("params") or {})
+        count = req.get("count", None if kind in ("delay",) else 1)
+        f = {"id": fid, "kind": kind, "target": target, "params": params, "count": count, "fired": 0,
+             "armed_at": time.time(), "expires": time.monotonic() + float(req.get("ttl_s", 600))}
+        with self.lock:
+            if fid in self.faults:
+                raise ValueError(f"fault id {fid!r} already armed")
+            self.faults[fid] = f
+            if kind == "hold":
+                self.holds[fid] = threading.Event()
+            if kind in MUTATIONS:
+                _MUT_ON[kind](self, f)
+        self.emit("armed", fault=fid, kind=kind, target=target, params=params)
+        return _public(f)
+
+    def heal(self, fid: str | None = None) -> list[str]:
+        with self.lock:
+            ids = [fid] if fid else list(self.faults)
+            healed = []
+            for i in ids:
+                f = self.faults.pop(i, None)
+                if f is None:
+                    continue
+                if i in self.holds:
+                    self.holds.pop(i).set()  # never leave a write parked
+                if f["kind"] in MUTATIONS:
+                    _MUT_OFF[f["kind"]](self, f)
+                healed.append(i)
+                self.emit("healed", fault=i, kind=f["kind"], fired=f["fired"])
+        return healed
+
+    def release(self, fid: str) -> bool:
+        with self.lock:
+            ev = self.holds.get(fid)
+        if ev is None:
+            return False
+        ev.set()
+        return True
+
+    # ------------------------------------------------------------- control server
+    def serve(self):
+        if self._srv is not None:
+            return
+        path = os.path.join(self.dir, f"agent-{self.pid}.sock")
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+        agent = self
+
+        class H(socketserver.StreamRequestHandler):
+            def handle(self):
+                line = self.rfile.readline(1 << 20)
+                try:
+                    req = json.loads(line)
+                    out = {"ok": True, **agent.command(req)}
+                except Exception as e:  # noqa: BLE001 - every error goes back to the caller, named
+                    out = {"ok": False, "error": f"{type(e).__name__}: {e}"}
+                self.wfile.write((json.dumps(out, default=str) + "\n").encode())
+
+        class S(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
+            daemon_threads = True
+
+        self._srv = S(path, H)
+        threading.Thread(target=self._srv.serve_forever, name="kvchaos-agent", daemon=True).start()
+        info = {"pid": self.pid, "role": ROLE, "sock": path, "argv": sys.argv[:3], "hooks": self.hooks}
+        tmp = os.path.join(self.dir, f".agent-{self.pid}.json")
+        with open(tmp, "w") as fh:
+            json.dump(info, fh)
+        os.replace(tmp, os.path.join(self.dir, f"agent-{self.pid}.json"))
+        self.emit("agent_up", hooks=list(self.hooks))
+
+    def command(self, req: dict) -> dict:
+        cmd = req.get("cmd")
+        if cmd == "ping":
+            return {"pid": self.pid, "role": ROLE, "hooks": list(self.hooks), "armed": self.armed()}
+        if cmd == "arm":
+            return {"fault": self.arm(req)}
+        if cmd == "heal":
+            return {"healed": self.heal(req.get("id"))}
+        if cmd == "release":
+            return {"released": self.release(req["id"])}
+        if cmd == "armed":
+            return {"armed": self.armed()}
+        if cmd == "events":
+            since = int(req.get("since", 0))
+            with self.lock:
+                return {"events": [e for e in self.events if e["seq"] > since]}
+        raise ValueError(f"unknown command {cmd!r}; one of ping arm heal release armed events")
+
+    def track(self, name: str, obj) -> None:
+        self.instances.setdefault(name, weakref.WeakSet()).add(obj)
+
+    def live(self, name: str) -> list:
+        return list(self.instances.get(name, ()))
+
+
+def _public(f: dict) -> dict:
+    return {k: v for k, v in f.items() if k != "expires"}
+
+
+def _check_target(t: dict) -> None:
+    if not isinstance(t, dict) or len(t) != 1:
+        raise ValueError(f"target must be one of {{any|room|rid|rid_regex|tenant: value}}, got {t!r}")
+    (k, v), = t.items()
+    if k not in ("any", "room", "rid", "rid_regex", "tenant"):
+        raise ValueError(f"unknown target key {k!r}; one of any, room, rid, rid_regex, tenant")
+    if k == "rid_regex":
+        re.compile(v)
+
+
+def _target_ok(t: dict, room, rid) -> bool:
+    (k, v), = t.items()
+    if k == "any":
+        return bool(v)
+    if k == "room":
+        return room is not None and int(v) == int(room)
+    if rid is None:
+        return False
+    if k == "rid":
+        return rid == v
+    if k == "rid_regex":
+        return re.search(v, rid) is not None
+    if k == "tenant":
+        return re.search(rf"(^|-){re.escape(v)}(-|$)", rid) is not None
+    return False
+
+
+AGENT: Agent | None = None
+
+
+# ================================================================== hooks
+def _wrap(cls, name, make):
+    orig = getattr(cls, name)
+    if getattr(orig, "_kvchaos_orig", None) is not None:
+        return
+    new = make(orig)
+    new._kvchaos_orig = orig
+    new.__name__ = getattr(orig, "__name__", name)
+    setattr(cls, name, new)
+    AGENT.hooks.append(f"{cls.__module__}.{cls.__qualname__}.{name}")
+
+
+def _hook_common_utils(mod):
+    FQ = getattr(mod, "FastQueue", None)
+    if FQ is None:
+        return
+
+    def make(orig):
+        def get(self):
+            item = orig(self)
+            if hasattr(item, "room") and hasattr(item, "index_slice"):
+                AGENT.tls.chunk = item
+            return item
+        return get
+
+    _wrap(FQ, "get", make)
+
+
+def _hook_prefill(mod):
+    q = getattr(mod, "PrefillBootstrapQueue", None)
+    if q is not None:
+        def make_add(orig):
+            def add(self, req, *a, **k):
+                room = getattr(req, "bootstrap_room", None)
+                if room is not None:
+                    with AGENT.lock:
+                        AGENT.room_rid[int(room)] = req.rid
+                        if len(AGENT.room_rid) > 100000:
+                            for r in list(AGENT.room_rid)[:50000]:
+                                AGENT.room_rid.pop(r, None)
+                return orig(self, req, *a, **k)
+            return add
+        _wrap(q, "add", make_add)
+    _hook_reject(mod)
+
+
+def _hook_reject(mod):
+    orig = getattr(mod, "is_unadmitted_reject", None)
+    if orig is None or getattr(orig, "_kvchaos_orig", None):
+        return
+
+    def is_unadmitted_reject(req):
+        verdict = orig(req)
+        if verdict:
+            f = AGENT.match("reject_admitted", getattr(req, "bootstrap_room", None), getattr(req, "rid", None))
+            if f is not None:
+                AGENT.emit("fault_fired", fault=f["id"], kind="reject_admitted", rid=req.rid,
+                           room=getattr(req, "bootstrap_room", None),
+                           input_len=len(req.origin_input_ids),
+                           to_finish=str(getattr(req, "to_finish", None))[:200],
+                           note="rejected request admitted to the disaggregation queue (pre-#36988 path)")
+                return False
+        return verdict
+
+    is_unadmitted_reject._kvchaos_orig = orig
+    mod.is_unadmitted_reject = is_unadmitted_reject
+    AGENT.hooks.append(f"{mod.__name__}.is_unadmitted_reject")
+
+
+def _hook_decode(mod):
+    _hook_reject(mod)
+    tq = getattr(mod, "DecodeTransferQueue", None)
+    if tq is not None:
+        def make_init(orig):
+            def __init__(self, *a, **k):
+                orig(self, *a, **k)
+                AGENT.track("DecodeTransferQueue", self)
+            return __init__
+        _wrap(tq, "__init__", make_init)
+
+
+def _hook_scheduler(mod):
+    sch = getattr(mod, "Scheduler", None)
+    if sch is None:
+        return
+
+    def make_init(orig):
+        def __init__(self, *a, **k):
+            orig(self, *a, **k)
+            AGENT.track("Scheduler", self)
+        return __init__
+
+    _wrap(sch, "__init__", make_init)
+
+
+def _hook_allocator(mod):
+    cls = getattr(mod, "TokenToKVPoolAllocator", None)
+    if cls is None:
+        return
+
+    def make(orig):
+        def alloc(self, need_size):
+            out = orig(self, need_size)
+            if out is None or ROLE != "decode":
+                return out
+            st = AGENT.tls.__dict__.setdefault("alloc_state", {})
+            f = None
+            with AGENT.lock:
+                armed = [x for x in AGENT.faults.values() if x["kind"] == "double_alloc"]
+            if armed:
+                prev = st.get("last")
+                n = int(armed[0]["params"].get("pages", 8))
+                if prev is not None and len(prev) >= n and len(out) >= n:
+                    f = AGENT.match("double_alloc")
+                if f is not None:
+                    import torch
+
+                    shared = prev[:n].clone()
+                    displaced = out[:n].clone()
+                    out = torch.cat([shared, out[n:]])
+                    self.free(displaced)  # nothing leaks from the pool: only the sharing is wrong
+                    AGENT.emit("fault_fired", fault=f["id"], kind="double_alloc", pages=n,
+                               shared=shared.tolist()[:64], need_size=int(need_size))
+                st["last"] = out
+            return out
+        return alloc
+
+    _wrap(cls, "alloc", make)
+
+
+def _hook_mooncake(mod):
+    mgr = getattr(mod, "MooncakeKVManager", None)
+    if mgr is None:
+        return
+
+    def make_init(orig):
+        def __init__(self, *a, **k):
+            orig(self, *a, **k)
+            AGENT.track("MooncakeKVManager", self)
+        return __init__
+
+    _wrap(mgr, "__init__", make_init)
+
+    def make_send(orig):
+        def send_kvcache(self, session_id, prefill_kv_indices, dst_kv_ptrs, dst_kv_indices, *a, **k):
+            chunk = getattr(AGENT.tls, "chunk", None)
+            room = getattr(chunk, "room", None)
+            with AGENT.lock:
+                rid = AGENT.room_rid.get(int(room)) if room is not None else None
+                first = room is not None and room not in AGENT.started_rooms
+                if first:
+                    AGENT.started_rooms.add(room)
+            pages = int(len(prefill_kv_indices))
+            reserved = int(len(dst_kv_indices))
+            if first:
+                AGENT.emit("transfer_start", room=room, rid=rid, pages=pages, reserved=reserved,
+                           is_last=getattr(chunk, "is_last_chunk", None))
+            f = AGENT.match("delay", room, rid)
+            if f is not None:
+                p = f["params"]
+                ms = float(p.get("ms", 100)) + random.uniform(-1, 1) * float(p.get("jitter_ms", 0))
+                AGENT.emit("fault_fired", fault=f["id"], kind="delay", room=room, rid=rid, ms=round(ms, 2),
+                           pages=pages)
+                time.sleep(max(ms, 0) / 1000.0)
+            f = AGENT.match("fail", room, rid)
+            if f is not None:
+                AGENT.emit("fault_fired", fault=f["id"], kind="fail", room=room, rid=rid, pages=pages,
+                           ret=-1, note="no byte written; transfer reported failed")
+                return -1
+            f = AGENT.match("short", room, rid)
+            if f is not None:
+                keep = max(0, min(pages, int(f["params"].get("pages", 1))))
+                prefill_kv_indices = prefill_kv_indices[:keep]
+                dst_kv_indices = dst_kv_indices[:keep]
+                AGENT.emit("fault_fired", fault=f["id"], kind="short", room=room, rid=rid, pages_sent=keep,
+                           pages_reserved=reserved, note="success reported; remaining decode pages unwritten")
+            f = AGENT.match("hold", room, rid)
+            if f is not None:
+                ev = AGENT.holds.get(f["id"])
+                limit = float(f["params"].get("max_hold_s", 60))
+                AGENT.emit("fault_fired", fault=f["id"], kind="hold", phase="held", room=room, rid=rid,
+                           pages=pages)
+                released = ev.wait(limit) if ev is not None else True
+                status = None
+                try:
+                    status = str(self.check_status(room)) if room in self.request_status else "gone"
+                except Exception as e:  # noqa: BLE001
+                    status = f"unknown: {e}"
+                ret = orig(self, session_id, prefill_kv_indices, dst_kv_ptrs, dst_kv_indices, *a, **k)
+                AGENT.emit("fault_fired", fault=f["id"], kind="hold", phase="late_write", room=room, rid=rid,
+                           pages=pages, released=released, room_status_at_write=status, ret=ret)
+                return ret
+            return orig(self, session_id, prefill_kv_indices, dst_kv_ptrs, dst_kv_indices, *a, **k)
+        return send_kvcache
+
+    _wrap(mgr, "send_kvcache", make_send)
+
+    if hasattr(mgr, "_handle_legacy_abort_notification"):
+        def make_legacy(orig):
+            def _handle_legacy_abort_notification(self, notification, room_active):
+                with AGENT.lock:
+                    on = [f for f in AGENT.faults.values() if f["kind"] == "early_free"]
+                if on:
+                    on[0]["fired"] += 1
+                    AGENT.emit("fault_fired", fault=on[0]["id"], kind="early_free",
+                               room=getattr(notification, "room", None), room_active=room_active,
+                               note="decode released pages without waiting for the drain ack")
+                return orig(self, notification, room_active)
+            return _handle_legacy_abort_notification
+        _wrap(mgr, "_handle_legacy_abort_notification", make_legacy)
+
+
+# ---------------------------------------------------------------- mutation switches
+def _reject_on(agent: Agent, f: dict):
+    lim = f["params"].get("prefill_max_input_len")
+    if lim is not None and ROLE == "prefill":
+        saved = []
+        for s in agent.live("Scheduler"):
+            saved.append((s, s.max_req_input_len))
+            s.max_req_input_len = int(lim)
+        f["_saved"] = saved
+        agent.emit("mutation_on", fault=f["id"], kind="reject_admitted", prefill_max_input_len=lim,
+                   schedulers=len(saved))
+
+
+def _reject_off(agent: Agent, f: dict):
+    for s, v in f.pop("_saved", []):
+        s.max_req_input_len = v
+
+
+def _early_on(agent: Agent, f: dict):
+    saved = []
+    for q in agent.live("DecodeTransferQueue"):
+        saved.append((q, "enable_deferred_kv_release", q.enable_deferred_kv_release))
+        q.enable_deferred_kv_release = False
+    for m in agent.live("MooncakeKVManager"):
+        if hasattr(m, "enable_deferred_decode_kv_release"):
+            saved.append((m, "enable_deferred_decode_kv_release", m.enable_deferred_decode_kv_release))
+            m.enable_deferred_decode_kv_release = False
+    f["_saved"] = saved
+    agent.emit("mutation_on", fault=f["id"], kind="early_free", switched=len(saved))
+
+
+def _early_off(agent: Agent, f: dict):
+    for obj, attr, v in f.pop("_saved", []):
+        setattr(obj, attr, v)
+
+
+def _noop(agent, f):
+    pass
+
+
+_MUT_ON = {"reject_admitted": _reject_on, "early_free": _early_on, "double_alloc": _noop}
+_MUT_OFF = {"reject_admitted": _reject_off, "early_free": _early_off, "double_alloc": _noop}
+
+HOOKS = {
+    "sglang.srt.disaggregation.common.utils": _hook_common_utils,
+    "sglang.srt.disaggregation.mooncake.conn": _hook_mooncake,
+    "sglang.srt.disaggregation.prefill": _hook_prefill,
+    "sglang.srt.disaggregation.decode": _hook_decode,
+    "sglang.srt.managers.scheduler": _hook_scheduler,
+    "sglang.srt.mem_cache.allocator.token": _hook_allocator,
+}
+
+
+# ================================================================== import machinery
+class _After(importlib.abc.Loader):
+    def __init__(self, inner, hook):
+        self._inner, self._hook = inner, hook
+
+    def create_module(self, spec):
+        return self._inner.create_module(spec)
+
+    def exec_module(self, module):
+        self._inner.exec_module(module)
+        _apply(module.__name__, module)
+
+
+def _apply(name, module):
+    try:
+        HOOKS[name](module)
+        AGENT.serve()
+    except Exception as e:  # noqa: BLE001 - a broken hook must be loud, not fatal to the engine
+        sys.stderr.write(f"kvchaos agent: hook for {name} failed: {type(e).__name__}: {e}\n")
+        AGENT.emit("hook_error", module=name, error=repr(e))
+
+
+class _Finder(importlib.abc.MetaPathFinder):
+    def find_spec(self, fullname, path, target=None):
+        if fullname not in HOOKS:
+            return None
+        after = sys.meta_path[sys.meta_path.index(self) + 1:] if self in sys.meta_path else []
+        for finder in after:
+            fs = getattr(finder, "find_spec", None)
+            if fs is None:
+                continue
+            spec = fs(fullname, path, target)
+            if spec is not None:
+                if spec.loader is not None:
+                    spec.loader = _After(spec.loader, HOOKS[fullname])
+                return spec
+        return None
+
+
+def boot() -> None:
+    """Called by the boot hook when KVCHAOS_AGENT is set (idempotent)."""
+    global AGENT
+    if AGENT is not None:
+        return
+    d = os.environ.get("KVCHAOS_AGENT", "")
+    if not d or not os.path.isdir(d):
+        sys.stderr.write(f"kvchaos agent: KVCHAOS_AGENT={d!r} is not a directory; agent not loaded\n")
+        return
+    AGENT = Agent(d)
+    for name in HOOKS:  # already imported before us (rare): patch in place
+        if name in sys.modules:
+            _apply(name, sys.modules[name])
+    sys.meta_path.insert(0, _Finder())

@@ -1,0 +1,227 @@
+"""Harness side of the in-engine agent (``faults/agent.py``): find the agents, arm, prove, heal.
+
+Every engine process that patched something listens on ``<ctl dir>/agent-<pid>.sock``. An
+:class:`AgentClient` broadcasts a command to the agents of one role (``prefill``/``decode``) and
+merges their replies. Faults it arms are recorded as ``fault`` events in the run's event log
+(``armed``, ``fired`` with the agent's evidence, ``healed``), so a report can show exactly when a
+fault acted on which request.
+
+    ctl = AgentClient(cluster.agent_dir, log)
+    f = ctl.arm("prefill", "delay", target={"rid": plan.rid}, params={"ms": 300})
+    ... run the request ...
+    f.verify()          # raises FaultDidNotFire if no agent reported it acting
+    ctl.heal_all()      # the fixture does this after every test, even on failure
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import socket
+import time
+import uuid
+from dataclasses import dataclass, field
+
+
+class AgentError(RuntimeError):
+    pass
+
+
+class FaultDidNotFire(AssertionError):
+    """A fault was armed but no injector reported acting: the test proved nothing."""
+
+
+def _call(sock_path: str, req: dict, timeout: float = 10.0) -> dict:
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(timeout)
+    try:
+        s.connect(sock_path)
+        s.sendall((json.dumps(req) + "\n").encode())
+        buf = b""
+        while not buf.endswith(b"\n"):
+            d = s.recv(1 << 20)
+            if not d:
+                break
+            buf += d
+    finally:
+        s.close()
+    if not buf:
+        raise AgentError(f"agent {sock_path} closed without a reply to {req.get('cmd')}")
+    out = json.loads(buf)
+    if not out.get("ok"):
+        raise AgentError(f"agent {sock_path}: {out.get('error')}")
+    return out
+
+
+@dataclass
+class ArmedFault:
+    client: "AgentClient"
+    id: str
+    role: str
+    kind: str
+    target: dict
+    params: dict
+    agents: list = field(default_factory=list)
+
+    def fired_events(self) -> list[dict]:
+        return [e for e in self.client.events(self.role) if e.get("fault") == self.id and e["ev"] == "fault_fired"]
+
+    def verify(self, at_least: int = 1, timeout: float = 0.0) -> list[dict]:
+        """The agent's evidence that this fault acted; FaultDidNotFire if there is none."""
+        deadline = time.monotonic() + timeout
+        while True:
+            ev = self.fired_events()
+            if len(ev) >= at_least:
+                for e in ev:
+                    self.client._log_fired(self, e)
+                return ev
+            if time.monotonic() >= deadline:
+                raise FaultDidNotFire(
+                    f"fault {self.kind} {self.id} on {self.role} target={self.target}: "
+                    f"{len(ev)} firing(s) reported, expected >= {at_least}")
+            time.sleep(0.05)
+
+    def release(self) -> None:
+        """Let a held write land (``hold`` faults)."""
+        n = sum(self.client._each(self.role, {"cmd": "release", "id": self.id}, key="released"))
+        if not n:
+            raise AgentError(f"fault {self.id}: no agent had a held write to release")
+        self.client._log("released", self)
+
+    def heal(self) -> None:
+        self.client._each(self.role, {"cmd": "heal", "id": self.id})
+        self.client._log("healed", self)
+        self.client._armed.pop(self.id, None)
+
+
+class AgentClient:
+    def __init__(self, ctl_dir: str, log=None, timeout: float = 10.0):
+        self.dir = ctl_dir
+        self.log = log
+        self.timeout = timeout
+        self._armed: dict[str, ArmedFault] = {}
+        self._logged: set = set()
+
+    # ------------------------------------------------------------ discovery
+    def agents(self, role: str | None = None) -> list[dict]:
+        out = []
+        for info_path in sorted(glob.glob(os.path.join(self.dir, "agent-*.json"))):
+            try:
+                info = json.loads(open(info_path).read())
+            except (OSError, json.JSONDecodeError):
+                continue
+            if role and info.get("role") != role:
+                continue
+            if not os.path.exists(info["sock"]):
+                continue
+            try:
+                os.kill(int(info["pid"]), 0)
+            except (ProcessLookupError, PermissionError):
+                continue
+            out.append(info)
+        return out
+
+    def wait_agents(self, role: str, hooks: tuple[str, ...] = ("send_kvcache",), timeout: float = 30.0) -> list[dict]:
+        """Agents of ``role`` whose hooks include each name in ``hooks`` (the scheduler process)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            ok = []
+            for a in self.agents(role):
+                try:
+                    h = _call(a["sock"], {"cmd": "ping"}, self.timeout)["hooks"]
+                except (OSError, AgentError):
+                    continue
+                if all(any(x in name for name in h) for x in hooks):
+                    ok.append(a)
+            if ok:
+                return ok
+            if time.monotonic() > deadline:
+                raise AgentError(
+                    f"no {role} agent with hooks {hooks} in {self.dir} after {timeout}s "
+                    f"(found: {[(a['pid'], a['role']) for a in self.agents()]}); was the cluster started with the agent?")
+            time.sleep(0.2)
+
+    def _each(self, role: str, req: dict, key: str | None = None) -> list:
+        agents = self.agents(role)
+        if not agents:
+            raise AgentError(f"no live {role} agent in {self.dir}")
+        outs = []
+        for a in agents:
+            r = _call(a["sock"], req, self.timeout)
+            outs.append(r.get(key) if key else r)
+        return outs
+
+    # ------------------------------------------------------------ faults
+    def arm(self, role: str, kind: str, target: dict | None = None, params: dict | None = None,
+            count: int | None = None, ttl_s: float = 600.0, hooks: tuple[str, ...] | None = None) -> ArmedFault:
+        need = hooks or (("send_kvcache",) if kind in ("delay", "fail", "short", "hold") else
+                         ("is_unadmitted_reject",) if kind == "reject_admitted" else
+                         ("TokenToKVPoolAllocator.alloc",) if kind == "double_alloc" else ("send_kvcache",))
+        agents = self.wait_agents(role, need)
+        fid = f"{kind}-{uuid.uuid4().hex[:8]}"
+        req = {"cmd": "arm", "id": fid, "kind": kind, "target": target or {"any": True},
+               "params": params or {}, "ttl_s": ttl_s}
+        if count is not None:
+            req["count"] = count
+        for a in agents:
+            _call(a["sock"], req, self.timeout)
+        f = ArmedFault(self, fid, role, kind, req["target"], req["params"], [a["pid"] for a in agents])
+        self._armed[fid] = f
+        self._log("armed", f)
+        return f
+
+    def events(self, role: str | None = None) -> list[dict]:
+        out = []
+        for a in self.agents(role):
+            try:
+                out.extend(_call(a["sock"], {"cmd": "events"}, self.timeout)["events"])
+            except (OSError, AgentError):
+                continue
+        return sorted(out, key=lambda e: e["wall"])
+
+    def wait_event(self, role: str, ev: str, timeout: float = 30.0, **match) -> dict:
+        """Block until an agent of ``role`` logs event ``ev`` whose fields match (e.g. rid=...)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            for e in self.events(role):
+                if e["ev"] == ev and all(e.get(k) == v for k, v in match.items()):
+                    return e
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no {ev} {match} from {role} agent within {timeout}s")
+            time.sleep(0.02)
+
+    def armed(self) -> list[dict]:
+        """What every live agent still has armed (the session checks this is empty)."""
+        out = []
+        for a in self.agents():
+            try:
+                out.extend(_call(a["sock"], {"cmd": "armed"}, self.timeout)["armed"])
+            except (OSError, AgentError):
+                continue
+        return out
+
+    def heal_all(self) -> list[str]:
+        healed = []
+        for a in self.agents():
+            try:
+                healed += _call(a["sock"], {"cmd": "heal"}, self.timeout)["healed"]
+            except (OSError, AgentError):
+                continue
+        for f in list(self._armed.values()):
+            self._log("healed", f)
+        self._armed.clear()
+        return healed
+
+    # ------------------------------------------------------------ event log
+    def _log(self, what: str, f: ArmedFault) -> None:
+        if self.log is not None:
+            self.log.emit("fault", action=what, fault=f.id, kind=f.kind, role=f.role, target=f.target,
+                          params=f.params, injector="agent")
+
+    def _log_fired(self, f: ArmedFault, e: dict) -> None:
+        key = (f.id, e.get("seq"), e.get("pid"))
+        if self.log is not None and key not in self._logged:
+            self._logged.add(key)
+            self.log.emit("fault", action="fired", fault=f.id, kind=f.kind, role=f.role, injector="agent",
+                          rid=e.get("rid"), evidence={k: v for k, v in e.items() if k not in ("t",)})

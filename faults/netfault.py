@@ -1,0 +1,151 @@
+"""Network faults on the cluster's HTTP paths, through the toxiproxy API.
+
+The cluster launcher (``network_proxy`` in the profile) places three proxies:
+
+- ``client``: client → router (the address suites get as ``endpoints.router``),
+- ``prefill`` and ``decode``: router → each server (the router is launched with these URLs).
+
+The same code drives the embedded proxy (``faults/proxy.py``, ``network_proxy = "embedded"``) and a
+real ``toxiproxy-server`` (``network_proxy = "host:port"``, or ``KVCHAOS_TOXIPROXY``), always through
+the official ``toxiproxy-python`` client. With the embedded proxy each toxic also reports what it
+touched (``fired`` counters), so :meth:`NetFault.verify` proves it acted; against a real
+toxiproxy-server there are no counters and ``verify`` says so (the suite's measured effect is
+the evidence then).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import uuid
+from dataclasses import dataclass
+
+import requests
+
+from .engine import FaultDidNotFire
+from .proxy import ProxyServer, toxiproxy_client
+
+
+@dataclass
+class NetFault:
+    owner: "NetworkFaults"
+    proxy: str  # logical name: client / prefill / decode
+    name: str
+    type: str
+    stream: str
+    attributes: dict
+    toxicity: float
+
+    def stats(self) -> dict | None:
+        """The embedded proxy's counters for this toxic (None on a real toxiproxy-server)."""
+        r = requests.get(f"{self.owner.api}/proxies/{self.owner.full(self.proxy)}/toxics/{self.name}", timeout=5)
+        if r.status_code == 404:
+            return None
+        return r.json().get("fired")
+
+    def verify(self, min_bytes: int = 1) -> dict:
+        st = self.stats()
+        if st is None:
+            if self.owner.embedded:
+                raise FaultDidNotFire(f"toxic {self.name} on {self.proxy} vanished before verify")
+            ev = {"fired": None, "note": "real toxiproxy-server: no counters; judge by measured effect"}
+        else:
+            touched = st["bytes"] >= min_bytes or (self.type in ("reset_peer", "timeout", "slow_close")
+                                                   and st["connections"] > 0)
+            if not touched:
+                raise FaultDidNotFire(f"toxic {self.type} on {self.proxy} ({self.stream}) touched nothing: {st}")
+            ev = {"fired": st}
+        self.owner._log("fired", self, evidence=ev)
+        return ev
+
+    def heal(self) -> None:
+        p = self.owner.tp.get_proxy(self.owner.full(self.proxy))
+        if p is not None and p.get_toxic(self.name) is not None:
+            st = self.stats()
+            p.destroy_toxic(self.name)
+            self.owner._log("healed", self, evidence={"fired": st})
+        self.owner._faults.pop(self.name, None)
+
+
+class NetworkFaults:
+    def __init__(self, tp, api: str, token: str, server: ProxyServer | None):
+        self.tp, self.api, self.token, self.server = tp, api, token, server
+        self.embedded = server is not None
+        self.log = None  # an EventLog, set by the test fixture
+        self._names: dict[str, dict] = {}
+        self._faults: dict[str, NetFault] = {}
+
+    @classmethod
+    def open(cls, where: str, token: str) -> "NetworkFaults":
+        where = os.environ.get("KVCHAOS_TOXIPROXY") or where
+        if where == "embedded":
+            srv = ProxyServer("127.0.0.1", 0).start()
+            return cls(toxiproxy_client("127.0.0.1", srv.port), srv.url, token, srv)
+        host, _, port = where.rpartition(":")
+        tp = toxiproxy_client(host, int(port))
+        if not tp.running():
+            raise ConnectionError(f"no toxiproxy-server at {where} (network_proxy / KVCHAOS_TOXIPROXY)")
+        return cls(tp, f"http://{host}:{port}", token, None)
+
+    def full(self, name: str) -> str:
+        return f"{self.token}-{name}"
+
+    def add(self, name: str, listen_port: int, upstream_port: int) -> str:
+        p = self.tp.create(upstream=f"127.0.0.1:{upstream_port}", name=self.full(name),
+                           listen=f"127.0.0.1:{listen_port}")
+        self._names[name] = {"listen": p.listen, "upstream": p.upstream}
+        return f"http://{p.listen}"
+
+    def describe(self) -> dict:
+        return dict(self._names)
+
+    def toxic(self, proxy: str, type: str, stream: str = "downstream", toxicity: float = 1.0,
+              **attributes) -> NetFault:
+        if proxy not in self._names:
+            raise ValueError(f"unknown proxy {proxy!r}; this cluster has {sorted(self._names)}")
+        name = f"{type}-{stream}-{uuid.uuid4().hex[:6]}"
+        p = self.tp.get_proxy(self.full(proxy))
+        p.add_toxic(type=type, stream=stream, toxicity=toxicity, name=name, attributes=attributes)
+        f = NetFault(self, proxy, name, type, stream, attributes, toxicity)
+        self._faults[name] = f
+        self._log("armed", f)
+        return f
+
+    def armed(self) -> list[dict]:
+        out = []
+        for name in self._names:
+            p = self.tp.get_proxy(self.full(name))
+            if p is None:
+                continue
+            out += [{"proxy": name, "toxic": t} for t in p.toxics()]
+            if not p.enabled:
+                out.append({"proxy": name, "disabled": True})
+        return out
+
+    def heal_all(self) -> None:
+        for f in list(self._faults.values()):
+            f.heal()
+        for name in self._names:
+            p = self.tp.get_proxy(self.full(name))
+            if p is not None:
+                for t in list(p.toxics()):
+                    p.destroy_toxic(t)
+                if not p.enabled:
+                    p.enable()
+
+    def close(self) -> None:
+        try:
+            for name in self._names:
+                p = self.tp.get_proxy(self.full(name))
+                if p is not None:
+                    p.destroy()
+        except Exception:
+            pass
+        if self.server is not None:
+            self.server.stop()
+
+    def _log(self, action: str, f: NetFault, evidence=None) -> None:
+        if self.log is not None:
+            self.log.emit("fault", action=action, fault=f.name, kind=f.type, injector="proxy", proxy=f.proxy,
+                          stream=f.stream, attributes=f.attributes, toxicity=f.toxicity, evidence=evidence,
+                          at=time.time())
