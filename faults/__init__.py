@@ -1,6 +1,104 @@
-"""Fault injectors (in-engine agent, toxiproxy-compatible network proxy, request faults).
+"""Fault injectors that prove they fired.
 
-Not built yet: tracked by the "Fault injectors that provably fire" issue. The boot hook
-(kvchaos/_boot/sitecustomize.py) already loads ``faults.agent`` into every engine process when
-KVCHAOS_AGENT is set, once that module exists.
+- ``faults.agent``    in-engine agent, loaded into every SGLang server process (transfer delay /
+                      failure / short transfer / hold-then-late-write, transfer-start events,
+                      engine-bug replay mutations); ``faults.engine`` is its harness-side client.
+- ``faults.proxy``    toxiproxy-API-compatible TCP fault proxy (asyncio); ``faults.netfault``
+                      drives it — or a real toxiproxy-server — through ``toxiproxy-python``.
+- ``faults.process``  SIGKILL / SIGSTOP+SIGCONT of a server's process tree, restart, rejoin.
+- ``faults.request``  request-level faults (planted leaks for oracle self-tests; aborts and
+                      client disconnects are request kinds of ``kvchaos.workload``).
+
+Every fault: arm → verify (evidence in the event log, ``FaultDidNotFire`` otherwise) → heal.
+:class:`FaultKit` bundles them for one test; the pytest fixture ``faults`` heals it after the
+test even on failure and errors the test if anything is still armed afterwards.
 """
+
+from __future__ import annotations
+
+import time
+
+from .engine import AgentClient, AgentError, ArmedFault, FaultDidNotFire  # noqa: F401
+
+
+class FaultKit:
+    def __init__(self, cluster, log):
+        from .process import ProcessFaults
+
+        self.cluster, self.log = cluster, log
+        self.t0 = time.time()
+        agent_dir = getattr(cluster, "agent_dir", None)
+        self.agent = AgentClient(agent_dir, log) if agent_dir else None
+        self.net = getattr(cluster, "proxy", None)
+        if self.net is not None:
+            self.net.log = log
+        try:
+            self.proc = ProcessFaults(cluster, log)
+        except TypeError:
+            self.proc = None
+
+    def need(self, what: str):
+        got = getattr(self, what)
+        if got is None:
+            why = {"agent": "the cluster was started without the in-engine agent (agent = false) or is attached",
+                   "net": "the cluster has no network proxy (set network_proxy = \"embedded\" or host:port)",
+                   "proc": "process faults need a launched cluster, not attach mode"}[what]
+            raise RuntimeError(f"fault injector {what!r} unavailable: {why}")
+        return got
+
+    def collect_agent_events(self) -> list[dict]:
+        """Copy the agents' events since this kit was made into the test's event log."""
+        if self.agent is None:
+            return []
+        evs = [e for e in self.agent.events() if e["wall"] >= self.t0]
+        for e in evs:
+            self.log.emit("agent", agent_ev=e["ev"], **{k: v for k, v in e.items() if k not in ("t", "ev")})
+        return evs
+
+    def heal_all(self) -> list[str]:
+        """Heal every injector; return what is still armed afterwards (should be nothing)."""
+        errors = []
+        for name in ("proc", "net", "agent"):
+            inj = getattr(self, name)
+            if inj is None:
+                continue
+            try:
+                inj.heal_all()
+            except Exception as e:  # noqa: BLE001 - keep healing the others, report all
+                errors.append(f"{name}: heal failed: {e!r}")
+        try:
+            self.collect_agent_events()
+        except Exception as e:  # noqa: BLE001
+            errors.append(f"agent events: {e!r}")
+        for name in ("proc", "net", "agent"):
+            inj = getattr(self, name)
+            if inj is not None:
+                left = inj.armed()
+                if left:
+                    errors.append(f"{name}: still armed after heal: {left}")
+        if not errors:
+            err = self.wait_serving()
+            if err:
+                errors.append(err)
+        return errors
+
+    def wait_serving(self, timeout_s: float = 60.0) -> str | None:
+        """Reset between tests: after heal, the cluster must serve a request again (the router's
+        circuit breaker and SGLang's failed-session probe need a few seconds after some faults)."""
+        t0 = time.monotonic()
+        last = None
+        try:
+            self.cluster.check_alive()
+        except Exception as e:  # noqa: BLE001 - a crashed engine is the finding; say so at once
+            return f"an engine process died during the test: {e}"
+        while time.monotonic() - t0 < timeout_s:
+            try:
+                r = self.cluster.generate(text="kvchaos heal check", max_new_tokens=1, timeout=30)
+                if r.status_code == 200:
+                    self.log.emit("healed_serving", after_s=round(time.monotonic() - t0, 2))
+                    return None
+                last = f"HTTP {r.status_code}: {r.text[:200]}"
+            except Exception as e:  # noqa: BLE001
+                last = repr(e)
+            time.sleep(0.5)
+        return f"cluster did not serve again within {timeout_s}s after heal: {last}"

@@ -83,6 +83,7 @@ class Agent:
         self.room_rid: dict[int, str] = {}
         self.started_rooms: set[int] = set()
         self.holds: dict[str, threading.Event] = {}
+        self.shared_pages: dict[int, int] = {}  # double_alloc: page -> extra owners still to free
         self.tls = threading.local()
         self.instances: dict[str, weakref.WeakSet] = {}
         self._srv = None
@@ -161,6 +162,11 @@ class Agent:
                     self.holds.pop(i).set()  # never leave a write parked
                 if f["kind"] in MUTATIONS:
                     _MUT_OFF[f["kind"]](self, f)
+                for ref, sess in f.pop("_sessions", []):
+                    mgr = ref()
+                    if mgr is not None and hasattr(mgr, "_unblacklist_session"):
+                        mgr._unblacklist_session(sess)
+                        self.emit("session_unblacklisted", fault=i, session=str(sess))
                 healed.append(i)
                 self.emit("healed", fault=i, kind=f["kind"], fired=f["fired"])
         return healed
@@ -232,7 +238,7 @@ class Agent:
 
 
 def _public(f: dict) -> dict:
-    return {k: v for k, v in f.items() if k != "expires"}
+    return {k: v for k, v in f.items() if k != "expires" and not k.startswith("_")}
 
 
 def _check_target(t: dict) -> None:
@@ -374,10 +380,10 @@ def _hook_allocator(mod):
             f = None
             with AGENT.lock:
                 armed = [x for x in AGENT.faults.values() if x["kind"] == "double_alloc"]
-            if armed:
+            n = int(armed[0]["params"].get("pages", 8)) if armed else 0
+            if armed and len(out) >= n:  # a prefill-sized allocation, not a 1-token decode step
                 prev = st.get("last")
-                n = int(armed[0]["params"].get("pages", 8))
-                if prev is not None and len(prev) >= n and len(out) >= n:
+                if prev is not None and len(prev) >= n:
                     f = AGENT.match("double_alloc")
                 if f is not None:
                     import torch
@@ -386,6 +392,13 @@ def _hook_allocator(mod):
                     displaced = out[:n].clone()
                     out = torch.cat([shared, out[n:]])
                     self.free(displaced)  # nothing leaks from the pool: only the sharing is wrong
+                    # both owners will free the shared pages; the second free is swallowed (see
+                    # free() below) so the pool's accounting stays whole and only the aliasing is
+                    # wrong — otherwise SGLang's idle invariant check ("pool memory leak detected",
+                    # available > total) crashes decode, which we saw and do not want as a side effect
+                    with AGENT.lock:
+                        for p in shared.tolist():
+                            AGENT.shared_pages[p] = AGENT.shared_pages.get(p, 0) + 1
                     AGENT.emit("fault_fired", fault=f["id"], kind="double_alloc", pages=n,
                                shared=shared.tolist()[:64], need_size=int(need_size))
                 st["last"] = out
@@ -393,6 +406,30 @@ def _hook_allocator(mod):
         return alloc
 
     _wrap(cls, "alloc", make)
+
+    def make_free(orig):
+        def free(self, free_index):
+            if AGENT.shared_pages and free_index is not None and free_index.numel():
+                with AGENT.lock:
+                    idx = free_index.tolist()
+                    keep = []
+                    for p in idx:
+                        c = AGENT.shared_pages.get(p, 0)
+                        if c > 0:  # first free of an aliased page: the other owner frees it later
+                            if c == 1:
+                                AGENT.shared_pages.pop(p)
+                            else:
+                                AGENT.shared_pages[p] = c - 1
+                        else:
+                            keep.append(p)
+                if len(keep) != len(idx):
+                    import torch
+
+                    free_index = torch.tensor(keep, dtype=free_index.dtype, device=free_index.device)
+            return orig(self, free_index)
+        return free
+
+    _wrap(cls, "free", make_free)
 
 
 def _hook_mooncake(mod):
@@ -431,8 +468,12 @@ def _hook_mooncake(mod):
                 time.sleep(max(ms, 0) / 1000.0)
             f = AGENT.match("fail", room, rid)
             if f is not None:
+                # SGLang reacts to one failed send by blacklisting the decode session (every later
+                # request to that decode fails until its probe loop clears it); heal undoes that
+                # for the sessions this fault failed, so the next test starts clean.
+                f.setdefault("_sessions", []).append((weakref.ref(self), session_id))
                 AGENT.emit("fault_fired", fault=f["id"], kind="fail", room=room, rid=rid, pages=pages,
-                           ret=-1, note="no byte written; transfer reported failed")
+                           ret=-1, session=str(session_id), note="no byte written; transfer reported failed")
                 return -1
             f = AGENT.match("short", room, rid)
             if f is not None:

@@ -12,6 +12,9 @@ Fixtures
   cluster           session-scoped launched (or attached) prefill/decode/router cluster
   reference_server  session-scoped single (non-disaggregated) server of the same model
   kvchaos_run_dir   reports/<run-id>/ for this session
+  faults            per-test FaultKit (agent / net / proc injectors) writing
+                    reports/<run-id>/events/<test>.jsonl; healed after the test even on failure,
+                    and the test errors if anything is still armed afterwards
 
 The cluster fixture runs the planted-leak self-test (kvchaos.selftest) once per session: a
 cluster on which a planted leak goes unseen errors every test that uses it.
@@ -121,7 +124,10 @@ def cluster(pytestconfig, kvchaos_spec, kvchaos_run_dir, kvchaos_reaper):
         c.leak_sensitive = c.selftest["status"] == "caught"
         yield c
     finally:
+        armed = _still_armed(c)
         left = c.stop()
+        if armed:
+            raise RuntimeError(f"kvchaos: faults still armed at session end: {armed}")
         if left:
             raise RuntimeError(f"kvchaos: processes left after cluster teardown: {left}")
 
@@ -148,3 +154,34 @@ def _kvchaos_cluster_still_alive(request):
     yield
     if "cluster" in request.fixturenames:
         request.getfixturevalue("cluster").check_alive()
+
+
+def _still_armed(c) -> list:
+    out = []
+    if getattr(c, "agent_dir", None):
+        from faults.engine import AgentClient
+
+        try:
+            out += AgentClient(c.agent_dir).armed()
+        except Exception as e:  # noqa: BLE001
+            out.append(f"agent query failed: {e!r}")
+    if getattr(c, "proxy", None) is not None:
+        out += c.proxy.armed()
+    return out
+
+
+@pytest.fixture
+def faults(request, cluster, kvchaos_run_dir):
+    from faults import FaultKit
+    from kvchaos.workload.events import EventLog
+
+    name = "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in request.node.nodeid)[-150:]
+    log = EventLog(kvchaos_run_dir / "events" / f"{name}.jsonl")
+    kit = FaultKit(cluster, log)
+    try:
+        yield kit
+    finally:
+        problems = kit.heal_all()
+        log.close()
+        if problems:
+            raise RuntimeError("kvchaos: fault heal check failed: " + "; ".join(problems))
