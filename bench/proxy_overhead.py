@@ -1,7 +1,9 @@
 """Added latency of the toxiproxy-compatible fault proxy (faults/proxy.py), as ratios measured in one run.
 
 1. Loopback HTTP micro-benchmark: a tiny keep-alive HTTP server answered directly and through the
-   proxy (no toxics), sequential and at concurrency 32.
+   proxy (no toxics), sequential (interleaved, so drift hits both arms) and at concurrency 32. The
+   proxy runs in the benchmark's own process, as it does in the pytest process (embedded mode):
+   the concurrency figure includes that GIL sharing with the client.
 2. The real CPU cluster (unless --no-cluster): /generate (8 new tokens) through the client-side
    proxy vs straight to the router, on the same cluster in the same run. The router→server hops
    are proxied in both arms (the router is launched with proxy URLs); --full adds a second cluster
@@ -49,17 +51,20 @@ def _pct(xs, q):
     return xs[min(len(xs) - 1, int(q * len(xs)))]
 
 
-def seq(url: str, n: int, method="GET", json=None) -> list[float]:
-    out = []
+def paired(url_a: str, url_b: str, n: int, method="GET", json=None) -> tuple[list[float], list[float]]:
+    """Latency of ``n`` requests to each URL, interleaved a, b, a, b ... so drift hits both arms."""
+    a, b = [], []
     with httpx.Client(timeout=60) as c:
         for _ in range(3):
-            c.request(method, url, json=json)
+            c.request(method, url_a, json=json)
+            c.request(method, url_b, json=json)
         for _ in range(n):
-            t = time.perf_counter()
-            r = c.request(method, url, json=json)
-            out.append(time.perf_counter() - t)
-            assert r.status_code == 200, r.text[:200]
-    return out
+            for url, acc in ((url_a, a), (url_b, b)):
+                t = time.perf_counter()
+                r = c.request(method, url, json=json)
+                acc.append(time.perf_counter() - t)
+                assert r.status_code == 200, r.text[:200]
+    return a, b
 
 
 async def _conc(url: str, n: int, conc: int) -> float:
@@ -88,7 +93,7 @@ def micro(n: int):
     tp = toxiproxy_client("127.0.0.1", px.port)
     p = tp.create(upstream=f"127.0.0.1:{srv.server_address[1]}", name="bench")
     direct_url, proxy_url = f"http://127.0.0.1:{srv.server_address[1]}/", f"http://{p.listen}/"
-    row(f"loopback HTTP, sequential, n={n}", seq(direct_url, n), seq(proxy_url, n))
+    row(f"loopback HTTP, sequential, n={n}", *paired(direct_url, proxy_url, n))
     d = asyncio.run(_conc(direct_url, n * 4, 32))
     q = asyncio.run(_conc(proxy_url, n * 4, 32))
     print(f"loopback HTTP, concurrency 32, n={n * 4}: direct {d:.0f} req/s | proxied {q:.0f} req/s | ratio {q / d:.3f}")
@@ -104,13 +109,12 @@ def cluster(n: int, full: bool):
         spec = ClusterSpec.load("cpu", network_proxy="embedded")
         with Cluster(spec, d) as c:
             e = c.endpoints
-            direct = seq(e.router_direct + "/generate", n, "POST", body)
-            proxied = seq(e.router + "/generate", n, "POST", body)
+            direct, proxied = paired(e.router_direct + "/generate", e.router + "/generate", n, "POST", body)
             row(f"CPU PD cluster /generate, client->router hop, n={n}", direct, proxied)
         if full:
             spec0 = ClusterSpec.load("cpu", network_proxy="")
             with Cluster(spec0, d + "/noproxy") as c0:
-                none = seq(c0.endpoints.router + "/generate", n, "POST", body)
+                none, _ = paired(c0.endpoints.router + "/generate", c0.endpoints.router + "/generate", n, "POST", body)
             row(f"CPU PD cluster /generate, no proxy vs all three hops proxied, n={n}", none, proxied)
 
 

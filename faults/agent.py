@@ -269,6 +269,8 @@ def _target_ok(t: dict, room, rid) -> bool:
 
 
 AGENT: Agent | None = None
+# sglang.srt.disaggregation.base.conn.KVPoll (a plain int class in 0.5.23)
+_KVPOLL = {0: "Failed", 1: "Bootstrapping", 2: "WaitingForInput", 3: "Transferring", 4: "Success"}
 
 
 # ================================================================== hooks
@@ -432,6 +434,71 @@ def _hook_allocator(mod):
     _wrap(cls, "free", make_free)
 
 
+def _make_send(orig, backend: str):
+    """Wrap ``<Backend>KVManager.send_kvcache(self, session/peer, prefill_kv_indices, dst_kv_ptrs,
+    dst_kv_indices, ...)`` — the same leading arguments in the Mooncake and NIXL managers."""
+    def send_kvcache(self, session_id, prefill_kv_indices, dst_kv_ptrs, dst_kv_indices, *a, **k):
+        chunk = getattr(AGENT.tls, "chunk", None)
+        room = getattr(chunk, "room", None)
+        with AGENT.lock:
+            rid = AGENT.room_rid.get(int(room)) if room is not None else None
+            first = room is not None and room not in AGENT.started_rooms
+            if first:
+                AGENT.started_rooms.add(room)
+        pages = int(len(prefill_kv_indices))
+        reserved = int(len(dst_kv_indices))
+        if first:
+            AGENT.emit("transfer_start", room=room, rid=rid, pages=pages, reserved=reserved,
+                       is_last=getattr(chunk, "is_last_chunk", None), backend=backend)
+        f = AGENT.match("delay", room, rid)
+        if f is not None:
+            p = f["params"]
+            ms = float(p.get("ms", 100)) + random.uniform(-1, 1) * float(p.get("jitter_ms", 0))
+            AGENT.emit("fault_fired", fault=f["id"], kind="delay", room=room, rid=rid, ms=round(ms, 2),
+                       pages=pages)
+            time.sleep(max(ms, 0) / 1000.0)
+        f = AGENT.match("fail", room, rid)
+        if f is not None:
+            # SGLang reacts to one failed send by blacklisting the decode session (every later
+            # request to that decode fails until its probe loop clears it); heal undoes that
+            # for the sessions this fault failed, so the next test starts clean.
+            f.setdefault("_sessions", []).append((weakref.ref(self), session_id))
+            AGENT.emit("fault_fired", fault=f["id"], kind="fail", room=room, rid=rid, pages=pages,
+                       ret=-1, session=str(session_id), note="no byte written; transfer reported failed")
+            if backend == "nixl":  # NIXL returns transfer handles, not a status: fail by raising
+                raise RuntimeError("kvchaos injected KV transfer failure")
+            return -1
+        f = AGENT.match("short", room, rid)
+        if f is not None:
+            keep = max(0, min(pages, int(f["params"].get("pages", 1))))
+            prefill_kv_indices = prefill_kv_indices[:keep]
+            dst_kv_indices = dst_kv_indices[:keep]
+            AGENT.emit("fault_fired", fault=f["id"], kind="short", room=room, rid=rid, pages_sent=keep,
+                       pages_reserved=reserved, note="success reported; remaining decode pages unwritten")
+        f = AGENT.match("hold", room, rid)
+        if f is not None:
+            ev = AGENT.holds.get(f["id"])
+            limit = float(f["params"].get("max_hold_s", 60))
+            AGENT.emit("fault_fired", fault=f["id"], kind="hold", phase="held", room=room, rid=rid,
+                       pages=pages)
+            released = ev.wait(limit) if ev is not None else True
+            try:
+                if room in self.request_status:
+                    st = self.check_status(room)
+                    status = getattr(st, "name", None) or _KVPOLL.get(int(st), str(st))
+                else:
+                    status = "gone"
+            except Exception as e:  # noqa: BLE001
+                status = f"unknown: {e}"
+            ret = orig(self, session_id, prefill_kv_indices, dst_kv_ptrs, dst_kv_indices, *a, **k)
+            AGENT.emit("fault_fired", fault=f["id"], kind="hold", phase="late_write", room=room, rid=rid,
+                       pages=pages, released=released, room_status_at_write=status,
+                       ret=ret if isinstance(ret, int) else "handles")
+            return ret
+        return orig(self, session_id, prefill_kv_indices, dst_kv_ptrs, dst_kv_indices, *a, **k)
+    return send_kvcache
+
+
 def _hook_mooncake(mod):
     mgr = getattr(mod, "MooncakeKVManager", None)
     if mgr is None:
@@ -445,63 +512,7 @@ def _hook_mooncake(mod):
 
     _wrap(mgr, "__init__", make_init)
 
-    def make_send(orig):
-        def send_kvcache(self, session_id, prefill_kv_indices, dst_kv_ptrs, dst_kv_indices, *a, **k):
-            chunk = getattr(AGENT.tls, "chunk", None)
-            room = getattr(chunk, "room", None)
-            with AGENT.lock:
-                rid = AGENT.room_rid.get(int(room)) if room is not None else None
-                first = room is not None and room not in AGENT.started_rooms
-                if first:
-                    AGENT.started_rooms.add(room)
-            pages = int(len(prefill_kv_indices))
-            reserved = int(len(dst_kv_indices))
-            if first:
-                AGENT.emit("transfer_start", room=room, rid=rid, pages=pages, reserved=reserved,
-                           is_last=getattr(chunk, "is_last_chunk", None))
-            f = AGENT.match("delay", room, rid)
-            if f is not None:
-                p = f["params"]
-                ms = float(p.get("ms", 100)) + random.uniform(-1, 1) * float(p.get("jitter_ms", 0))
-                AGENT.emit("fault_fired", fault=f["id"], kind="delay", room=room, rid=rid, ms=round(ms, 2),
-                           pages=pages)
-                time.sleep(max(ms, 0) / 1000.0)
-            f = AGENT.match("fail", room, rid)
-            if f is not None:
-                # SGLang reacts to one failed send by blacklisting the decode session (every later
-                # request to that decode fails until its probe loop clears it); heal undoes that
-                # for the sessions this fault failed, so the next test starts clean.
-                f.setdefault("_sessions", []).append((weakref.ref(self), session_id))
-                AGENT.emit("fault_fired", fault=f["id"], kind="fail", room=room, rid=rid, pages=pages,
-                           ret=-1, session=str(session_id), note="no byte written; transfer reported failed")
-                return -1
-            f = AGENT.match("short", room, rid)
-            if f is not None:
-                keep = max(0, min(pages, int(f["params"].get("pages", 1))))
-                prefill_kv_indices = prefill_kv_indices[:keep]
-                dst_kv_indices = dst_kv_indices[:keep]
-                AGENT.emit("fault_fired", fault=f["id"], kind="short", room=room, rid=rid, pages_sent=keep,
-                           pages_reserved=reserved, note="success reported; remaining decode pages unwritten")
-            f = AGENT.match("hold", room, rid)
-            if f is not None:
-                ev = AGENT.holds.get(f["id"])
-                limit = float(f["params"].get("max_hold_s", 60))
-                AGENT.emit("fault_fired", fault=f["id"], kind="hold", phase="held", room=room, rid=rid,
-                           pages=pages)
-                released = ev.wait(limit) if ev is not None else True
-                status = None
-                try:
-                    status = str(self.check_status(room)) if room in self.request_status else "gone"
-                except Exception as e:  # noqa: BLE001
-                    status = f"unknown: {e}"
-                ret = orig(self, session_id, prefill_kv_indices, dst_kv_ptrs, dst_kv_indices, *a, **k)
-                AGENT.emit("fault_fired", fault=f["id"], kind="hold", phase="late_write", room=room, rid=rid,
-                           pages=pages, released=released, room_status_at_write=status, ret=ret)
-                return ret
-            return orig(self, session_id, prefill_kv_indices, dst_kv_ptrs, dst_kv_indices, *a, **k)
-        return send_kvcache
-
-    _wrap(mgr, "send_kvcache", make_send)
+    _wrap(mgr, "send_kvcache", lambda orig: _make_send(orig, "mooncake"))
 
     if hasattr(mgr, "_handle_legacy_abort_notification"):
         def make_legacy(orig):
@@ -516,6 +527,15 @@ def _hook_mooncake(mod):
                 return orig(self, notification, room_active)
             return _handle_legacy_abort_notification
         _wrap(mgr, "_handle_legacy_abort_notification", make_legacy)
+
+
+def _hook_nixl(mod):
+    """NIXL backend: same transfer faults on ``NixlKVManager.send_kvcache`` (not exercised on CPU
+    machines: nixl is not installed there)."""
+    mgr = getattr(mod, "NixlKVManager", None)
+    if mgr is None or not hasattr(mgr, "send_kvcache"):
+        return
+    _wrap(mgr, "send_kvcache", lambda orig: _make_send(orig, "nixl"))
 
 
 # ---------------------------------------------------------------- mutation switches
@@ -564,6 +584,7 @@ _MUT_OFF = {"reject_admitted": _reject_off, "early_free": _early_off, "double_al
 HOOKS = {
     "sglang.srt.disaggregation.common.utils": _hook_common_utils,
     "sglang.srt.disaggregation.mooncake.conn": _hook_mooncake,
+    "sglang.srt.disaggregation.nixl.conn": _hook_nixl,
     "sglang.srt.disaggregation.prefill": _hook_prefill,
     "sglang.srt.disaggregation.decode": _hook_decode,
     "sglang.srt.managers.scheduler": _hook_scheduler,

@@ -135,6 +135,31 @@ def test_hold_then_late_write_after_abort(cluster, faults):
     assert _own_echo(_req(cluster, "after-late"))
 
 
+def test_client_disconnect_inside_the_transfer_window(cluster, faults):
+    import json as _json
+    import socket
+    from urllib.parse import urlparse
+
+    h = faults.agent.arm("prefill", "hold", target={"rid": "disc-1"}, params={"max_hold_s": 30})
+    rng = random.Random("disc-1")
+    body = _json.dumps({"text": prompt(rng, 300, canary.mint(rng, 2)), "rid": "disc-1",
+                        "sampling_params": {"max_new_tokens": 26, "temperature": 0}}).encode()
+    u = urlparse(cluster.endpoints.router)
+    s = socket.create_connection((u.hostname, u.port), timeout=10)
+    s.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+              b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+    held = faults.agent.wait_event("prefill", "fault_fired", fault=h.id, phase="held", timeout=30)
+    s.close()  # the client goes away while its KV is in flight
+    faults.log.emit("abort", rid="disc-1", method="client_disconnect", room=held["room"])
+    time.sleep(1.0)
+    h.release()
+    late = faults.agent.wait_event("prefill", "fault_fired", fault=h.id, phase="late_write", timeout=30)
+    # on record: whether prefill had torn the room down when the write landed
+    faults.log.emit("observed", rid="disc-1", room_status_at_write=late["room_status_at_write"], ret=late["ret"])
+    assert late["released"] is True
+    assert _own_echo(_req(cluster, "after-disc"))
+
+
 def test_mutation_reject_admitted_replays_the_pre_fix_path(cluster, faults):
     # prefill believes its pool holds 256 tokens: a 600-token prompt is rejected at intake
     # (set_finish_with_abort), and the mutation lets it through to the decode handoff

@@ -1,0 +1,210 @@
+"""The in-engine agent's logic without SGLang: control socket, targeting, each transfer fault on a
+stand-in KV manager, mutations on stand-in modules, heal, expiry, bad input.
+
+(The same hooks against the real engine: tests/test_faults_live.py.)"""
+
+from __future__ import annotations
+
+import threading
+import time
+import types
+
+import numpy as np
+import pytest
+
+import faults.agent as agent_mod
+from faults.engine import AgentClient, AgentError, FaultDidNotFire
+
+
+class FakeManager:
+    """Stands in for MooncakeKVManager: send_kvcache records what it was asked to write."""
+
+    def __init__(self):
+        self.calls = []
+        self.request_status = {}
+
+    def send_kvcache(self, session_id, prefill_kv_indices, dst_kv_ptrs, dst_kv_indices, executor=None):
+        self.calls.append((session_id, list(prefill_kv_indices), list(dst_kv_indices)))
+        return 0
+
+    def check_status(self, room):
+        return self.request_status[room]
+
+
+def _start(tmp_path, monkeypatch, role):
+    d = tmp_path / f"ag-{role}"
+    d.mkdir()
+    monkeypatch.setattr(agent_mod, "ROLE", role)
+    a = agent_mod.Agent(str(d))
+    monkeypatch.setattr(agent_mod, "AGENT", a)
+    a.serve()
+    return a
+
+
+@pytest.fixture
+def agent(tmp_path, monkeypatch):
+    a = _start(tmp_path, monkeypatch, "prefill")
+    yield a
+    a._srv.shutdown()
+    a._srv.server_close()
+
+
+@pytest.fixture
+def decode_agent(tmp_path, monkeypatch):
+    a = _start(tmp_path, monkeypatch, "decode")
+    yield a
+    a._srv.shutdown()
+    a._srv.server_close()
+
+
+@pytest.fixture
+def mgr(agent):
+    cls = type("FakeManager", (FakeManager,), {})
+    cls.send_kvcache = agent_mod._make_send(FakeManager.send_kvcache, "mooncake")
+    return cls()
+
+
+def _send(mgr, room, rid, n=8):
+    agent_mod.AGENT.tls.chunk = types.SimpleNamespace(room=room, index_slice=slice(0, n), is_last_chunk=True)
+    with agent_mod.AGENT.lock:
+        agent_mod.AGENT.room_rid[room] = rid
+    idx = np.arange(n, dtype=np.int32)
+    return mgr.send_kvcache("sess", idx, [0], idx + 100)
+
+
+def test_discovery_and_bad_input_named(agent):
+    ctl = AgentClient(agent.dir)
+    assert [a["pid"] for a in ctl.agents("prefill")] == [agent.pid]
+    assert ctl.agents("decode") == []
+    sock = ctl.agents()[0]["sock"]
+    from faults.engine import _call
+
+    with pytest.raises(AgentError, match="unknown fault kind 'dealy'"):
+        _call(sock, {"cmd": "arm", "kind": "dealy"})
+    with pytest.raises(AgentError, match="unknown target key 'ridd'"):
+        _call(sock, {"cmd": "arm", "kind": "delay", "target": {"ridd": "x"}})
+    with pytest.raises(AgentError, match="regular expression|unterminated|missing"):
+        _call(sock, {"cmd": "arm", "kind": "delay", "target": {"rid_regex": "("}})
+    with pytest.raises(AgentError, match="unknown command 'explode'"):
+        _call(sock, {"cmd": "explode"})
+
+
+def test_delay_fires_only_on_target_and_is_logged(agent, mgr, tmp_path):
+    ctl = AgentClient(agent.dir)
+    f = ctl.arm("prefill", "delay", target={"rid": "r-a"}, params={"ms": 150}, hooks=())
+    t = time.monotonic()
+    assert _send(mgr, 1, "r-b") == 0
+    assert time.monotonic() - t < 0.1
+    with pytest.raises(FaultDidNotFire):
+        f.verify()
+    t = time.monotonic()
+    assert _send(mgr, 2, "r-a") == 0
+    assert time.monotonic() - t >= 0.15
+    ev = f.verify()
+    assert ev[0]["rid"] == "r-a" and ev[0]["room"] == 2
+    starts = [e for e in ctl.events("prefill") if e["ev"] == "transfer_start"]
+    assert [e["room"] for e in starts] == [1, 2]
+    assert len(mgr.calls) == 2  # both writes happened
+
+
+def test_fail_short_and_tenant_targets(agent, mgr):
+    ctl = AgentClient(agent.dir)
+    f = ctl.arm("prefill", "fail", target={"tenant": "t003"}, hooks=())
+    assert _send(mgr, 10, "r7-000001-t030") == 0  # t030 is not t003
+    assert _send(mgr, 11, "r7-000002-t003") == -1
+    assert len(mgr.calls) == 1  # the failed send wrote nothing
+    assert f.verify()[0]["rid"] == "r7-000002-t003"
+    assert _send(mgr, 12, "r7-000003-t003") == 0  # count=1 by default: fired once
+    s = ctl.arm("prefill", "short", target={"room": 13}, params={"pages": 2}, hooks=())
+    assert _send(mgr, 13, "x", n=8) == 0
+    assert mgr.calls[-1][1] == [0, 1] and mgr.calls[-1][2] == [100, 101]
+    ev = s.verify()[0]
+    assert ev["pages_sent"] == 2 and ev["pages_reserved"] == 8
+
+
+def test_hold_blocks_until_release_then_lands_late(agent, mgr):
+    ctl = AgentClient(agent.dir)
+    h = ctl.arm("prefill", "hold", target={"rid": "late"}, params={"max_hold_s": 10}, hooks=())
+    out = {}
+    th = threading.Thread(target=lambda: out.setdefault("ret", _send(mgr, 5, "late")))
+    th.start()
+    held = ctl.wait_event("prefill", "fault_fired", fault=h.id, phase="held", timeout=5)
+    assert held["room"] == 5 and not mgr.calls  # nothing written yet
+    time.sleep(0.1)
+    assert th.is_alive()
+    h.release()
+    th.join(5)
+    assert out["ret"] == 0 and len(mgr.calls) == 1
+    late = ctl.wait_event("prefill", "fault_fired", fault=h.id, phase="late_write", timeout=5)
+    assert late["released"] is True and late["room_status_at_write"] == "gone"
+
+
+def test_heal_releases_a_parked_write_and_nothing_stays_armed(agent, mgr):
+    ctl = AgentClient(agent.dir)
+    ctl.arm("prefill", "hold", params={"max_hold_s": 30}, hooks=())
+    th = threading.Thread(target=lambda: _send(mgr, 6, "any"))
+    th.start()
+    ctl.wait_event("prefill", "fault_fired", kind="hold", phase="held", timeout=5)
+    assert ctl.armed()
+    ctl.heal_all()
+    th.join(5)
+    assert not th.is_alive() and len(mgr.calls) == 1
+    assert ctl.armed() == []
+
+
+def test_faults_expire(agent, mgr):
+    ctl = AgentClient(agent.dir)
+    ctl.arm("prefill", "fail", ttl_s=0.05, hooks=())
+    time.sleep(0.1)
+    assert _send(mgr, 7, "r") == 0
+    assert any(e["ev"] == "fault_expired" for e in ctl.events())
+
+
+def test_reject_mutation_flips_only_rejected_requests(agent):
+    mod = types.ModuleType("fake_prefill")
+    mod.is_unadmitted_reject = lambda req: req.rejected
+    mod.__name__ = "fake_prefill"
+    agent_mod._hook_reject(mod)
+    ctl = AgentClient(agent.dir)
+    req = types.SimpleNamespace(rid="big", bootstrap_room=9, rejected=True, origin_input_ids=[0], to_finish="ABORT")
+    ok = types.SimpleNamespace(rid="fine", bootstrap_room=8, rejected=False, origin_input_ids=[1, 2], to_finish=None)
+    assert mod.is_unadmitted_reject(req) is True  # not armed: the fixed behaviour
+    f = ctl.arm("prefill", "reject_admitted", hooks=())
+    assert mod.is_unadmitted_reject(ok) is False
+    assert mod.is_unadmitted_reject(req) is False  # armed: the rejected request goes through
+    ev = f.verify()
+    assert ev[0]["rid"] == "big" and ev[0]["input_len"] == 1
+    f.heal()
+    assert mod.is_unadmitted_reject(req) is True
+
+
+def test_double_alloc_aliases_pages_and_keeps_the_pool_whole(decode_agent):
+    import torch
+
+    agent = decode_agent
+
+    class Alloc:
+        def __init__(self):
+            self.free_pages = torch.arange(1, 101)
+
+        def alloc(self, n):
+            out, self.free_pages = self.free_pages[:n], self.free_pages[n:]
+            return out
+
+        def free(self, idx):
+            self.free_pages = torch.cat([self.free_pages, idx])
+
+    mod = types.ModuleType("fake_alloc")
+    mod.TokenToKVPoolAllocator = Alloc
+    agent_mod._hook_allocator(mod)
+    a = Alloc()
+    ctl = AgentClient(agent.dir)
+    f = ctl.arm("decode", "double_alloc", params={"pages": 4}, hooks=())
+    x = a.alloc(10)
+    y = a.alloc(10)
+    assert set(x[:4].tolist()) == set(y[:4].tolist())  # one page, two owners
+    assert f.verify()[0]["shared"] == x[:4].tolist()
+    a.free(x)
+    a.free(y)
+    ctl.heal_all()
+    assert sorted(a.free_pages.tolist()) == list(range(1, 101))  # no page lost, none counted twice
