@@ -84,6 +84,8 @@ class Agent:
         self.started_rooms: set[int] = set()
         self.holds: dict[str, threading.Event] = {}
         self.shared_pages: dict[int, int] = {}  # double_alloc: page -> extra owners still to free
+        self.admitted: dict[str, str] = {}  # reject_admitted: rid -> fault id
+        self.admitted_seen: set[str] = set()
         self.tls = threading.local()
         self.instances: dict[str, weakref.WeakSet] = {}
         self._srv = None
@@ -162,6 +164,9 @@ class Agent:
                     self.holds.pop(i).set()  # never leave a write parked
                 if f["kind"] in MUTATIONS:
                     _MUT_OFF[f["kind"]](self, f)
+                for rid in [r for r, fid in self.admitted.items() if fid == i]:
+                    self.admitted.pop(rid)
+                    self.admitted_seen.discard(rid)
                 for ref, sess in f.pop("_sessions", []):
                     mgr = ref()
                     if mgr is not None and hasattr(mgr, "_unblacklist_session"):
@@ -320,6 +325,7 @@ def _hook_prefill(mod):
 
 
 def _hook_reject(mod):
+    _hook_is_aborted(mod)
     orig = getattr(mod, "is_unadmitted_reject", None)
     if orig is None or getattr(orig, "_kvchaos_orig", None):
         return
@@ -329,6 +335,8 @@ def _hook_reject(mod):
         if verdict:
             f = AGENT.match("reject_admitted", getattr(req, "bootstrap_room", None), getattr(req, "rid", None))
             if f is not None:
+                with AGENT.lock:
+                    AGENT.admitted[req.rid] = f["id"]
                 AGENT.emit("fault_fired", fault=f["id"], kind="reject_admitted", rid=req.rid,
                            room=getattr(req, "bootstrap_room", None),
                            input_len=len(req.origin_input_ids),
@@ -340,6 +348,32 @@ def _hook_reject(mod):
     is_unadmitted_reject._kvchaos_orig = orig
     mod.is_unadmitted_reject = is_unadmitted_reject
     AGENT.hooks.append(f"{mod.__name__}.is_unadmitted_reject")
+
+
+def _hook_is_aborted(mod):
+    """Second half of the reject replay (the part PR #38935 closed): before the fixes the PD queues
+    asked ``req.finished()``, which does not read ``to_finish``, so the rejected request's abort was
+    invisible to them. For requests the mutation admitted, ``is_aborted`` answers the pre-fix way
+    (``finished_reason`` only) while the mutation is armed."""
+    orig = getattr(mod, "is_aborted", None)
+    if orig is None or getattr(orig, "_kvchaos_orig", None):
+        return
+
+    def is_aborted(req):
+        verdict = orig(req)
+        if verdict and AGENT.admitted and getattr(req, "rid", None) in AGENT.admitted:
+            fid = AGENT.admitted[req.rid]
+            if fid in AGENT.faults and getattr(req, "finished_reason", None) is None:
+                if req.rid not in AGENT.admitted_seen:
+                    AGENT.admitted_seen.add(req.rid)
+                    AGENT.emit("fault_fired", fault=fid, kind="reject_admitted", phase="abort_invisible",
+                               rid=req.rid, note="to_finish ignored by the PD queues (pre-#38935)")
+                return False
+        return verdict
+
+    is_aborted._kvchaos_orig = orig
+    mod.is_aborted = is_aborted
+    AGENT.hooks.append(f"{mod.__name__}.is_aborted")
 
 
 def _hook_decode(mod):

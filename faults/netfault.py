@@ -69,11 +69,20 @@ class NetFault:
 
 class NetworkFaults:
     def __init__(self, tp, api: str, token: str, server: ProxyServer | None):
-        self.tp, self.api, self.token, self.server = tp, api, token, server
+        self.api, self.token, self.server = api, token, server
+        host, _, port = api.rpartition("//")[2].rpartition(":")
+        self._where = (host, int(port))
         self.embedded = server is not None
         self.log = None  # an EventLog, set by the test fixture
         self._names: dict[str, dict] = {}
         self._faults: dict[str, NetFault] = {}
+
+    @property
+    def tp(self):
+        """The toxiproxy-python client, re-pointed at this server on every use: the client keeps
+        host/port as class attributes, so any other client in the process (a test's own proxy)
+        would otherwise redirect our calls."""
+        return toxiproxy_client(*self._where)
 
     @classmethod
     def open(cls, where: str, token: str) -> "NetworkFaults":

@@ -161,16 +161,33 @@ def test_client_disconnect_inside_the_transfer_window(cluster, faults):
 
 
 def test_mutation_reject_admitted_replays_the_pre_fix_path(cluster, faults):
-    # prefill believes its pool holds 256 tokens: a 600-token prompt is rejected at intake
-    # (set_finish_with_abort), and the mutation lets it through to the decode handoff
+    # The incident's shape: prefill's input limit (256, as if its pool were small) below the declared
+    # context; a 600-token prompt is rejected at prefill intake (Req.set_finish_with_abort: prompt
+    # swapped for one token, verdict parked in to_finish). The mutation re-opens both doors the fixes
+    # closed: the PD bootstrap queue admits it, and the PD queues do not see its to_finish.
+    # other tenants' prompts pass through decode first and leave their KV in freed pages
+    fill = [_req(cluster, f"fill-{i}", n_tokens=600, seed=f"fill{i}", k=8) for i in range(4)]
+    assert all(_own_echo(x) for x in fill)
+    others = {c for x in fill for c in x["canaries"]}
     f = faults.agent.arm("prefill", "reject_admitted", target={"rid": "rej-1"},
                          params={"prefill_max_input_len": 256})
-    out = _req(cluster, "rej-1", n_tokens=600, timeout=60)
+    out = _req(cluster, "rej-1", n_tokens=600, timeout=30)
     ev = f.verify(timeout=5)
-    assert ev[0]["rid"] == "rej-1" and ev[0]["input_len"] == 1  # the one-token placeholder
+    admitted = [e for e in ev if "phase" not in e]
+    assert admitted[0]["rid"] == "rej-1" and admitted[0]["input_len"] == 1  # the one-token placeholder
     on = [e for e in faults.agent.events("prefill") if e["ev"] == "mutation_on" and e["fault"] == f.id]
     assert on and max(e["schedulers"] for e in on) >= 1  # the scheduler process lowered its limit
-    faults.log.emit("observed", rid="rej-1", status=out["status"], text=out["text"][:200])
+    starts = [e for e in faults.agent.events("prefill") if e["ev"] == "transfer_start" and e["rid"] == "rej-1"]
+    found = {c for _, c in canary.find("[" + out["text"])} if out["status"] == 200 else set()
+    faults.log.emit("observed", rid="rej-1", status=out["status"], text=out["text"][:300],
+                    pages_sent=[e["pages"] for e in starts], reserved=[e["reserved"] for e in starts],
+                    foreign=sorted(found - set(out["canaries"])), own=sorted(found & set(out["canaries"])))
+    # the incident, replayed on the running engine: HTTP 200, fluent, and other tenants' canaries —
+    # decode reserved 600 pages, received one, and attended over stale pages
+    assert any(e.get("phase") == "abort_invisible" for e in ev)
+    assert out["status"] == 200, out
+    assert found and not (found & set(out["canaries"])), out["text"]
+    faults.log.emit("observed", rid="rej-1", foreign_from_fill=sorted(found & others))
     f.heal()
     # healed: the same prompt is served normally again
     assert _own_echo(_req(cluster, "rej-2", n_tokens=600, seed="rej-1"))

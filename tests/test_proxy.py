@@ -235,3 +235,20 @@ def test_toxicity_is_per_connection(tp, echo):
         with _connect(p.listen) as s:
             slow += _roundtrip(s, b"q")[1] >= 0.08
     assert 8 <= slow <= 32, f"toxicity 0.5 applied to {slow}/40 connections"
+
+
+def test_network_faults_keep_their_server_when_another_client_is_made(srv, echo):
+    """toxiproxy-python keeps host/port on a class: a second client must not redirect the cluster's."""
+    from faults.netfault import NetworkFaults
+
+    nf = NetworkFaults.open("embedded", "own")
+    try:
+        nf.add("client", 0, echo.port)
+        toxiproxy_client("127.0.0.1", srv.port)  # someone else's client, e.g. a test's own proxy
+        t = nf.toxic("client", "latency", latency=5)
+        assert [a["toxic"] for a in nf.armed()] == [t.name]
+        assert not any(p.startswith("own-") for p in toxiproxy_client("127.0.0.1", srv.port).proxies())
+        nf.heal_all()
+        assert nf.armed() == []
+    finally:
+        nf.close()

@@ -2,15 +2,18 @@
 jobs on one host).
 
 Binding to port 0 and closing is racy: two workers can be handed the same port before either
-server binds it. Instead each port is *reserved* by atomically creating a lock file
-``<dir>/<port>`` (O_CREAT|O_EXCL) holding the owner's pid, and only then checked for bindability
-on 127.0.0.1. Reservations of dead owners are reclaimed. Ports come from a range below the Linux
+server binds it. Instead each port is *reserved* by creating a lock file ``<dir>/<port>`` holding
+the owner's pid, and only then checked for bindability on 127.0.0.1. Reservations of dead owners
+are reclaimed. Check, reclaim and create run under one ``flock`` on ``<dir>/.lock`` (released by
+the kernel if the holder dies): without it a reader could see a just-created, still empty file,
+take it for stale and reclaim a live reservation (seen once in CI: two processes, one port). Ports come from a range below the Linux
 ephemeral range so the kernel never hands them to outgoing connections.
 """
 
 from __future__ import annotations
 
 import errno
+import fcntl
 import os
 import random
 import socket
@@ -82,12 +85,17 @@ def reserve_ports(n: int, owner: int | None = None, port_range=DEFAULT_RANGE, at
     lo, hi = port_range
     rng = random.Random(os.urandom(8))
     got: list[int] = []
-    for _ in range(attempts):
-        if len(got) == n:
-            return got
-        p = rng.randrange(lo, hi)
-        if p not in got and _try_reserve(p, owner):
-            got.append(p)
+    with open(_lock_dir() / ".lock", "a") as lk:
+        fcntl.flock(lk, fcntl.LOCK_EX)
+        try:
+            for _ in range(attempts):
+                if len(got) == n:
+                    return got
+                p = rng.randrange(lo, hi)
+                if p not in got and _try_reserve(p, owner):
+                    got.append(p)
+        finally:
+            fcntl.flock(lk, fcntl.LOCK_UN)
     release_ports(got)
     raise RuntimeError(f"could not reserve {n} free ports in {lo}-{hi} after {attempts} attempts")
 

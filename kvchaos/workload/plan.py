@@ -54,9 +54,11 @@ class Workload:
         self.prefix = prefix
         self._n = 0
 
-    def _rid(self) -> str:
+    def _rid(self, tenant: str) -> str:
+        """``<prefix><seed>-<n>-<tenant>``: the tenant is in the rid so in-engine faults can target
+        a tenant (``{"tenant": "t003"}``) from the engine side, where only the rid is known."""
         self._n += 1
-        return f"{self.prefix}{self.seed}-{self._n:06d}"
+        return f"{self.prefix}{self.seed}-{self._n:06d}-{tenant}"
 
     def request(self, tenant: Tenant | None = None, kind: str = "plain", n_tokens: int | None = None,
                 n_canaries: int | None = None, endpoint: str = "generate", abort_after_ms: float | None = None) -> RequestPlan:
@@ -69,7 +71,7 @@ class Workload:
         floor = k * (canary.LENGTH + 2) + MIN_HEAD + MIN_TAIL + 1
         n = max(n_tokens if n_tokens is not None else t.rng.randrange(64, 600), floor)
         cs = canary.mint(t.rng, k)
-        p = RequestPlan(rid=self._rid(), tenant=t.name, kind=kind, endpoint=endpoint, prompt=prompt(t.rng, n, cs),
+        p = RequestPlan(rid=self._rid(t.name), tenant=t.name, kind=kind, endpoint=endpoint, prompt=prompt(t.rng, n, cs),
                         canaries=cs, n_tokens=n, max_new_tokens=max_new_tokens(k), abort_after_ms=abort_after_ms,
                         oversized=(kind == "oversized"))
         if kind == "abort_after" and abort_after_ms is None:
