@@ -31,10 +31,12 @@ hook                            purpose
                                 the chunk, report success), ``hold`` (block the write until the
                                 harness releases it, then land it: the late write after an abort)
 ``disaggregation.prefill/decode`` mutation ``reject_admitted``: ``is_unadmitted_reject`` answers
-``.is_unadmitted_reject``       False, so a request the scheduler rejected at intake
-                                (``Req.set_finish_with_abort``: prompt swapped for one token,
-                                verdict parked in ``to_finish``) is bootstrapped and handed to
-                                decode — the path PRs #36988/#38935 closed. Optional
+``.is_unadmitted_reject``,      False, so a request the scheduler rejected at intake
+``disaggregation.prefill``      (``Req.set_finish_with_abort``: prompt swapped for one token,
+``.is_aborted``                 verdict parked in ``to_finish``) is bootstrapped (PR #36988's gate),
+                                and for that request ``is_aborted`` reads ``finished_reason`` only,
+                                as ``req.finished()`` did before PR #38935, so the PD queues do not
+                                see the parked abort and transfer the one-token KV. Optional
                                 ``prefill_max_input_len`` lowers ``Scheduler.max_req_input_len`` in
                                 the prefill scheduler while armed (a smaller prefill pool than the
                                 declared context, as in the incident), without a restart
@@ -45,6 +47,10 @@ hook                            purpose
 ``TokenToKVPoolAllocator.alloc`` mutation ``double_alloc``: the next allocation hands out N
 (decode)                        pages that a live allocation already holds (one page, two requests)
 =============================== ===========================================================
+
+Configuration fault ``input_limit`` (``max_input_len``): only lowers prefill's
+``Scheduler.max_req_input_len`` while armed — the incident's deployment (prefill pool smaller than the
+declared context) on an engine whose fixes are intact; the control for ``reject_admitted``.
 
 Targets: ``{"any": true}``, ``{"room": int}``, ``{"rid": str}``, ``{"rid_regex": str}``,
 ``{"tenant": "t003"}`` (rids carry their tenant: ``...-t003-...``). ``count`` bounds how many
@@ -68,8 +74,9 @@ import time
 import weakref
 
 ROLE = os.environ.get("KVCHAOS_AGENT_ROLE", "")
-KINDS = ("delay", "fail", "short", "hold", "reject_admitted", "early_free", "double_alloc")
-MUTATIONS = ("reject_admitted", "early_free", "double_alloc")
+KINDS = ("delay", "fail", "short", "hold", "reject_admitted", "early_free", "double_alloc", "input_limit")
+# switched on at arm time, off at heal (engine-bug replays, and one configuration fault)
+MUTATIONS = ("reject_admitted", "early_free", "double_alloc", "input_limit")
 
 
 class Agent:
@@ -574,7 +581,7 @@ def _hook_nixl(mod):
 
 # ---------------------------------------------------------------- mutation switches
 def _reject_on(agent: Agent, f: dict):
-    lim = f["params"].get("prefill_max_input_len")
+    lim = f["params"].get("prefill_max_input_len", f["params"].get("max_input_len"))
     if lim is not None and ROLE == "prefill":
         saved = []
         for s in agent.live("Scheduler"):
@@ -612,8 +619,10 @@ def _noop(agent, f):
     pass
 
 
-_MUT_ON = {"reject_admitted": _reject_on, "early_free": _early_on, "double_alloc": _noop}
-_MUT_OFF = {"reject_admitted": _reject_off, "early_free": _early_off, "double_alloc": _noop}
+_MUT_ON = {"reject_admitted": _reject_on, "early_free": _early_on, "double_alloc": _noop,
+           "input_limit": _reject_on}
+_MUT_OFF = {"reject_admitted": _reject_off, "early_free": _early_off, "double_alloc": _noop,
+            "input_limit": _reject_off}
 
 HOOKS = {
     "sglang.srt.disaggregation.common.utils": _hook_common_utils,

@@ -156,7 +156,7 @@ class AgentClient:
     def arm(self, role: str, kind: str, target: dict | None = None, params: dict | None = None,
             count: int | None = None, ttl_s: float = 600.0, hooks: tuple[str, ...] | None = None) -> ArmedFault:
         need = hooks if hooks is not None else (("send_kvcache",) if kind in ("delay", "fail", "short", "hold") else
-                         ("is_unadmitted_reject",) if kind == "reject_admitted" else
+                         ("is_unadmitted_reject",) if kind in ("reject_admitted", "input_limit") else
                          ("TokenToKVPoolAllocator.alloc",) if kind == "double_alloc" else ("send_kvcache",))
         agents = self.wait_agents(role, need)
         fid = f"{kind}-{uuid.uuid4().hex[:8]}"

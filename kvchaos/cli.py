@@ -2,6 +2,7 @@
 
   kvchaos up   [--profile P] [--model M]        stand up a cluster, print its URLs, wait for Ctrl-C
   kvchaos run  [--profile P] [SUITE ...]        run chaos suites against a cluster, write a report dir
+  kvchaos repro NAME [--profile P]              reproduce a known incident (``kvchaos repro --list``)
 
 Defaults come from ``[tool.kvchaos]`` in ./pyproject.toml (keys: profile, model, reports, suites),
 then from flags.
@@ -91,6 +92,30 @@ def cmd_run(args) -> int:
     return rc
 
 
+INCIDENTS = {
+    "glm53": ("suites/incidents/test_glm53_kv_leak.py",
+              "GLM-5.3 KV leak: prefill pool < context, rejected prompt handed to decode, stale pages served "
+              "(bug replay on sglang 0.5.23 vs the fixed engine)"),
+}
+
+
+def cmd_repro(args) -> int:
+    if args.list or not args.name:
+        for k, (path, what) in INCIDENTS.items():
+            print(f"{k:8s} {path}\n         {what}")
+        return 0 if args.list else 2
+    if args.name not in INCIDENTS:
+        raise SystemExit(f"kvchaos repro: unknown incident {args.name!r}; known: {sorted(INCIDENTS)}")
+    path = str(REPO / INCIDENTS[args.name][0])
+    ns = argparse.Namespace(reports=args.reports, suites=[path], profile=args.profile, markers="not gpu",
+                            model=args.model, attach=None, k=None)
+    rc = cmd_run(ns)
+    runs = sorted(Path(args.reports).resolve().glob("*/incidents/*/summary.json"), key=lambda p: p.stat().st_mtime)
+    for sfile in runs[-2:]:
+        print(f"{sfile.parent}: {sfile.read_text()}")
+    return rc
+
+
 def build_parser() -> argparse.ArgumentParser:
     cfg = _config()
     p = argparse.ArgumentParser(prog="kvchaos", description="Chaos harness for disaggregated LLM inference")
@@ -111,6 +136,11 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("-k", default=None, help="pytest -k expression")
     run.add_argument("-m", dest="markers", default="not slow and not gpu", help="pytest marker expression")
     run.set_defaults(fn=cmd_run)
+    rp = sub.add_parser("repro", help="reproduce a known incident (see --list)")
+    common(rp)
+    rp.add_argument("name", nargs="?", help="incident name, e.g. glm53")
+    rp.add_argument("--list", action="store_true", help="list known incidents")
+    rp.set_defaults(fn=cmd_repro)
     return p
 
 

@@ -5,18 +5,20 @@ import socket
 from kvchaos.cluster.ports import _lock_dir, release_ports, reserve_ports
 
 
-def _grab(q, n):
+def _grab(q, n, done):
     q.put(reserve_ports(n))
+    done.wait(30)  # stay alive: a dead owner's reservations are (rightly) reclaimable
 
 
 def test_concurrent_processes_never_share_a_port(tmp_path, monkeypatch):
     monkeypatch.setenv("KVCHAOS_PORT_DIR", str(tmp_path))
     ctx = mp.get_context("fork")
-    q = ctx.Queue()
-    procs = [ctx.Process(target=_grab, args=(q, 25)) for _ in range(6)]
+    q, done = ctx.Queue(), ctx.Event()
+    procs = [ctx.Process(target=_grab, args=(q, 25, done)) for _ in range(6)]
     for p in procs:
         p.start()
     got = [q.get(timeout=30) for _ in procs]
+    done.set()
     for p in procs:
         p.join(10)
     flat = [x for g in got for x in g]
