@@ -393,6 +393,22 @@ def _hook_decode(mod):
                 AGENT.track("DecodeTransferQueue", self)
             return __init__
         _wrap(tq, "__init__", make_init)
+        if hasattr(tq, "_record_transfer_failure"):
+            # reached from the failure branch of the transfer poll, after decode decided whether to
+            # defer the page release; with early_free armed it did not: the proof of firing
+            def make_fail(orig):
+                def _record_transfer_failure(self, *a, **k):
+                    with AGENT.lock:
+                        on = [f for f in AGENT.faults.values() if f["kind"] == "early_free"]
+                    if on and not getattr(self, "enable_deferred_kv_release", True):
+                        on[0]["fired"] += 1
+                        AGENT.emit("fault_fired", fault=on[0]["id"], kind="early_free",
+                                   reason=str(a[0] if a else k.get("failure_reason", ""))[:200],
+                                   note="failed/aborted transfer: decode pages released without waiting "
+                                        "for in-flight writes to drain")
+                    return orig(self, *a, **k)
+                return _record_transfer_failure
+            _wrap(tq, "_record_transfer_failure", make_fail)
 
 
 def _hook_scheduler(mod):
@@ -636,16 +652,11 @@ HOOKS = {
 
 
 # ================================================================== import machinery
-class _After(importlib.abc.Loader):
-    def __init__(self, inner, hook):
-        self._inner, self._hook = inner, hook
+def _After(inner, _hook):
+    """Run ``_apply`` right after the module executes (the compat layer's post-import loader)."""
+    from kvchaos.cpucompat import _PostImportLoader
 
-    def create_module(self, spec):
-        return self._inner.create_module(spec)
-
-    def exec_module(self, module):
-        self._inner.exec_module(module)
-        _apply(module.__name__, module)
+    return _PostImportLoader(inner, lambda module: _apply(module.__name__, module))
 
 
 def _apply(name, module):

@@ -41,20 +41,15 @@ def _start(tmp_path, monkeypatch, role):
     return a
 
 
-@pytest.fixture
-def agent(tmp_path, monkeypatch):
-    a = _start(tmp_path, monkeypatch, "prefill")
+@pytest.fixture(params=["prefill"])
+def agent(request, tmp_path, monkeypatch):
+    a = _start(tmp_path, monkeypatch, request.param)
     yield a
     a._srv.shutdown()
     a._srv.server_close()
 
 
-@pytest.fixture
-def decode_agent(tmp_path, monkeypatch):
-    a = _start(tmp_path, monkeypatch, "decode")
-    yield a
-    a._srv.shutdown()
-    a._srv.server_close()
+decode_agent = pytest.fixture(params=["decode"], name="decode_agent")(agent.__wrapped__)
 
 
 @pytest.fixture
