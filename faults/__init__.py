@@ -27,6 +27,7 @@ class FaultKit:
 
         self.cluster, self.log = cluster, log
         self.t0 = time.time()
+        self._collected: set = set()
         agent_dir = getattr(cluster, "agent_dir", None)
         self.agent = AgentClient(agent_dir, log) if agent_dir else None
         self.net = getattr(cluster, "proxy", None)
@@ -52,6 +53,10 @@ class FaultKit:
             return []
         evs = [e for e in self.agent.events() if e["wall"] >= self.t0]
         for e in evs:
+            key = (e.get("pid"), e.get("seq"))
+            if key in self._collected:
+                continue
+            self._collected.add(key)
             self.log.emit("agent", agent_ev=e["ev"], **{k: v for k, v in e.items() if k not in ("t", "ev")})
         return evs
 

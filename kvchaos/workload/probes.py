@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import httpx
 
 from kvchaos.cluster.metrics import Metrics
@@ -18,14 +20,24 @@ def kv_used(url: str) -> int | None:
     return int(total - m.value("sglang:kv_available_tokens") - m.value("sglang:kv_evictable_tokens"))
 
 
-def snapshot(cluster, log, phase: str, answer: bool = True) -> bool:
-    """Emit ``probe`` events for prefill and decode (KV use) and, with ``answer``, a 1-token request."""
+def snapshot(cluster, log, phase: str, answer: bool = True, settle_s: float = 0.0) -> bool:
+    """Emit ``probe`` events for prefill and decode (KV use) and, with ``answer``, a 1-token request.
+
+    ``settle_s``: give the pools up to that long to drain to empty before reading them (SGLang
+    holds a failed or aborted transfer's decode pages until its writes drain or
+    ``SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT``, 30 s, passes); the wait is
+    recorded as ``waited_s`` so a slow release is visible, and pages still held after it are a leak."""
     ok_all = True
+    t0 = time.monotonic()
     for role in ("prefill", "decode"):
         url = getattr(cluster.endpoints, role)
         try:
             used = kv_used(url)
-            log.emit("probe", phase=phase, role=role, kv_used=used, ok=True)
+            while used and time.monotonic() - t0 < settle_s:
+                time.sleep(0.5)
+                used = kv_used(url)
+            log.emit("probe", phase=phase, role=role, kv_used=used, ok=True,
+                     waited_s=round(time.monotonic() - t0, 2))
         except httpx.HTTPError as e:
             ok_all = False
             log.emit("probe", phase=phase, role=role, ok=False, detail=repr(e))
