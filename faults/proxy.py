@@ -220,6 +220,10 @@ class Proxy:
             self.server.event("upstream_unreachable", proxy=self.name, upstream=self.upstream, error=repr(e))
             cw.close()
             return
+        if not self.enabled:  # disabled while we were connecting upstream: drop, like toxiproxy
+            uw.close()
+            cw.close()
+            return
         link = _Link(self, cr, cw, ur, uw)
         self.links.add(link)
         link.tasks = [asyncio.ensure_future(self._pipe(link, "upstream", cr, uw)),

@@ -51,3 +51,35 @@ def snapshot(cluster, log, phase: str, answer: bool = True, settle_s: float = 0.
             log.emit("probe", phase=phase, role="router", ok=False, detail=repr(e))
         ok_all &= ok
     return ok_all
+
+
+BUSY_GAUGES = ("sglang:num_running_reqs", "sglang:num_queue_reqs", "sglang:num_prefill_bootstrap_queue_reqs",
+               "sglang:num_prefill_inflight_queue_reqs", "sglang:num_decode_prealloc_queue_reqs",
+               "sglang:num_decode_transfer_queue_reqs")
+WORK_COUNTERS = ("sglang:prefill_effective_tokens_total", "sglang:realtime_tokens_total")
+
+
+def wait_quiet(cluster, timeout_s: float = 120.0, stable_s: float = 10.0) -> dict:
+    """Wait until neither server has queued/running requests and their work counters have not moved
+    for ``stable_s`` (a router still retrying a request its client abandoned keeps them moving).
+    Returns ``{"quiet": bool, "waited_s": float}``; never waits longer than ``timeout_s``."""
+    t0 = time.monotonic()
+    last, since = None, time.monotonic()
+    while time.monotonic() - t0 < timeout_s:
+        state = []
+        for role in ("prefill", "decode"):
+            try:
+                m = Metrics.fetch(getattr(cluster.endpoints, role))
+            except httpx.HTTPError:
+                state.append(None)
+                continue
+            names = {x.name for x in m.samples}
+            state.append((sum(m.value(g) for g in BUSY_GAUGES if g in names),
+                          tuple(m.value(c) for c in WORK_COUNTERS if c in names)))
+        busy = any(st is None or st[0] for st in state)
+        if state != last or busy:
+            last, since = state, time.monotonic()
+        elif time.monotonic() - since >= stable_s:
+            return {"quiet": True, "waited_s": round(time.monotonic() - t0, 2)}
+        time.sleep(0.5)
+    return {"quiet": False, "waited_s": round(time.monotonic() - t0, 2)}
