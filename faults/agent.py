@@ -133,6 +133,15 @@ class Agent:
                 return f
         return None
 
+    def switched_on(self, kind: str, fire: bool = False) -> dict | None:
+        """The first armed fault of ``kind`` (mutations are switches: no target, no count);
+        ``fire`` counts a firing on it."""
+        with self.lock:
+            f = next((x for x in self.faults.values() if x["kind"] == kind), None)
+            if f is not None and fire:
+                f["fired"] += 1
+            return f
+
     def armed(self) -> list[dict]:
         with self.lock:
             return [_public(f) for f in self.faults.values()]
@@ -297,6 +306,18 @@ def _wrap(cls, name, make):
     AGENT.hooks.append(f"{cls.__module__}.{cls.__qualname__}.{name}")
 
 
+def _track_instances(cls, name: str) -> None:
+    """Wrap ``cls.__init__`` so the agent keeps a weak reference to every instance (mutations switch
+    attributes on live engine objects)."""
+    def make_init(orig):
+        def __init__(self, *a, **k):
+            orig(self, *a, **k)
+            AGENT.track(name, self)
+        return __init__
+
+    _wrap(cls, "__init__", make_init)
+
+
 def _hook_common_utils(mod):
     FQ = getattr(mod, "FastQueue", None)
     if FQ is None:
@@ -387,22 +408,17 @@ def _hook_decode(mod):
     _hook_reject(mod)
     tq = getattr(mod, "DecodeTransferQueue", None)
     if tq is not None:
-        def make_init(orig):
-            def __init__(self, *a, **k):
-                orig(self, *a, **k)
-                AGENT.track("DecodeTransferQueue", self)
-            return __init__
-        _wrap(tq, "__init__", make_init)
+        _track_instances(tq, "DecodeTransferQueue")
         if hasattr(tq, "_record_transfer_failure"):
             # reached from the failure branch of the transfer poll, after decode decided whether to
             # defer the page release; with early_free armed it did not: the proof of firing
             def make_fail(orig):
                 def _record_transfer_failure(self, *a, **k):
-                    with AGENT.lock:
-                        on = [f for f in AGENT.faults.values() if f["kind"] == "early_free"]
-                    if on and not getattr(self, "enable_deferred_kv_release", True):
-                        on[0]["fired"] += 1
-                        AGENT.emit("fault_fired", fault=on[0]["id"], kind="early_free",
+                    on = None
+                    if not getattr(self, "enable_deferred_kv_release", True):
+                        on = AGENT.switched_on("early_free", fire=True)
+                    if on is not None:
+                        AGENT.emit("fault_fired", fault=on["id"], kind="early_free",
                                    reason=str(a[0] if a else k.get("failure_reason", ""))[:200],
                                    note="failed/aborted transfer: decode pages released without waiting "
                                         "for in-flight writes to drain")
@@ -413,16 +429,8 @@ def _hook_decode(mod):
 
 def _hook_scheduler(mod):
     sch = getattr(mod, "Scheduler", None)
-    if sch is None:
-        return
-
-    def make_init(orig):
-        def __init__(self, *a, **k):
-            orig(self, *a, **k)
-            AGENT.track("Scheduler", self)
-        return __init__
-
-    _wrap(sch, "__init__", make_init)
+    if sch is not None:
+        _track_instances(sch, "Scheduler")
 
 
 def _hook_allocator(mod):
@@ -437,9 +445,8 @@ def _hook_allocator(mod):
                 return out
             st = AGENT.tls.__dict__.setdefault("alloc_state", {})
             f = None
-            with AGENT.lock:
-                armed = [x for x in AGENT.faults.values() if x["kind"] == "double_alloc"]
-            n = int(armed[0]["params"].get("pages", 8)) if armed else 0
+            armed = AGENT.switched_on("double_alloc")
+            n = int(armed["params"].get("pages", 8)) if armed else 0
             if armed and len(out) >= n:  # a prefill-sized allocation, not a 1-token decode step
                 prev = st.get("last")
                 if prev is not None and len(prev) >= n:
@@ -560,25 +567,15 @@ def _hook_mooncake(mod):
     mgr = getattr(mod, "MooncakeKVManager", None)
     if mgr is None:
         return
-
-    def make_init(orig):
-        def __init__(self, *a, **k):
-            orig(self, *a, **k)
-            AGENT.track("MooncakeKVManager", self)
-        return __init__
-
-    _wrap(mgr, "__init__", make_init)
-
+    _track_instances(mgr, "MooncakeKVManager")
     _wrap(mgr, "send_kvcache", lambda orig: _make_send(orig, "mooncake"))
 
     if hasattr(mgr, "_handle_legacy_abort_notification"):
         def make_legacy(orig):
             def _handle_legacy_abort_notification(self, notification, room_active):
-                with AGENT.lock:
-                    on = [f for f in AGENT.faults.values() if f["kind"] == "early_free"]
-                if on:
-                    on[0]["fired"] += 1
-                    AGENT.emit("fault_fired", fault=on[0]["id"], kind="early_free",
+                on = AGENT.switched_on("early_free", fire=True)
+                if on is not None:
+                    AGENT.emit("fault_fired", fault=on["id"], kind="early_free",
                                room=getattr(notification, "room", None), room_active=room_active,
                                note="decode released pages without waiting for the drain ack")
                 return orig(self, notification, room_active)
