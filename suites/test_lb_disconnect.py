@@ -4,34 +4,19 @@ their own data, every request must end, and the KV pools must drain."""
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
 from kvchaos import oracles
-from kvchaos.workload import EventLog, Workload, run_plans
-from kvchaos.workload.probes import snapshot
+from kvchaos.suite import run_judged
+from kvchaos.workload import Workload
 
 pytestmark = pytest.mark.cluster
 BOUND_S = 60
-SETTLE_S = 45  # > SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT (30 s)
 
 
 def _run(cluster, faults, kvchaos_run_dir, name, plans):
-    path = kvchaos_run_dir / "suites" / f"{name}.events.jsonl"
-    with EventLog(path) as log:
-        log.emit("run", name=name, n=len(plans))
-        snapshot(cluster, log, "before", answer=False, settle_s=SETTLE_S)
-        run_plans(cluster.endpoints.router, plans, log, concurrency=8, timeout_s=BOUND_S,
-                  abort_urls=(cluster.endpoints.prefill, cluster.endpoints.decode))
-        faults.heal_all()
-        snapshot(cluster, log, "after", settle_s=SETTLE_S)
-    ev = log.records
-    verdicts = [oracles.isolation(ev), oracles.liveness(ev, bound_s=BOUND_S)]
-    (path.parent / f"{name}.verdicts.json").write_text(json.dumps([v.to_dict() for v in verdicts], indent=2, default=str))
-    for v in verdicts:
-        print(v)
-    return ev, verdicts
+    return run_judged(cluster, faults, kvchaos_run_dir, name, plans,
+                      [oracles.isolation, lambda ev: oracles.liveness(ev, bound_s=BOUND_S)], timeout_s=BOUND_S)
 
 
 def test_disconnect_before_first_token_while_kv_in_flight(cluster, faults, kvchaos_run_dir):

@@ -8,34 +8,20 @@ the isolation, sensitivity and liveness oracles."""
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
 from kvchaos import oracles
-from kvchaos.workload import EventLog, Workload, run_plans
-from kvchaos.workload.probes import snapshot
+from kvchaos.suite import run_judged
+from kvchaos.workload import Workload
 
 pytestmark = pytest.mark.cluster
 BOUND_S = 60
-SETTLE_S = 45  # > SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT (30 s)
 
 
 def _run(cluster, faults, kvchaos_run_dir, name, plans, concurrency=8):
-    path = kvchaos_run_dir / "suites" / f"{name}.events.jsonl"
-    with EventLog(path) as log:
-        log.emit("run", name=name, n=len(plans))
-        snapshot(cluster, log, "before", answer=False, settle_s=SETTLE_S)
-        run_plans(cluster.endpoints.router, plans, log, concurrency=concurrency, timeout_s=BOUND_S,
-                  abort_urls=(cluster.endpoints.prefill, cluster.endpoints.decode))
-        faults.heal_all()  # heal before the "after" probe: the pool must be back at baseline
-        snapshot(cluster, log, "after", settle_s=SETTLE_S)
-    ev = log.records
-    verdicts = [oracles.isolation(ev), oracles.sensitivity(ev), oracles.liveness(ev, bound_s=BOUND_S)]
-    (path.parent / f"{name}.verdicts.json").write_text(json.dumps([v.to_dict() for v in verdicts], indent=2, default=str))
-    for v in verdicts:
-        print(v)
-    return verdicts
+    return run_judged(cluster, faults, kvchaos_run_dir, name, plans,
+                      [oracles.isolation, oracles.sensitivity, lambda ev: oracles.liveness(ev, bound_s=BOUND_S)],
+                      concurrency=concurrency, timeout_s=BOUND_S)
 
 
 def test_transfer_delay_with_jitter_keeps_isolation(cluster, faults, kvchaos_run_dir):
@@ -43,7 +29,7 @@ def test_transfer_delay_with_jitter_keeps_isolation(cluster, faults, kvchaos_run
     plans = wl.mix(48, lengths=(100, 500))
     target = wl.tenants[1].name
     f = faults.agent.arm("prefill", "delay", target={"tenant": target}, params={"ms": 250, "jitter_ms": 200})
-    iso, sens, live = _run(cluster, faults, kvchaos_run_dir, "transfer_delay", plans)
+    _, (iso, sens, live) = _run(cluster, faults, kvchaos_run_dir, "transfer_delay", plans)
     fired = f.verify(at_least=sum(p.tenant == target for p in plans))
     assert {e["rid"].rsplit("-", 1)[1] for e in fired} == {target}
     assert len({e["ms"] for e in fired}) > 1  # jitter: not one fixed delay
@@ -56,9 +42,9 @@ def test_one_failed_send_is_an_error_for_its_request_only(cluster, faults, kvcha
     plans = wl.mix(48, lengths=(100, 500))
     victim = plans[5]
     f = faults.agent.arm("prefill", "fail", target={"rid": victim.rid})
-    iso, sens, live = _run(cluster, faults, kvchaos_run_dir, "transfer_fail", plans, concurrency=4)
+    ev, (iso, sens, live) = _run(cluster, faults, kvchaos_run_dir, "transfer_fail", plans, concurrency=4)
     f.verify()
-    run = oracles.Run(faults.log.records + iso_events(kvchaos_run_dir, "transfer_fail"))
+    run = oracles.Run(ev)
     assert run.statuses.get(victim.rid) != 200, "a request whose KV never arrived was answered 200"
     assert iso.status == oracles.PASS, iso  # failures may cost availability, never isolation
     assert live.status == oracles.PASS, live.witnesses[:3]
@@ -67,19 +53,13 @@ def test_one_failed_send_is_an_error_for_its_request_only(cluster, faults, kvcha
     faults.log.emit("observed", victim=victim.rid, bystanders_failed=len(failed), of=len(plans) - 1)
 
 
-def iso_events(run_dir, name):
-    from kvchaos.workload.events import load_events
-
-    return load_events(run_dir / "suites" / f"{name}.events.jsonl")
-
-
 def test_late_writes_after_aborts_keep_isolation(cluster, faults, kvchaos_run_dir):
     wl = Workload(103, n_tenants=8, prefix="l")
     plans = wl.mix(40, weights={"plain": 3, "abort_after": 1}, lengths=(150, 500))
     # every chunk of the aborted tenants' requests is delayed past its abort, then lands late
     aborters = {p.tenant for p in plans if p.kind == "abort_after"}
     fs = [faults.agent.arm("prefill", "delay", target={"tenant": t}, params={"ms": 400}) for t in sorted(aborters)]
-    iso, sens, live = _run(cluster, faults, kvchaos_run_dir, "late_write", plans)
+    _, (iso, sens, live) = _run(cluster, faults, kvchaos_run_dir, "late_write", plans)
     assert sum(len(f.fired_events()) for f in fs) >= 1
     assert iso.status == oracles.PASS, iso
     assert live.status == oracles.PASS, live.witnesses[:3]
