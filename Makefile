@@ -9,6 +9,7 @@ PYTEST_ARGS ?=
 .PHONY: setup run test test-unit bench clean-reports
 setup:
 	@bash scripts/setup.sh >/dev/null
+	@bash scripts/setup-engine.sh 0.5.19 >/dev/null  # pre-fix release for the GLM-5.3 reproduction
 
 run: setup
 	$(PY) -m kvchaos run

@@ -95,7 +95,7 @@ def cmd_run(args) -> int:
 INCIDENTS = {
     "glm53": ("suites/incidents/test_glm53_kv_leak.py",
               "GLM-5.3 KV leak: prefill pool < context, rejected prompt handed to decode, stale pages served "
-              "(bug replay on sglang 0.5.23 vs the fixed engine)"),
+              "(pre-fix sglang 0.5.19 in its own env; bug replay on 0.5.23; the fixed 0.5.23)"),
 }
 
 
@@ -111,7 +111,7 @@ def cmd_repro(args) -> int:
                             model=args.model, attach=None, k=None)
     rc = cmd_run(ns)
     runs = sorted(Path(args.reports).resolve().glob("*/incidents/*/summary.json"), key=lambda p: p.stat().st_mtime)
-    for sfile in runs[-2:]:
+    for sfile in runs[-3:]:
         print(f"{sfile.parent}: {sfile.read_text()}")
     return rc
 
