@@ -29,7 +29,11 @@ hook                            purpose
                                 ``transfer_start`` events and the faults ``delay``, ``fail``
                                 (return -1, no write), ``short`` (send only the first N pages of
                                 the chunk, report success), ``hold`` (block the write until the
-                                harness releases it, then land it: the late write after an abort)
+                                harness releases it, then land it: the late write after an abort);
+                                after every write a ``write_end`` event (room, start, end)
+``DecodeTransferQueue``          decode gives a failed/aborted transfer's pages back (at once or
+``._release_request`` (decode)  after the deferred drain): ``kv_released`` event (room, rid) — with
+                                ``write_end`` the evidence the ``kv_lifecycle`` oracle judges
 ``disaggregation.prefill/decode`` mutation ``reject_admitted``: ``is_unadmitted_reject`` answers
 ``.is_unadmitted_reject``,      False, so a request the scheduler rejected at intake
 ``disaggregation.prefill``      (``Req.set_finish_with_abort``: prompt swapped for one token,
@@ -425,6 +429,18 @@ def _hook_decode(mod):
                     return orig(self, *a, **k)
                 return _record_transfer_failure
             _wrap(tq, "_record_transfer_failure", make_fail)
+        if hasattr(tq, "_release_request"):
+            # where decode gives a failed/aborted transfer's pre-allocated pages back: at once from
+            # the poll's failure branch, or from ``_do_release`` after the deferred drain/timeout
+            def make_release(orig):
+                def _release_request(self, decode_req, *a, **k):
+                    req = getattr(decode_req, "req", None)
+                    AGENT.emit("kv_released", room=getattr(req, "bootstrap_room", None),
+                               rid=getattr(req, "rid", None),
+                               deferred_release_enabled=bool(getattr(self, "enable_deferred_kv_release", False)))
+                    return orig(self, decode_req, *a, **k)
+                return _release_request
+            _wrap(tq, "_release_request", make_release)
 
 
 def _hook_scheduler(mod):
@@ -554,13 +570,27 @@ def _make_send(orig, backend: str):
                     status = "gone"
             except Exception as e:  # noqa: BLE001
                 status = f"unknown: {e}"
+            w0 = time.time()
             ret = orig(self, session_id, prefill_kv_indices, dst_kv_ptrs, dst_kv_indices, *a, **k)
             AGENT.emit("fault_fired", fault=f["id"], kind="hold", phase="late_write", room=room, rid=rid,
                        pages=pages, released=released, room_status_at_write=status,
                        ret=ret if isinstance(ret, int) else "handles")
+            _write_end(room, rid, pages, w0, ret)
             return ret
-        return orig(self, session_id, prefill_kv_indices, dst_kv_ptrs, dst_kv_indices, *a, **k)
+        w0 = time.time()
+        ret = orig(self, session_id, prefill_kv_indices, dst_kv_ptrs, dst_kv_indices, *a, **k)
+        _write_end(room, rid, pages, w0, ret)
+        return ret
     return send_kvcache
+
+
+def _write_end(room, rid, pages, wall_start, ret):
+    """Every KV write prefill made into decode's pages, with its time span: the ``kv_lifecycle``
+    oracle pairs it with decode's ``kv_released`` for the same room (a write that ends after decode
+    gave the pages back landed in pages that may already belong to someone else)."""
+    if room is not None:
+        AGENT.emit("write_end", room=room, rid=rid, pages=pages, wall_start=wall_start,
+                   ret=ret if isinstance(ret, int) else "handles")
 
 
 def _hook_mooncake(mod):

@@ -102,6 +102,7 @@ class AgentClient:
         self.timeout = timeout
         self._armed: dict[str, ArmedFault] = {}
         self._logged: set = set()
+        self._ecache: dict[str, tuple[int, list]] = {}  # events file -> (bytes parsed, records)
 
     # ------------------------------------------------------------ discovery
     def agents(self, role: str | None = None) -> list[dict]:
@@ -173,20 +174,25 @@ class AgentClient:
 
     def events(self, role: str | None = None) -> list[dict]:
         """Every agent's events, read from the per-process JSONL files — so the evidence of a
-        process that crashed or was killed is still there."""
+        process that crashed or was killed is still there. Files are read incrementally (only the
+        bytes appended since the last call; a line still being written waits for the next call)."""
         out = []
         for path in glob.glob(os.path.join(self.dir, "events-*.jsonl")):
+            off, parsed = self._ecache.get(path, (0, []))
             try:
-                lines = open(path).read().splitlines()
+                with open(path, "rb") as fh:
+                    fh.seek(off)
+                    chunk = fh.read()
             except OSError:
-                continue
-            for line in lines:
+                chunk = b""
+            end = chunk.rfind(b"\n") + 1
+            for line in chunk[:end].splitlines():
                 try:
-                    e = json.loads(line)
+                    parsed.append(json.loads(line))
                 except json.JSONDecodeError:
-                    continue  # a line being written right now
-                if role is None or e.get("role") == role:
-                    out.append(e)
+                    continue
+            self._ecache[path] = (off + end, parsed)
+            out.extend(e for e in parsed if role is None or e.get("role") == role)
         return sorted(out, key=lambda e: (e["wall"], e.get("seq", 0)))
 
     def wait_event(self, role: str, ev: str, timeout: float = 30.0, **match) -> dict:

@@ -3,7 +3,8 @@
     ev, verdicts = run_judged(cluster, faults, kvchaos_run_dir, "transfer_delay", plans,
                               [oracles.isolation, lambda ev: oracles.liveness(ev, bound_s=60)])
 
-writes ``<run dir>/suites/<name>.events.jsonl`` and ``<name>.verdicts.json``. The KV pools are probed
+writes ``<run dir>/suites/<name>.events.jsonl`` (the harness's events and the in-engine agents') and
+``<name>.verdicts.json``. The KV pools are probed
 before (settled) and after (faults healed first, then given ``settle_s`` to drain: SGLang holds a failed
 or aborted transfer's decode pages up to SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT, 30 s).
 """
@@ -11,6 +12,10 @@ or aborted transfer's decode pages up to SGLANG_DISAGGREGATION_DEFERRED_DECODE_K
 from __future__ import annotations
 
 import json
+import threading
+import time
+
+import httpx
 
 from kvchaos.workload import EventLog, run_plans
 from kvchaos.workload.probes import snapshot
@@ -21,6 +26,7 @@ SETTLE_S = 45.0
 def run_judged(cluster, faults, run_dir, name: str, plans, judges, concurrency: int = 8,
                timeout_s: float = 60.0, settle_s: float = SETTLE_S):
     path = run_dir / "suites" / f"{name}.events.jsonl"
+    t_start = time.time()
     with EventLog(path) as log:
         log.emit("run", name=name, n=len(plans))
         snapshot(cluster, log, "before", answer=False, settle_s=settle_s)
@@ -28,6 +34,11 @@ def run_judged(cluster, faults, run_dir, name: str, plans, judges, concurrency: 
                   abort_urls=(cluster.endpoints.prefill, cluster.endpoints.decode))
         faults.heal_all()  # heal before the "after" probe: the pool must be back at baseline
         snapshot(cluster, log, "after", settle_s=settle_s)
+        # the engines' side (transfers, writes, releases, faults fired) joins the same log
+        for e in faults.collect_agent_events():
+            if e["wall"] < t_start:  # an earlier run of the same test
+                continue
+            log.emit("agent", agent_ev=e["ev"], **{k: v for k, v in e.items() if k not in ("t", "ev")})
     ev = log.records
     verdicts = [judge(ev) for judge in judges]
     (path.parent / f"{name}.verdicts.json").write_text(
@@ -35,3 +46,39 @@ def run_judged(cluster, faults, run_dir, name: str, plans, judges, concurrency: 
     for v in verdicts:
         print(v)
     return ev, verdicts
+
+
+def abort_in_flight(cluster, faults, victims, hold_s=0.3):
+    """Arm a hold on each victim's KV write; return a thread that, for each in turn, waits until the
+    write is parked in prefill, aborts the request on both engines, waits ``hold_s`` and releases the
+    write (it lands late). ``thread.result`` lists what happened per victim."""
+    holds = [(v, faults.agent.arm("prefill", "hold", target={"rid": v.rid}, params={"max_hold_s": 30}))
+             for v in victims]
+    out: list[dict] = []
+
+    def choreograph():
+        for v, h in holds:
+            try:
+                held = faults.agent.wait_event("prefill", "fault_fired", fault=h.id, phase="held", timeout=90)
+            except TimeoutError as e:
+                out.append({"rid": v.rid, "error": str(e)})
+                continue
+            t_abort = time.time()
+            st = {}
+            for role in ("prefill", "decode"):
+                url = getattr(cluster.endpoints, role)
+                try:
+                    st[role] = httpx.post(f"{url}/abort_request", json={"rid": v.rid}, timeout=10).status_code
+                except httpx.HTTPError as e:
+                    st[role] = repr(e)
+            time.sleep(hold_s)
+            h.release()
+            late = faults.agent.wait_event("prefill", "fault_fired", fault=h.id, phase="late_write", timeout=30)
+            out.append({"rid": v.rid, "room": held.get("room"), "aborted_at": t_abort, "abort_status": st,
+                        "late_write_at": late["wall"], "room_status_at_write": late.get("room_status_at_write")})
+
+    t = threading.Thread(target=choreograph, name="kvchaos-abort-choreography", daemon=True)
+    t.result = out
+    t.holds = holds
+    t.start()
+    return t

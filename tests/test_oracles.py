@@ -129,3 +129,28 @@ def test_liveness(case, status):
     assert v.status == status, v
     if status == FAIL:
         assert v.witnesses
+
+
+@pytest.mark.parametrize("case,status", [
+    ("write_before_release", PASS), ("write_after_release", FAIL), ("copied_into_test_log", FAIL),
+    ("no_agent", UNKNOWN), ("nothing_released", UNKNOWN)])
+def test_kv_lifecycle(case, status):
+    w = {"ev": "write_end", "source": "agent", "room": 7, "rid": "r1", "pages": 300, "wall_start": 99.0, "wall": 100.0}
+    rel = {"ev": "kv_released", "source": "agent", "room": 7, "rid": "r1", "deferred_release_enabled": True, "wall": 100.5}
+    other = {"ev": "write_end", "source": "agent", "room": 8, "rid": "r2", "pages": 10, "wall_start": 101.0, "wall": 101.5}
+    ev = [w, rel, other]
+    if case == "write_after_release":  # planted: decode gave the pages back, the late write lands 2 s later
+        rel = {**rel, "wall": 98.0, "deferred_release_enabled": False}
+        ev = [w, rel, other]
+    elif case == "copied_into_test_log":
+        ev = [{**e, "ev": "agent", "agent_ev": e["ev"]} for e in (w, {**rel, "wall": 98.0}, other)]
+    elif case == "no_agent":
+        ev = clean_log()
+    elif case == "nothing_released":
+        ev = [w, other]
+    v = oracles.kv_lifecycle(ev)
+    assert v.status == status, v
+    if status == FAIL:
+        x = v.witnesses[0]
+        assert (x["room"], x["rid"], x["after_release_ms"]) == (7, "r1", 2000.0)
+        assert len(v.witnesses) == 1  # room 8 was never released: its write is fine

@@ -11,6 +11,10 @@
   a 4xx with an error; HTTP 200 with content is a failure.
 * :func:`liveness` — every request ends, within the bound; the cluster answers afterwards; the KV
   pool returns to its idle baseline (no pages lost).
+* :func:`kv_lifecycle` — from the engines' own evidence (the in-engine agent's ``write_end`` on
+  prefill, ``kv_released`` on decode): no KV write lands in decode pages after decode gave them back
+  (an abort that frees pages while a write to them is in flight: late writes into recycled pages).
+  Sees the bug even when no reply happens to show the foreign data.
 """
 
 from __future__ import annotations
@@ -264,4 +268,53 @@ def liveness(events: list[dict], bound_s: float, pool_tolerance_tokens: int = 0)
                    + ("; KV pool back to baseline" if pool else ""), [], stats)
 
 
-ALL = ("isolation", "sensitivity", "http_semantics", "liveness")
+# --------------------------------------------------------------------------- kv lifecycle
+def _agent_kind(e: dict) -> str | None:
+    """Agent events appear raw (``ev``) or copied into a test log (``ev == "agent"``, ``agent_ev``)."""
+    if e.get("ev") == "agent":
+        return e.get("agent_ev")
+    return e.get("ev") if e.get("source") == "agent" else None
+
+
+def kv_lifecycle(events: list[dict], tolerance_s: float = 0.0) -> Verdict:
+    """No KV write into decode's pages ends after decode released them (same bootstrap room)."""
+    released: dict = {}
+    writes = defaultdict(list)
+    n_writes = 0
+    for e in events:
+        kind = _agent_kind(e)
+        room = e.get("room")
+        if room is None:
+            continue
+        if kind == "kv_released":
+            if room not in released or e["wall"] < released[room]["wall"]:
+                released[room] = e
+        elif kind == "write_end":
+            writes[room].append(e)
+            n_writes += 1
+    witnesses = []
+    for room, rel in released.items():
+        for w in writes.get(room, []):
+            if w["wall"] > rel["wall"] + tolerance_s:
+                witnesses.append({"room": room, "rid": w.get("rid") or rel.get("rid"), "pages": w.get("pages"),
+                                  "released_at": rel["wall"], "write_start": w.get("wall_start"), "write_end": w["wall"],
+                                  "after_release_ms": round(1000 * (w["wall"] - rel["wall"]), 1),
+                                  "deferred_release_enabled": rel.get("deferred_release_enabled"),
+                                  "problem": "KV write landed in decode pages after decode released them"})
+    stats = {"writes": n_writes, "released_rooms": len(released),
+             "released_with_writes": sum(1 for r in released if writes.get(r))}
+    if witnesses:
+        w = witnesses[0]
+        return Verdict("kv_lifecycle", FAIL, f"{len(witnesses)} KV write(s) landed after decode released the pages "
+                       f"(first: room {w['room']} rid {w['rid']}: {w['pages']} pages, {w['after_release_ms']} ms "
+                       "after release)", witnesses, stats)
+    if not n_writes:
+        return Verdict("kv_lifecycle", UNKNOWN, "no engine-side write evidence (in-engine agent not loaded?)", [], stats)
+    if not released:
+        return Verdict("kv_lifecycle", UNKNOWN, f"{n_writes} writes, but no failed/aborted transfer released pages: "
+                       "nothing to judge", [], stats)
+    return Verdict("kv_lifecycle", PASS, f"{len(released)} released room(s), {stats['released_with_writes']} with "
+                   f"writes: every write ended before its pages were released", [], stats)
+
+
+ALL = ("isolation", "sensitivity", "http_semantics", "liveness", "kv_lifecycle")
