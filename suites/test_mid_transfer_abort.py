@@ -1,0 +1,105 @@
+"""Aborts while a request's KV is in flight from prefill to decode, among other tenants' traffic.
+
+The class: a request is aborted (client gone, load balancer timeout, ``/abort_request``) after
+prefill started writing its KV into pages decode pre-allocated. If decode gives those pages back
+before the write has drained, the late write lands in pages that now belong to another request —
+another tenant's data in its context, or its own KV overwritten. SGLang defers the release
+(``SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE``, PR #35049) until prefill acknowledges the
+drain or a timeout passes.
+
+Judged by isolation (no foreign canary in any reply), ``kv_lifecycle`` (from the engines' own
+events: no write into decode pages ends after decode released them — sees the race even when no
+reply shows it) and liveness (every request ends, pools back to baseline).
+
+- ``test_abort_while_kv_write_in_flight``: deterministic. Three requests' writes are held inside
+  prefill's transfer (the in-engine agent's ``hold``), each is aborted on prefill and decode while
+  held, then the write is released and lands late.
+- ``test_aborts_at_random_points_of_delayed_transfers``: two tenants' writes take 300 ms (``delay``)
+  and each of their requests is aborted 0–400 ms after its transfer started: aborts land during and
+  after the write; the test counts those that landed mid-transfer and needs at least one.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+
+import httpx
+import pytest
+
+from kvchaos import oracles
+from kvchaos.suite import abort_in_flight, run_judged
+from kvchaos.workload import Workload
+
+pytestmark = pytest.mark.cluster
+BOUND_S = 60
+JUDGES = [oracles.isolation, oracles.kv_lifecycle, lambda ev: oracles.liveness(ev, bound_s=BOUND_S)]
+
+
+def test_abort_while_kv_write_in_flight(cluster, faults, kvchaos_run_dir):
+    wl = Workload(201, n_tenants=8, prefix="ma")
+    plans = wl.mix(40, lengths=(150, 500))
+    victims = [p for p in plans if p.tenant == "t002"][:3]
+    chor = abort_in_flight(cluster, faults, victims)
+    ev, (iso, life, live) = run_judged(cluster, faults, kvchaos_run_dir, "abort_in_flight", plans, JUDGES,
+                                       concurrency=6, timeout_s=BOUND_S)
+    chor.join(timeout=120)
+    assert not chor.is_alive(), "abort choreography did not finish"
+    faults.log.emit("observed", choreography=chor.result)
+    assert [r.get("error") for r in chor.result] == [None] * len(victims), chor.result
+    assert all(r["late_write_at"] > r["aborted_at"] for r in chor.result)  # the write landed after the abort
+    assert iso.status == oracles.PASS, iso
+    assert life.status == oracles.PASS, life  # decode waited for the late writes before reusing the pages
+    assert life.stats["released_with_writes"] >= 1, life.stats  # something was actually judged
+    assert live.status == oracles.PASS, live.witnesses[:3]
+
+
+def test_aborts_at_random_points_of_delayed_transfers(cluster, faults, kvchaos_run_dir):
+    wl = Workload(202, n_tenants=8, prefix="mr")
+    plans = wl.mix(48, lengths=(150, 500))
+    targets = [p for p in plans if p.tenant in ("t001", "t004")]
+    # the two tenants' writes take 300 ms; each is aborted 0-400 ms after its transfer started
+    f = faults.agent.arm("prefill", "delay", target={"rid_regex": "-(t001|t004)$"}, params={"ms": 300})
+    rng = random.Random(202)
+    done = threading.Event()
+    aborted: dict[str, float] = {}
+
+    def aborter():
+        pending = {p.rid for p in targets}
+        while pending and not done.is_set():
+            for e in faults.agent.events("prefill"):
+                if e["ev"] == "transfer_start" and e.get("rid") in pending:
+                    pending.discard(e["rid"])
+                    time.sleep(max(0.0, e["wall"] + rng.uniform(0, 0.4) - time.time()))
+                    aborted[e["rid"]] = time.time()
+                    for u in (cluster.endpoints.prefill, cluster.endpoints.decode):
+                        try:
+                            httpx.post(f"{u}/abort_request", json={"rid": e["rid"]}, timeout=10)
+                        except httpx.HTTPError:
+                            pass
+            time.sleep(0.02)
+
+    t = threading.Thread(target=aborter, name="kvchaos-aborter", daemon=True)
+    t.start()
+    try:
+        ev, (iso, life, live) = run_judged(cluster, faults, kvchaos_run_dir, "abort_random", plans, JUDGES,
+                                           concurrency=8, timeout_s=BOUND_S)
+    finally:
+        done.set()
+        t.join(timeout=30)
+    f.verify(at_least=len(targets))
+    first_start, last_end = {}, {}
+    for e in ev:
+        kind = e.get("agent_ev")
+        if kind == "transfer_start" and e.get("rid"):
+            first_start.setdefault(e["rid"], e["wall"])
+        elif kind == "write_end" and e.get("rid"):
+            last_end.setdefault(e["rid"], e["wall"])  # the first attempt's write
+    mid = sorted(r for r, t in aborted.items() if first_start.get(r, float("inf")) <= t <= last_end.get(r, float("inf")))
+    faults.log.emit("observed", aborts=len(aborted), mid_transfer=len(mid), mid_rids=mid)
+    print(f"{len(aborted)} aborts, {len(mid)} landed mid-transfer")
+    assert mid, f"no abort landed mid-transfer ({len(aborted)} aborts): the test exercised nothing"
+    assert iso.status == oracles.PASS, iso
+    assert life.status == oracles.PASS, life
+    assert live.status == oracles.PASS, live.witnesses[:3]
