@@ -131,6 +131,13 @@ def _patch_mooncake_conn(mod) -> None:
 
 
 def _patch_nixl_conn(mod) -> None:
+    # strided (Nx5) descriptor lists are not found for host memory by the UCX plugin
+    # (NIXL_ERR_NOT_FOUND in prep_xfer_dlist): use sglang's own per-block fallback
+    for name in dir(mod):
+        cls = getattr(mod, name)
+        if isinstance(cls, type) and cls.__dict__.get("_use_strided_descs") is True:
+            cls._use_strided_descs = False
+            APPLIED.append(f"nixl-per-block-descs:{name}")
     # NIXL's python API takes mem type strings; sglang passes "VRAM" for the KV pool regardless
     # of device. Wrap every callable in the module's agent that registers memory.
     try:
@@ -140,15 +147,18 @@ def _patch_nixl_conn(mod) -> None:
     agent_cls = getattr(nixl_api, "nixl_agent", None)
     if agent_cls is None or getattr(agent_cls, "_kvchaos_dram", False):
         return
-    for meth in ("get_reg_descs", "get_xfer_descs", "register_memory"):
+    # every public method that can carry a memory kind (register/deregister/query memory, reg and
+    # xfer descriptor lists, prep_xfer_dlist, ...): a "VRAM" argument becomes "DRAM"
+    for meth in [m for m in vars(agent_cls) if not m.startswith("_") and callable(getattr(agent_cls, m))]:
         orig = getattr(agent_cls, meth, None)
         if orig is None:
             continue
 
         def wrapped(self, *args, __orig=orig, **kwargs):
-            args = tuple("DRAM" if a == "VRAM" else a for a in args)
-            if kwargs.get("mem_type") == "VRAM":
-                kwargs["mem_type"] = "DRAM"
+            args = tuple("DRAM" if isinstance(a, str) and a == "VRAM" else a for a in args)
+            for k in ("mem_type", "mem_kind"):
+                if kwargs.get(k) == "VRAM":
+                    kwargs[k] = "DRAM"
             return __orig(self, *args, **kwargs)
 
         setattr(agent_cls, meth, wrapped)

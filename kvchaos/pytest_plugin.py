@@ -6,6 +6,7 @@ Options
   --kvchaos-reference URL       reference single server for differential checks in attach mode
   --kvchaos-model   tiny:SEED|DIR   override the profile's model
   --kvchaos-reports DIR         where run directories go (default: ./reports)
+  --kvchaos-backends A,B        run the cluster tests once per KV transfer backend (mooncake_tcp,nixl)
 
 Fixtures
   kvchaos_spec      the ClusterSpec in force
@@ -52,6 +53,9 @@ def pytest_addoption(parser):
                 help="model override: tiny:SEED or a model directory")
     g.addoption("--kvchaos-reports", default=os.environ.get("KVCHAOS_REPORTS", "reports"),
                 help="directory for run reports [reports]")
+    g.addoption("--kvchaos-backends", default=os.environ.get("KVCHAOS_BACKENDS"),
+                help="comma-separated KV transfer backends to run the suites over, one cluster each "
+                     "(e.g. mooncake_tcp,nixl) [the profile's]")
 
 
 def pytest_configure(config):
@@ -59,6 +63,8 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "slow: long sweeps, deselected by default (-m slow)")
     config.addinivalue_line("markers", "cluster: uses the real cluster")
     config.addinivalue_line("markers", "disruptive: leaves the engine busy on purpose; run at the end of the session")
+    config.addinivalue_line("markers", "backends(*names): the KV transfer backends this test applies to "
+                            "(default: every backend for suites/, the first one for the harness's own tests)")
     run_id = os.environ.get("KVCHAOS_RUN_ID") or time.strftime("%Y%m%d-%H%M%S") + f"-{os.getpid()}"
     worker = os.environ.get("PYTEST_XDIST_WORKER")
     if worker:
@@ -78,10 +84,50 @@ def cuda_available() -> tuple[bool, str]:
     return True, r.stdout.strip()
 
 
+def _backends(config) -> list[str]:
+    from kvchaos.cluster.spec import TRANSFER_BACKENDS
+
+    raw = config.getoption("--kvchaos-backends")
+    if not raw:
+        return []
+    names = list(dict.fromkeys(x.strip() for x in raw.split(",") if x.strip()))
+    bad = [n for n in names if n not in TRANSFER_BACKENDS]
+    if bad or not names:
+        raise pytest.UsageError(f"--kvchaos-backends {raw!r}: unknown backend(s) {bad}; one of {TRANSFER_BACKENDS}")
+    return names
+
+
+def pytest_generate_tests(metafunc):
+    # with several backends every cluster test runs once per backend (a session cluster each;
+    # pytest finishes one backend's tests and stops its cluster before starting the next)
+    names = _backends(metafunc.config)
+    if len(names) > 1 and "kvchaos_backend" in metafunc.fixturenames:
+        metafunc.parametrize("kvchaos_backend", names, scope="session")
+
+
+def _backend_of(item):
+    cs = getattr(item, "callspec", None)
+    return cs.params.get("kvchaos_backend") if cs else None
+
+
 def pytest_collection_modifyitems(config, items):
+    names = _backends(config)
+    if len(names) > 1:
+        keep, drop = [], []
+        for it in items:
+            b = _backend_of(it)
+            m = it.get_closest_marker("backends")
+            allowed = (set(m.args) if m else
+                       set(names) if "suites" in Path(str(it.fspath)).parts else {names[0]})
+            (keep if b is None or b in allowed else drop).append(it)
+        if drop:
+            config.hook.pytest_deselected(items=drop)
+            items[:] = keep
     # tests that leave the engine busy on purpose (hung requests the router keeps retrying) run last,
-    # so no other test's exact counters or pool baselines see their stray work
-    items.sort(key=lambda it: it.get_closest_marker("disruptive") is not None)
+    # so no other test's exact counters or pool baselines see their stray work; with several backends,
+    # one backend's tests (disruptive last) before the next backend's
+    order = {n: i for i, n in enumerate(names)}
+    items.sort(key=lambda it: (order.get(_backend_of(it), 0), it.get_closest_marker("disruptive") is not None))
     if not any(item.get_closest_marker("gpu") for item in items):
         return
     ok, why = cuda_available()
@@ -100,9 +146,25 @@ def kvchaos_run_dir(pytestconfig) -> Path:
 
 
 @pytest.fixture(scope="session")
-def kvchaos_spec(pytestconfig) -> ClusterSpec:
+def kvchaos_base_spec(pytestconfig) -> ClusterSpec:
+    """The profile as loaded (what the single reference server uses: it has no transfer backend)."""
     return ClusterSpec.load(pytestconfig.getoption("--kvchaos-profile"),
                             model=pytestconfig.getoption("--kvchaos-model"))
+
+
+@pytest.fixture(scope="session")
+def kvchaos_backend(pytestconfig, kvchaos_base_spec) -> str:
+    """The KV transfer backend of this cluster (parametrized when --kvchaos-backends names several)."""
+    names = _backends(pytestconfig)
+    return names[0] if names else kvchaos_base_spec.transfer_backend
+
+
+@pytest.fixture(scope="session")
+def kvchaos_spec(kvchaos_base_spec, kvchaos_backend) -> ClusterSpec:
+    if kvchaos_backend == kvchaos_base_spec.transfer_backend:
+        return kvchaos_base_spec
+    return ClusterSpec.from_dict({**kvchaos_base_spec.to_dict(), "transfer_backend": kvchaos_backend,
+                                  "name": f"{kvchaos_base_spec.name}-{kvchaos_backend}"})
 
 
 @pytest.fixture(scope="session")
@@ -113,12 +175,13 @@ def kvchaos_reaper():
 
 
 @pytest.fixture(scope="session")
-def cluster(pytestconfig, kvchaos_spec, kvchaos_run_dir, kvchaos_reaper):
+def cluster(pytestconfig, kvchaos_base_spec, kvchaos_spec, kvchaos_run_dir, kvchaos_reaper):
     attach = pytestconfig.getoption("--kvchaos-attach")
     if attach:
         c = AttachedCluster.parse(attach, kvchaos_spec).start()
     else:
-        c = Cluster(kvchaos_spec, kvchaos_run_dir, reaper=kvchaos_reaper).start()
+        workdir = kvchaos_run_dir if kvchaos_spec is kvchaos_base_spec else kvchaos_run_dir / kvchaos_spec.name
+        c = Cluster(kvchaos_spec, workdir, reaper=kvchaos_reaper).start()
     (kvchaos_run_dir / "cluster.json").write_text(json.dumps(c.describe(), indent=2, default=str))
     try:
         # every session proves the harness can see a leak on this cluster before trusting a PASS
@@ -137,15 +200,15 @@ def cluster(pytestconfig, kvchaos_spec, kvchaos_run_dir, kvchaos_reaper):
 
 
 @pytest.fixture(scope="session")
-def reference_server(pytestconfig, kvchaos_spec, kvchaos_run_dir, kvchaos_reaper):
+def reference_server(pytestconfig, kvchaos_base_spec, kvchaos_run_dir, kvchaos_reaper):
     ref = pytestconfig.getoption("--kvchaos-reference")
     if ref:
-        s = AttachedCluster(Endpoints(router=ref, prefill=ref, decode=ref), kvchaos_spec)
+        s = AttachedCluster(Endpoints(router=ref, prefill=ref, decode=ref), kvchaos_base_spec)
         yield s
         return
     if pytestconfig.getoption("--kvchaos-attach"):
         pytest.skip("attach mode without --kvchaos-reference: no reference server to compare against")
-    s = SingleServer(kvchaos_spec, kvchaos_run_dir, reaper=kvchaos_reaper).start()
+    s = SingleServer(kvchaos_base_spec, kvchaos_run_dir, reaper=kvchaos_reaper).start()
     try:
         yield s
     finally:

@@ -60,6 +60,15 @@ if [ "$(cat "$VENV/.kvchaos-harness-stamp" 2>/dev/null)" != "$HSTAMP" ]; then
   echo "$HSTAMP" > "$VENV/.kvchaos-harness-stamp"
 fi
 
+# --- NIXL (the second KV transfer backend): nixl-cu13's wheel carries UCX and runs on CPU memory
+# once kvchaos.cpucompat maps NIXL's VRAM labels to DRAM. --no-deps: its metadata pulls nixl-cu12 too.
+NSTAMP=$(sha256sum env/requirements-nixl.txt | cut -c1-16)
+if [ "$(cat "$VENV/.kvchaos-nixl-stamp" 2>/dev/null)" != "$NSTAMP" ]; then
+  log "installing NIXL"
+  pip_install --no-deps -r env/requirements-nixl.txt
+  echo "$NSTAMP" > "$VENV/.kvchaos-nixl-stamp"
+fi
+
 # --- kvchaos itself, editable, pointing at this checkout (CI clones elsewhere: re-point cheaply)
 HERE=$(cd / && "$VENV/bin/python" -c 'import kvchaos, os; print(os.path.dirname(os.path.dirname(os.path.abspath(kvchaos.__file__))))' 2>/dev/null || true)
 if [ "$HERE" != "$REPO" ]; then

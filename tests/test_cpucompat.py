@@ -62,3 +62,47 @@ def test_mooncake_sender_and_vllm_stand_in():
     assert "mooncake-no-host-tensor-indices" in ok.stdout and "stand-in:vllm._custom_ops" in ok.stdout
     plain = _py("import vllm", compat=False)
     assert plain.returncode != 0  # there is no real vllm here: the stand-in is what makes it importable
+
+
+def test_nixl_patch_maps_vram_to_dram_and_clears_strided_descs(monkeypatch):
+    """The NIXL patch (measured: UCX rejects host memory labelled VRAM, and strided descriptor lists
+    are not found for it): str "VRAM" arguments become "DRAM", arrays pass untouched, the per-block
+    descriptor fallback is forced. Checked on stand-ins for nixl's agent and sglang's conn module."""
+    import sys
+    import types
+
+    import numpy as np
+
+    from kvchaos import cpucompat
+
+    calls = []
+
+    class FakeAgent:
+        def register_memory(self, addrs, mem_type=None):
+            calls.append(("register_memory", addrs, mem_type))
+
+        def prep_xfer_dlist(self, peer, descs, mem_type):
+            calls.append(("prep_xfer_dlist", descs, mem_type))
+
+    api = types.ModuleType("nixl._api")
+    api.nixl_agent = FakeAgent
+    pkg = types.ModuleType("nixl")
+    pkg._api = api
+    monkeypatch.setitem(sys.modules, "nixl", pkg)
+    monkeypatch.setitem(sys.modules, "nixl._api", api)
+    conn = types.ModuleType("sglang.srt.disaggregation.nixl.conn")
+
+    class NixlKVManager:
+        _use_strided_descs = True
+
+    conn.NixlKVManager = NixlKVManager
+    cpucompat._patch_nixl_conn(conn)
+    a = FakeAgent()
+    arr = np.arange(10).reshape(2, 5)
+    a.prep_xfer_dlist("peer", arr, "VRAM")
+    a.register_memory([1, 2], mem_type="VRAM")
+    a.prep_xfer_dlist("peer", arr, "DRAM")
+    assert calls[0][0] == "prep_xfer_dlist" and calls[0][1] is arr and calls[0][2] == "DRAM"
+    assert calls[1] == ("register_memory", [1, 2], "DRAM")
+    assert calls[2][2] == "DRAM"
+    assert NixlKVManager._use_strided_descs is False
