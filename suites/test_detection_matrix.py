@@ -4,7 +4,7 @@ For every engine mutation the in-engine agent provides (``faults/agent.py``: re-
 faults a correct engine should survive), the scenario of the matching suite runs with the mutation
 armed and must FAIL — with the right oracle and a witness that names the bug's victim. Without a
 mutation the same scenarios must PASS every oracle (no false alarm). Each class runs ``TRIALS``
-times (``KVCHAOS_MATRIX_TRIALS``, default 2; ``-m slow`` runs 5); the per-class per-trial detection
+times (``KVCHAOS_MATRIX_TRIALS``, default 2; nightly runs use more); the per-class per-trial detection
 rate and time to first detection are printed and written to ``<run dir>/detection_matrix.json``.
 
 ============== ================================== =============== =================================
