@@ -82,3 +82,18 @@ def abort_in_flight(cluster, faults, victims, hold_s=0.3):
     t.holds = holds
     t.start()
     return t
+
+
+def server_field(info, key):
+    """First value of ``key`` anywhere in a nested ``/server_info`` answer (its layout moves between
+    releases: 0.5.19 and 0.5.23 keep pool sizes in different places)."""
+    if isinstance(info, dict):
+        if key in info:
+            return info[key]
+        info = list(info.values())
+    if isinstance(info, list):
+        for x in info:
+            v = server_field(x, key)
+            if v is not None:
+                return v
+    return None

@@ -35,7 +35,7 @@ from __future__ import annotations
 import pytest
 
 from kvchaos import canary, oracles
-from kvchaos.suite import run_judged
+from kvchaos.suite import run_judged, server_field
 from kvchaos.workload import Workload
 from kvchaos.workload.probes import wait_quiet
 
@@ -49,27 +49,14 @@ HANG_FINDING = (
     "('1537–2042-token prompts never get a response').")
 
 
-def _find(obj, key):
-    if isinstance(obj, dict):
-        if key in obj:
-            return obj[key]
-        obj = list(obj.values())
-    if isinstance(obj, list):
-        for x in obj:
-            v = _find(x, key)
-            if v is not None:
-                return v
-    return None
-
-
 @pytest.fixture(scope="module")
 def edges(cluster):
     """The edges, read from the engines (not assumed from the profile)."""
     pf, dc = cluster.server_info("prefill"), cluster.server_info("decode")
-    pool = min(_find(pf, "max_total_num_tokens"), _find(dc, "max_total_num_tokens"))
-    limit = min(_find(pf, "max_req_input_len"), _find(dc, "max_req_input_len"))
-    reserve = _find(dc, "num_reserved_decode_tokens")
-    context = _find(dc, "context_length")
+    pool = min(server_field(pf, "max_total_num_tokens"), server_field(dc, "max_total_num_tokens"))
+    limit = min(server_field(pf, "max_req_input_len"), server_field(dc, "max_req_input_len"))
+    reserve = server_field(dc, "num_reserved_decode_tokens")
+    context = server_field(dc, "context_length")
     assert None not in (pool, limit, reserve, context), (pool, limit, reserve, context)
     e = {"pool": pool, "limit": limit, "reserve": reserve, "context": context,
          "admit_edge": min(pool - reserve, limit)}

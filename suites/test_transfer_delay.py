@@ -1,5 +1,5 @@
-"""KV-transfer faults under multi-tenant load: delay (with jitter, per chunk), one failed send, and
-late writes after aborts. A correct engine may slow down or fail a request, but never serves one
+"""KV-transfer faults under multi-tenant load: delay (with jitter, per chunk), one failed send,
+late writes after aborts, and short transfers (success reported after one page). A correct engine may slow down or fail a request, but never serves one
 tenant's data to another, and every request ends.
 
 Each test arms its fault on one tenant's requests from the engine side (the in-engine agent),
@@ -63,3 +63,34 @@ def test_late_writes_after_aborts_keep_isolation(cluster, faults, kvchaos_run_di
     assert sum(len(f.fired_events()) for f in fs) >= 1
     assert iso.status == oracles.PASS, iso
     assert live.status == oracles.PASS, live.witnesses[:3]
+
+
+SHORT_FINDING = (
+    "known engine limitation (sglang 0.5.23 default config): decode does not check that the KV it "
+    "received covers what it pre-allocated — a transfer that reports success after writing 1 page is "
+    "decoded over whatever the other pages held (other tenants' prompts). The KV checksum "
+    "(--disaggregation-enable-kv-checksum) is off by default; PR #38704 (open) adds a transferred-length "
+    "check. kvchaos sees it: isolation FAIL with the shorted request as victim.")
+
+
+def test_short_transfer_is_not_served_as_a_clean_reply(cluster, faults, kvchaos_run_dir):
+    wl = Workload(104, n_tenants=8, prefix="s")
+    plans = wl.mix(40, lengths=(200, 500))
+    target = wl.tenants[5].name
+    shorted = [p.rid for p in plans if p.tenant == target][:3]
+    f = faults.agent.arm("prefill", "short", target={"rid_regex": "^(" + "|".join(shorted) + ")$"},
+                         params={"pages": 1}, count=len(shorted))
+    ev, (iso, sens, live) = _run(cluster, faults, kvchaos_run_dir, "short_transfer", plans)
+    fired = f.verify(at_least=len(shorted))
+    assert all(e["pages_sent"] == 1 and e["pages_reserved"] > 100 for e in fired), fired
+    assert live.status == oracles.PASS, live.witnesses[:3]
+    victims = {w["victim_rid"] for w in iso.witnesses}
+    assert victims <= set(shorted), sorted(victims - set(shorted))  # bystanders are never affected
+    run = oracles.Run(ev)
+    served = [r for r in shorted if run.statuses.get(r) == 200]
+    faults.log.emit("observed", shorted=shorted, served_200=served, isolation=iso.status)
+    if served:  # answered from pages that were never written
+        pytest.xfail(f"{SHORT_FINDING} Witness: {len(served)}/{len(shorted)} shorted requests answered HTTP 200; "
+                     f"isolation {iso.status.upper()}: {iso.summary}")
+    # a correct engine fails the shorted requests instead of answering from unwritten pages
+    assert iso.status == oracles.PASS, iso

@@ -26,7 +26,6 @@ Each run writes ``<run dir>/incidents/glm53-<mode>/`` (events, verdicts.json, su
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import time
 from pathlib import Path
@@ -36,6 +35,7 @@ import pytest
 from faults import FaultKit
 from kvchaos import oracles
 from kvchaos.cluster import Cluster, ClusterSpec
+from kvchaos.suite import server_field
 from kvchaos.workload import EventLog, Workload, run_plans
 from kvchaos.workload.probes import snapshot, wait_quiet
 
@@ -112,23 +112,9 @@ def _assert_one_page_handoff(summary):
     assert all(v["pages_sent"] == 1 for v in got.values()), got
 
 
-def _find(obj, key):
-    """First value of ``key`` anywhere in a nested /server_info answer (its layout moves between releases)."""
-    if isinstance(obj, dict):
-        if key in obj:
-            return obj[key]
-        obj = list(obj.values())
-    if isinstance(obj, list):
-        for x in obj:
-            v = _find(x, key)
-            if v is not None:
-                return v
-    return None
-
-
 def _version(cluster, role):
     si = cluster.server_info(role)
-    return {k: _find(si, k) for k in ("version", "max_total_num_tokens", "max_req_input_len", "context_length")}
+    return {k: server_field(si, k) for k in ("version", "max_total_num_tokens", "max_req_input_len", "context_length")}
 
 
 def _assert_leak(iso, http, victim, plans):
@@ -172,9 +158,7 @@ def test_prefix_release_leaks_another_tenants_data_with_http_200(prefix_cluster,
     # the incident's deployment: prefill pool < context, and prefill's limit < decode's admission edge
     assert pf["max_total_num_tokens"] < pf["context_length"], pf
     assert pf["max_req_input_len"] < min(OVERSIZED) and max(OVERSIZED) < dc["max_total_num_tokens"] - 512, (pf, dc)
-    from kvchaos.workload import EventLog as _EL
-
-    with _EL(kvchaos_run_dir / "events" / "glm53-prefix-faults.jsonl") as flog:
+    with EventLog(kvchaos_run_dir / "events" / "glm53-prefix-faults.jsonl") as flog:
         kit = FaultKit(c, flog)
         try:
             (iso, http, live), summary, victim, plans = _run(c, kit, kvchaos_run_dir, "prefix")
