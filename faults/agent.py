@@ -491,6 +491,12 @@ def _hook_allocator(mod):
 
     def make_free(orig):
         def free(self, free_index):
+            st = AGENT.tls.__dict__.get("alloc_state")
+            if st and st.get("last") is not None and free_index is not None and free_index.numel():
+                # the remembered allocation is no longer live once any of its pages is freed: the
+                # mutation must alias pages a request still holds, never stale ones
+                if set(free_index.tolist()) & set(st["last"].tolist()):
+                    st["last"] = None
             if AGENT.shared_pages and free_index is not None and free_index.numel():
                 with AGENT.lock:
                     idx = free_index.tolist()

@@ -112,14 +112,17 @@ def _backend_of(item):
 
 def pytest_collection_modifyitems(config, items):
     names = _backends(config)
-    if len(names) > 1:
+    if names:
         keep, drop = [], []
         for it in items:
-            b = _backend_of(it)
+            if "kvchaos_backend" not in getattr(it, "fixturenames", ()):
+                keep.append(it)
+                continue
+            b = _backend_of(it) or names[0]
             m = it.get_closest_marker("backends")
             allowed = (set(m.args) if m else
                        set(names) if "suites" in Path(str(it.fspath)).parts else {names[0]})
-            (keep if b is None or b in allowed else drop).append(it)
+            (keep if b in allowed else drop).append(it)
         if drop:
             config.hook.pytest_deselected(items=drop)
             items[:] = keep

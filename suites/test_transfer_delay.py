@@ -78,11 +78,12 @@ def test_short_transfer_is_not_served_as_a_clean_reply(cluster, faults, kvchaos_
     plans = wl.mix(40, lengths=(200, 500))
     target = wl.tenants[5].name
     shorted = [p.rid for p in plans if p.tenant == target][:3]
-    f = faults.agent.arm("prefill", "short", target={"rid_regex": "^(" + "|".join(shorted) + ")$"},
-                         params={"pages": 1}, count=len(shorted))
+    # every KV send of these requests (a transfer can come in several chunks) stops after one page
+    fs = [faults.agent.arm("prefill", "short", target={"rid": r}, params={"pages": 1}, count=100) for r in shorted]
     ev, (iso, sens, live) = _run(cluster, faults, kvchaos_run_dir, "short_transfer", plans)
-    fired = f.verify(at_least=len(shorted))
-    assert all(e["pages_sent"] == 1 and e["pages_reserved"] > 100 for e in fired), fired
+    for f in fs:
+        fired = f.verify()
+        assert any(e["pages_reserved"] > 100 and e["pages_sent"] == 1 for e in fired), fired
     assert live.status == oracles.PASS, live.witnesses[:3]
     victims = {w["victim_rid"] for w in iso.witnesses}
     assert victims <= set(shorted), sorted(victims - set(shorted))  # bystanders are never affected

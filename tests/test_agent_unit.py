@@ -203,3 +203,38 @@ def test_double_alloc_aliases_pages_and_keeps_the_pool_whole(decode_agent):
     a.free(y)
     ctl.heal_all()
     assert sorted(a.free_pages.tolist()) == list(range(1, 101))  # no page lost, none counted twice
+
+
+def test_double_alloc_never_aliases_a_freed_allocation(decode_agent):
+    """Found in CI: a remembered allocation from an earlier, finished request was 'shared' with the
+    next one — aliasing free pages, which harms nobody and made the mutation miss. Only live pages."""
+    import torch
+
+    class Alloc:
+        def __init__(self):
+            self.free_pages = torch.arange(1, 101)
+
+        def alloc(self, n):
+            out, self.free_pages = self.free_pages[:n], self.free_pages[n:]
+            return out
+
+        def free(self, idx):
+            self.free_pages = torch.cat([self.free_pages, idx])
+
+    mod = types.ModuleType("fake_alloc2")
+    mod.TokenToKVPoolAllocator = Alloc
+    agent_mod._hook_allocator(mod)
+    a = Alloc()
+    ctl = AgentClient(decode_agent.dir)
+    f = ctl.arm("decode", "double_alloc", params={"pages": 4}, hooks=(), count=1)
+    x = a.alloc(10)
+    a.free(x)  # x finished: nothing live to alias
+    y = a.alloc(10)
+    assert not f.fired_events(), "aliased pages of an allocation that was already freed"
+    z = a.alloc(10)  # y is live: now the mutation fires, with y's pages
+    ev = f.verify()
+    assert ev[0]["shared"] == y[:4].tolist() and set(z[:4].tolist()) == set(y[:4].tolist())
+    a.free(y)
+    a.free(z)
+    ctl.heal_all()
+    assert sorted(a.free_pages.tolist()) == list(range(1, 101))
