@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvchaos import oracles
+from kvchaos import canary, oracles
 from kvchaos.suite import run_judged
 from kvchaos.workload import Workload
 
@@ -45,7 +45,13 @@ def test_one_failed_send_is_an_error_for_its_request_only(cluster, faults, kvcha
     ev, (iso, sens, live) = _run(cluster, faults, kvchaos_run_dir, "transfer_fail", plans, concurrency=4)
     f.verify()
     run = oracles.Run(ev)
-    assert run.statuses.get(victim.rid) != 200, "a request whose KV never arrived was answered 200"
+    if run.statuses.get(victim.rid) == 200:
+        # acceptable only as a complete retry (sglang-router retries; seen on NIXL): a second transfer
+        # under a new bootstrap room, and the reply holds the request's own canaries
+        rooms = {e["room"] for e in ev if e.get("agent_ev") == "transfer_start" and e.get("rid") == victim.rid}
+        assert len(rooms) >= 2, f"answered 200 although its only KV transfer failed (rooms {rooms})"
+        text = run.response_text(victim.rid)
+        assert all(canary.payload(c) in text for c in victim.canaries), (victim.rid, text[:200])
     assert iso.status == oracles.PASS, iso  # failures may cost availability, never isolation
     assert live.status == oracles.PASS, live.witnesses[:3]
     # on record: the bystanders the blacklisted Mooncake session took down with it (README finding)
