@@ -80,7 +80,11 @@ def _sweep(cluster, faults, run_dir, name, lengths, e, seed):
     sized = [wl.request(probe_tenant, "oversized" if _expect(n, e) == "reject" else "plain", n_tokens=n, n_canaries=2)
              for n in lengths]
     # interleave: the sized prompts arrive while the other tenants' requests are in flight
-    plans = background[:8] + [x for pair in zip(sized, background[8:]) for x in pair] + background[8 + len(sized):]
+    rest = background[8:]
+    plans = background[:8]
+    for i in range(max(len(sized), len(rest))):
+        plans += sized[i:i + 1] + rest[i:i + 1]
+    assert len(plans) == len(background) + len(sized)
     ev, verdicts = run_judged(cluster, faults, run_dir, name, plans,
                               [oracles.isolation, oracles.http_semantics,
                                lambda ev: oracles.liveness(ev, bound_s=BOUND_S)],
