@@ -493,9 +493,12 @@ def _hook_allocator(mod):
         def free(self, free_index):
             st = AGENT.tls.__dict__.get("alloc_state")
             if st and st.get("last") is not None and free_index is not None and free_index.numel():
-                # the remembered allocation is no longer live once any of its pages is freed: the
-                # mutation must alias pages a request still holds, never stale ones
-                if set(free_index.tolist()) & set(st["last"].tolist()):
+                # the mutation aliases the head (first N pages) of the remembered allocation; once any
+                # of those is freed they are no longer live and must not be handed out as "shared"
+                # (decode may free the unused tail of an allocation while the request lives on)
+                armed = AGENT.switched_on("double_alloc")
+                n = int(armed["params"].get("pages", 8)) if armed else 0
+                if not armed or set(free_index.tolist()) & set(st["last"][:n].tolist()):
                     st["last"] = None
             if AGENT.shared_pages and free_index is not None and free_index.numel():
                 with AGENT.lock:
