@@ -463,6 +463,8 @@ def _hook_allocator(mod):
             f = None
             armed = AGENT.switched_on("double_alloc")
             n = int(armed["params"].get("pages", 8)) if armed else 0
+            if armed and st.get("fid") != armed["id"]:  # a newly armed fault starts fresh: only
+                st["fid"], st["last"] = armed["id"], None  # allocations made since it was armed
             if armed and len(out) >= n:  # a prefill-sized allocation, not a 1-token decode step
                 prev = st.get("last")
                 if prev is not None and len(prev) >= n:
@@ -491,15 +493,6 @@ def _hook_allocator(mod):
 
     def make_free(orig):
         def free(self, free_index):
-            st = AGENT.tls.__dict__.get("alloc_state")
-            if st and st.get("last") is not None and free_index is not None and free_index.numel():
-                # the mutation aliases the head (first N pages) of the remembered allocation; once any
-                # of those is freed they are no longer live and must not be handed out as "shared"
-                # (decode may free the unused tail of an allocation while the request lives on)
-                armed = AGENT.switched_on("double_alloc")
-                n = int(armed["params"].get("pages", 8)) if armed else 0
-                if not armed or set(free_index.tolist()) & set(st["last"][:n].tolist()):
-                    st["last"] = None
             if AGENT.shared_pages and free_index is not None and free_index.numel():
                 with AGENT.lock:
                     idx = free_index.tolist()
