@@ -21,6 +21,11 @@ import time
 from .engine import AgentClient, AgentError, ArmedFault, FaultDidNotFire  # noqa: F401
 
 
+def copy_agent_event(log, e: dict) -> None:
+    """One agent event in a harness log: ``ev == "agent"``, the agent's own kind in ``agent_ev``."""
+    log.emit("agent", agent_ev=e["ev"], **{k: v for k, v in e.items() if k not in ("t", "ev")})
+
+
 class FaultKit:
     def __init__(self, cluster, log):
         from .process import ProcessFaults
@@ -57,8 +62,17 @@ class FaultKit:
             if key in self._collected:
                 continue
             self._collected.add(key)
-            self.log.emit("agent", agent_ev=e["ev"], **{k: v for k, v in e.items() if k not in ("t", "ev")})
+            copy_agent_event(self.log, e)
         return evs
+
+    def copy_agent_events(self, log, since: float = 0.0) -> list[dict]:
+        """Write this kit's agent events from wall time ``since`` on into ``log`` (a suite's own
+        event log); returns them."""
+        evs = [e for e in self.collect_agent_events() if e["wall"] >= since]
+        for e in evs:
+            copy_agent_event(log, e)
+        return evs
+
 
     def heal_all(self) -> list[str]:
         """Heal every injector; return what is still armed afterwards (should be nothing)."""

@@ -35,10 +35,7 @@ def run_judged(cluster, faults, run_dir, name: str, plans, judges, concurrency: 
         faults.heal_all()  # heal before the "after" probe: the pool must be back at baseline
         snapshot(cluster, log, "after", settle_s=settle_s)
         # the engines' side (transfers, writes, releases, faults fired) joins the same log
-        for e in faults.collect_agent_events():
-            if e["wall"] < t_start:  # an earlier run of the same test
-                continue
-            log.emit("agent", agent_ev=e["ev"], **{k: v for k, v in e.items() if k not in ("t", "ev")})
+        faults.copy_agent_events(log, since=t_start)  # not an earlier run of the same test
     ev = log.records
     verdicts = [judge(ev) for judge in judges]
     (path.parent / f"{name}.verdicts.json").write_text(

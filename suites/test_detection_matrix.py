@@ -135,10 +135,7 @@ def scenario_shared_pages(cluster, faults, run_dir, trial, mutate, reference):
         run_plans(cluster.endpoints.router, tail, log, concurrency=6, timeout_s=60)
         faults.heal_all()
         snapshot(cluster, log, "after", settle_s=45)
-        for e in faults.collect_agent_events():
-            if e["wall"] < t0:
-                continue
-            log.emit("agent", agent_ev=e["ev"], **{k: v for k, v in e.items() if k not in ("t", "ev")})
+        faults.copy_agent_events(log, since=t0)
     ev = log.records
     ref = {}
     for p in (a, b, *tail):

@@ -173,10 +173,10 @@ def test_reject_mutation_flips_only_rejected_requests(agent):
     assert mod.is_unadmitted_reject(req) is True
 
 
-def test_double_alloc_aliases_pages_and_keeps_the_pool_whole(decode_agent):
+def _hooked_allocator(name: str):
+    """A 100-page stand-in for SGLang's TokenToKVPoolAllocator (hand out the front of the free list,
+    append freed pages), hooked by the agent like the real one."""
     import torch
-
-    agent = decode_agent
 
     class Alloc:
         def __init__(self):
@@ -189,10 +189,16 @@ def test_double_alloc_aliases_pages_and_keeps_the_pool_whole(decode_agent):
         def free(self, idx):
             self.free_pages = torch.cat([self.free_pages, idx])
 
-    mod = types.ModuleType("fake_alloc")
+    mod = types.ModuleType(name)
     mod.TokenToKVPoolAllocator = Alloc
     agent_mod._hook_allocator(mod)
-    a = Alloc()
+    return Alloc()
+
+
+def test_double_alloc_aliases_pages_and_keeps_the_pool_whole(decode_agent):
+    agent = decode_agent
+
+    a = _hooked_allocator("fake_alloc")
     ctl = AgentClient(agent.dir)
     f = ctl.arm("decode", "double_alloc", params={"pages": 4}, hooks=())
     x = a.alloc(10)
@@ -209,23 +215,7 @@ def test_double_alloc_only_aliases_allocations_made_while_armed(decode_agent):
     """Found in CI: an allocation remembered under an earlier fault (long finished) was 'shared'
     with the next request - free pages, harming nobody - and the matrix trial missed. Each armed
     fault starts fresh."""
-    import torch
-
-    class Alloc:
-        def __init__(self):
-            self.free_pages = torch.arange(1, 101)
-
-        def alloc(self, n):
-            out, self.free_pages = self.free_pages[:n], self.free_pages[n:]
-            return out
-
-        def free(self, idx):
-            self.free_pages = torch.cat([self.free_pages, idx])
-
-    mod = types.ModuleType("fake_alloc2")
-    mod.TokenToKVPoolAllocator = Alloc
-    agent_mod._hook_allocator(mod)
-    a = Alloc()
+    a = _hooked_allocator("fake_alloc2")
     ctl = AgentClient(decode_agent.dir)
     f1 = ctl.arm("decode", "double_alloc", params={"pages": 4}, hooks=(), count=5)
     x = a.alloc(10)

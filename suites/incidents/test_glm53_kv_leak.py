@@ -80,10 +80,8 @@ def _run(cluster, faults, kvchaos_run_dir, mode: str):
         if f:
             f.heal()
         snapshot(cluster, log, "after")
-    agent_ev = faults.collect_agent_events()
     with EventLog(out / "agent-events.jsonl") as alog:  # the engines' side: transfers, faults fired
-        for e in agent_ev:
-            alog.emit("agent", agent_ev=e["ev"], **{k: v for k, v in e.items() if k not in ("t", "ev")})
+        agent_ev = faults.copy_agent_events(alog)
     ev = log.records + agent_ev
     sizes = {p.rid: p.n_tokens for p in plans if p.oversized}
     sent = {e["rid"]: e["pages"] for e in agent_ev if e["ev"] == "transfer_start" and e.get("rid") in sizes}
