@@ -58,6 +58,7 @@ def pytest_addoption(parser):
                      "(e.g. mooncake_tcp,nixl) [the profile's]")
 
 
+@pytest.hookimpl(tryfirst=True)
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a CUDA GPU (skipped with the reason when none is visible)")
     config.addinivalue_line("markers", "slow: long sweeps, deselected by default (-m slow)")
@@ -70,6 +71,88 @@ def pytest_configure(config):
     if worker:
         run_id += f"-{worker}"
     config._kvchaos_run_id = run_id
+    if getattr(config.option, "collectonly", False):
+        return
+    run_dir = Path(config.getoption("--kvchaos-reports")) / run_id
+    config._kvchaos_progress = Progress(run_dir / "progress.jsonl")
+    config.pluginmanager.register(config._kvchaos_progress, "kvchaos-progress")
+    # every run leaves JUnit XML in its run directory (unless the caller chose a path)
+    if not worker and not getattr(config.option, "xmlpath", None):
+        config.option.xmlpath = str(run_dir / "junit.xml")
+
+
+class Progress:
+    """``<run dir>/progress.jsonl``: what ``kvchaos run`` shows while the run goes, and how the report
+    links each scenario to the test that ran it. Lines: ``collected`` (n), ``start`` (nodeid), ``end``
+    (nodeid, outcome passed|failed|error|skipped|xfailed|xpassed, wall_start, wall_end, duration, message)."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.run_dir = path.parent
+        self._f = None
+        self._open: dict[str, dict] = {}
+
+    def emit(self, ev: str, **fields):
+        if self._f is None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._f = open(self.path, "a", buffering=1)
+        self._f.write(json.dumps({"ev": ev, "wall": time.time(), **fields}, default=str) + "\n")
+
+    # pytest hooks (this object is registered as a plugin of its session)
+    def pytest_collection_finish(self, session):
+        self.emit("collected", n=len(session.items))
+
+    def pytest_runtest_logreport(self, report):
+        if report.when == "setup":
+            self.emit("start", nodeid=report.nodeid)
+        self.report(report)
+
+    def report(self, rep):
+        st = self._open.setdefault(rep.nodeid, {"outcome": "passed", "message": "", "start": time.time()})
+        if rep.when == "setup":
+            st["start"] = time.time() - (rep.duration or 0)
+        if hasattr(rep, "wasxfail"):
+            st["outcome"] = "xfailed" if rep.skipped else "xpassed"
+            st["message"] = rep.wasxfail
+        elif rep.failed:
+            st["outcome"] = "failed" if rep.when == "call" else "error"
+            st["message"] = str(rep.longrepr)[-2000:]
+        elif rep.skipped and st["outcome"] == "passed":
+            st["outcome"] = "skipped"
+            lr = rep.longrepr
+            st["message"] = lr[2] if isinstance(lr, tuple) and len(lr) == 3 else str(lr)
+        if rep.when == "teardown":
+            self._open.pop(rep.nodeid, None)
+            end = time.time()
+            self.emit("end", nodeid=rep.nodeid, outcome=st["outcome"], wall_start=st["start"], wall_end=end,
+                      duration=round(end - st["start"], 3), message=st["message"])
+
+    def close(self):
+        if self._f:
+            self._f.close()
+            self._f = None
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_sessionfinish(session, exitstatus):
+    """After JUnit is written: the run-level verdicts.json and report.html of this run directory."""
+    pr = getattr(session.config, "_kvchaos_progress", None)
+    if pr is None:
+        return
+    pr.emit("finished", exitstatus=int(exitstatus))
+    pr.close()
+    tr = session.config.pluginmanager.get_plugin("terminalreporter")
+    try:
+        from kvchaos.report import build
+
+        r = build(pr.run_dir)
+        msg = f"kvchaos report: {r['html']} ({r['overall'].upper()})"
+    except Exception as e:  # noqa: BLE001 - the run's result stands; say loudly that its report is missing
+        (pr.run_dir / "report-error.txt").write_text(repr(e))
+        msg = f"kvchaos report: NOT BUILT for {pr.run_dir}: {e!r}"
+    if tr is not None:
+        tr.ensure_newline()
+        tr.write_line(msg)
 
 
 def cuda_available() -> tuple[bool, str]:

@@ -13,12 +13,17 @@ PYTHON=${KVCHAOS_BASE_PYTHON:-python3}
 VENV=${KVCHAOS_VENV:-$HOME/.cache/kvchaos/venv}
 log() { echo "[setup] $*" >&2; }
 
-# --- Debian: mooncake's .so needs libibverbs.so.1 even for TCP transfers
-if ! ldconfig -p 2>/dev/null | grep -q 'libibverbs.so.1 '; then
-  log "installing libibverbs1 (apt)"
+# --- Debian: mooncake's .so needs libibverbs.so.1 even for TCP transfers; the report test opens
+# report.html in headless Chromium (chromium + chromium-driver, driven by selenium)
+APT=()
+ldconfig -p 2>/dev/null | grep -q 'libibverbs.so.1 ' || APT+=(libibverbs1)
+command -v chromium >/dev/null || APT+=(chromium)
+command -v chromedriver >/dev/null || APT+=(chromium-driver)
+if [ ${#APT[@]} -gt 0 ]; then
+  log "installing ${APT[*]} (apt)"
   SUDO=""; [ "$(id -u)" = 0 ] || SUDO=sudo
   $SUDO apt-get update -qq >&2
-  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq libibverbs1 >&2
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${APT[@]}" >&2
 fi
 
 # Bump RECIPE when the install steps below change. The engine stamp covers the heavy part (a
