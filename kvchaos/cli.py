@@ -1,11 +1,19 @@
 """kvchaos command line.
 
-  kvchaos up   [--profile P] [--model M]        stand up a cluster, print its URLs, wait for Ctrl-C
-  kvchaos run  [--profile P] [SUITE ...]        run chaos suites against a cluster, write a report dir
-  kvchaos repro NAME [--profile P]              reproduce a known incident (``kvchaos repro --list``)
+  kvchaos up     [--profile P] [--model M]              stand up a cluster, print its URLs until Ctrl-C
+  kvchaos run    [--profile P] [SUITE ...]              chaos suites -> reports/<run-id>/ (live progress)
+  kvchaos repro  NAME | --list                          reproduce a known incident
+  kvchaos audit  --prefill URL --decode URL [--router URL] [--json] [--strict]
+                                                        the incident's operator checklist on a deployment
+  kvchaos report DIR                                    (re)build verdicts.json + report.html of a run dir
 
-Defaults come from ``[tool.kvchaos]`` in ./pyproject.toml (keys: profile, model, reports, suites),
-then from flags.
+Configuration: ``--config FILE`` (a TOML file with a ``[kvchaos]`` or ``[tool.kvchaos]`` table, or the
+keys at top level); without it ``[tool.kvchaos]`` of ./pyproject.toml. Flags override the file. Every
+key has a flag: profile model reports suites markers k attach backends verbose prefill decode router
+strict timeout. An unknown key is an error naming it.
+
+Exit status: ``run``/``repro`` pytest's; ``audit`` 0 no FAIL, 1 FAIL (``--strict``: or UNKNOWN);
+``report`` 0 pass, 1 fail, 3 unknown; 2 for bad input everywhere.
 """
 
 from __future__ import annotations
@@ -21,18 +29,45 @@ import tomllib
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+CONFIG_KEYS = {"profile": str, "model": str, "reports": str, "suites": list, "markers": str, "k": str, "attach": str,
+               "backends": str, "verbose": bool, "prefill": str, "decode": str, "router": str, "strict": bool,
+               "timeout": (int, float)}
 
 
-def _config() -> dict:
-    p = Path.cwd() / "pyproject.toml"
+class UsageError(SystemExit):
+    def __init__(self, msg: str):
+        print(f"kvchaos: {msg}", file=sys.stderr)
+        super().__init__(2)
+
+
+def load_config(path: str | None) -> dict:
+    """The ``[kvchaos]`` / ``[tool.kvchaos]`` table of ``path`` (or ./pyproject.toml), checked."""
+    explicit = path is not None
+    p = Path(path) if explicit else Path.cwd() / "pyproject.toml"
     if not p.exists():
+        if explicit:
+            raise UsageError(f"--config {p}: no such file")
         return {}
     try:
-        return tomllib.loads(p.read_text()).get("tool", {}).get("kvchaos", {})
+        doc = tomllib.loads(p.read_text())
     except tomllib.TOMLDecodeError as e:
-        raise SystemExit(f"kvchaos: {p}: invalid TOML: {e}")
+        raise UsageError(f"{p}: invalid TOML: {e}")
+    cfg = doc.get("tool", {}).get("kvchaos") or doc.get("kvchaos")
+    if cfg is None:
+        cfg = {k: v for k, v in doc.items() if k != "tool"} if explicit else {}
+    if not isinstance(cfg, dict):
+        raise UsageError(f"{p}: [kvchaos] must be a table")
+    for k, v in cfg.items():
+        if k not in CONFIG_KEYS:
+            raise UsageError(f"{p}: unknown key {k!r} in the kvchaos table; known: {', '.join(sorted(CONFIG_KEYS))}")
+        want = CONFIG_KEYS[k]
+        if not isinstance(v, want) or (want is list and not all(isinstance(x, str) for x in v)):
+            raise UsageError(f"{p}: key {k!r} = {v!r}: expected "
+                             f"{'a list of strings' if want is list else getattr(want, '__name__', 'a number')}")
+    return cfg
 
 
+# --------------------------------------------------------------------------- up
 def cmd_up(args) -> int:
     from kvchaos.cluster import Cluster, ClusterSpec
 
@@ -64,34 +99,159 @@ def cmd_up(args) -> int:
     return 0
 
 
-def cmd_run(args) -> int:
-    run_id = time.strftime("%Y%m%d-%H%M%S") + f"-{os.getpid()}"
-    run_dir = Path(args.reports).resolve() / run_id
-    run_dir.mkdir(parents=True, exist_ok=True)
-    suites = args.suites or [str(REPO / "suites")]
-    for s in suites:
-        if not Path(s.split("::")[0]).exists():
-            raise SystemExit(f"kvchaos run: suite path {s!r} does not exist")
+# --------------------------------------------------------------------------- run
+def _pytest_cmd(args, run_dir: Path, suites: list[str]) -> list[str]:
     cmd = [sys.executable, "-m", "pytest", *suites, "-p", "no:cacheprovider", "-o", "testpaths=",
            "--kvchaos-profile", args.profile, "--kvchaos-reports", str(run_dir.parent),
            f"--junitxml={run_dir / 'junit.xml'}", "-m", args.markers, "-rA"]
-    if args.model:
-        cmd += ["--kvchaos-model", args.model]
-    if args.attach:
-        cmd += ["--kvchaos-attach", args.attach]
-    if args.k:
-        cmd += ["-k", args.k]
+    for opt, val in (("--kvchaos-model", args.model), ("--kvchaos-attach", args.attach),
+                     ("--kvchaos-backends", args.backends), ("-k", args.k)):
+        if val:
+            cmd += [opt, val]
+    return cmd
+
+
+class _Watcher:
+    """Follows ``progress.jsonl`` (written by the pytest plugin) and shows it with rich."""
+
+    def __init__(self, path: Path):
+        self.path, self.pos = path, 0
+        self.total, self.done, self.current = None, 0, ""
+        self.counts: dict = {}
+        self.failed: list = []
+
+    def poll(self) -> list[dict]:
+        if not self.path.exists():
+            return []
+        with open(self.path) as f:
+            f.seek(self.pos)
+            chunk = f.read()
+        lines = chunk.split("\n")
+        complete, rest = lines[:-1], lines[-1]
+        self.pos += len(chunk) - len(rest)
+        out = []
+        for line in complete:
+            try:
+                e = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            out.append(e)
+            if e["ev"] == "collected":
+                self.total = e["n"]
+            elif e["ev"] == "start":
+                self.current = e["nodeid"]
+            elif e["ev"] == "end":
+                self.done += 1
+                self.counts[e["outcome"]] = self.counts.get(e["outcome"], 0) + 1
+                if e["outcome"] in ("failed", "error"):
+                    self.failed.append(e["nodeid"])
+        return out
+
+
+def _run_pytest(cmd, env, run_dir: Path, verbose: bool) -> int:
+    """pytest in its own process group (Ctrl-C stops the whole tree, bounded); progress with rich."""
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    console = Console(stderr=True)
+    log_path = run_dir / "pytest.log"
+    out = None if verbose else open(log_path, "w")
+    proc = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=out, stderr=subprocess.STDOUT if out else None,
+                            start_new_session=True)
+    w = _Watcher(run_dir / "progress.jsonl")
+    try:
+        if verbose:
+            return proc.wait()
+        with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+                      TextColumn("{task.fields[counts]}"), TimeElapsedColumn(), console=console,
+                      transient=False) as bar:
+            task = bar.add_task("collecting", total=None, counts="")
+            while True:
+                rc = proc.poll()
+                for e in w.poll():
+                    if e["ev"] == "end" and e["outcome"] in ("failed", "error"):
+                        bar.console.print(f"[red]{e['outcome'].upper()}[/] {e['nodeid']}")
+                    elif e["ev"] == "end" and e["outcome"] == "xfailed":
+                        bar.console.print(f"[yellow]XFAIL[/] {e['nodeid']} — {str(e.get('message'))[:120]}")
+                counts = " ".join(f"{k} {v}" for k, v in sorted(w.counts.items()))
+                bar.update(task, total=w.total, completed=w.done, counts=counts,
+                           description=(w.current.split("::")[-1][:48] if w.current else "starting the cluster"))
+                if rc is not None:
+                    return rc
+                time.sleep(0.5)
+    except KeyboardInterrupt:
+        console.print("kvchaos: interrupted — stopping pytest and its cluster (≤ 60 s)")
+        _stop_group(proc, signal.SIGINT, 60)
+        return 130
+    finally:
+        if proc.poll() is None:
+            _stop_group(proc, signal.SIGTERM, 30)
+        if out:
+            out.close()
+
+
+def _stop_group(proc, sig, grace_s: float) -> None:
+    try:
+        os.killpg(proc.pid, sig)
+        proc.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)
+    except ProcessLookupError:
+        pass
+
+
+def _print_summary(run_dir: Path) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    vfile = run_dir / "verdicts.json"
+    if not vfile.exists():
+        err = run_dir / "report-error.txt"
+        console.print(f"kvchaos: no report for {run_dir}" + (f": {err.read_text()}" if err.exists() else ""))
+        return
+    v = json.loads(vfile.read_text())
+    t = Table(title=f"run {v['run_id']}: {v['overall'].upper()}")
+    for col in ("scenario", "status", "test", "oracles"):
+        t.add_column(col)
+    style = {"pass": "green", "fail": "red", "unknown": "yellow"}
+    for s in v["scenarios"]:
+        ors = " ".join(f"{x['oracle']}={x['status']}" for x in s["verdicts"])
+        t.add_row(s["name"], f"[{style.get(s['status'], '')}]{s['status']}[/]",
+                  f"{s.get('test') or ''} {s.get('test_outcome') or ''}".strip(), ors)
+    if v["scenarios"]:
+        console.print(t)
+    else:
+        console.print(f"run {v['run_id']}: {v['overall'].upper()} (no judged scenario in this run)")
+    console.print("tests: " + ", ".join(f"{n} {k}" for k, n in sorted(v["tests"]["counts"].items())))
+    console.print(f"report: {run_dir / 'report.html'}")
+
+
+def cmd_run(args) -> int:
+    run_id = time.strftime("%Y%m%d-%H%M%S") + f"-{os.getpid()}"
+    run_dir = Path(args.reports).resolve() / run_id
+    suites = args.suites or [str(REPO / "suites")]
+    for s in suites:
+        if not Path(s.split("::")[0]).exists():
+            raise UsageError(f"run: suite path {s!r} does not exist")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    cmd = _pytest_cmd(args, run_dir, suites)
     env = {**os.environ, "KVCHAOS_RUN_ID": run_id}
-    print(f"kvchaos run {run_id}: {' '.join(cmd)}", flush=True)
+    print(f"kvchaos run {run_id}: {' '.join(cmd)}" + ("" if args.verbose else f"\n  pytest output: {run_dir / 'pytest.log'}"),
+          flush=True)
     t0 = time.monotonic()
-    rc = subprocess.call(cmd, env=env, cwd=REPO)
+    rc = _run_pytest(cmd, env, run_dir, args.verbose)
     summary = {"run_id": run_id, "exit_code": rc, "wall_s": round(time.monotonic() - t0, 1),
-               "profile": args.profile, "suites": suites, "junit": str(run_dir / "junit.xml")}
+               "profile": args.profile, "suites": suites, "junit": str(run_dir / "junit.xml"),
+               "command": cmd}
     (run_dir / "run.json").write_text(json.dumps(summary, indent=2))
-    print(f"kvchaos: report in {run_dir} (exit {rc})", flush=True)
+    _print_summary(run_dir)
+    print(f"kvchaos: run directory {run_dir} (exit {rc})", flush=True)
     return rc
 
 
+# --------------------------------------------------------------------------- repro
 INCIDENTS = {
     "glm53": ("suites/incidents/test_glm53_kv_leak.py",
               "GLM-5.3 KV leak: prefill pool < context, rejected prompt handed to decode, stale pages served "
@@ -103,22 +263,71 @@ def cmd_repro(args) -> int:
     if args.list or not args.name:
         for k, (path, what) in INCIDENTS.items():
             print(f"{k:8s} {path}\n         {what}")
-        return 0 if args.list else 2
+        if not args.list:
+            raise UsageError("repro: name an incident (see above)")
+        return 0
     if args.name not in INCIDENTS:
-        raise SystemExit(f"kvchaos repro: unknown incident {args.name!r}; known: {sorted(INCIDENTS)}")
-    path = str(REPO / INCIDENTS[args.name][0])
-    ns = argparse.Namespace(reports=args.reports, suites=[path], profile=args.profile, markers="not gpu",
-                            model=args.model, attach=None, k=None)
-    rc = cmd_run(ns)
+        raise UsageError(f"repro: unknown incident {args.name!r}; known: {', '.join(sorted(INCIDENTS))}")
+    args.suites = [str(REPO / INCIDENTS[args.name][0])]
+    args.markers = "not gpu"
+    args.k = args.attach = None
+    rc = cmd_run(args)
     runs = sorted(Path(args.reports).resolve().glob("*/incidents/*/summary.json"), key=lambda p: p.stat().st_mtime)
     for sfile in runs[-3:]:
         print(f"{sfile.parent}: {sfile.read_text()}")
     return rc
 
 
-def build_parser() -> argparse.ArgumentParser:
-    cfg = _config()
+# --------------------------------------------------------------------------- audit
+def cmd_audit(args) -> int:
+    from kvchaos.audit import AuditError, audit, exit_code
+
+    if not args.prefill or not args.decode:
+        raise UsageError("audit: --prefill URL and --decode URL are required (or prefill/decode in the config)")
+    try:
+        res = audit(args.prefill, args.decode, args.router, timeout=args.timeout)
+    except AuditError as e:
+        raise UsageError(f"audit: {e}")
+    if args.json:
+        print(json.dumps(res, indent=2, default=str))
+    else:
+        from rich.console import Console
+        from rich.table import Table
+
+        style = {"pass": "green", "fail": "bold red", "unknown": "yellow"}
+        t = Table(title=f"kvchaos audit — prefill {args.prefill}, decode {args.decode}"
+                        + (f", router {args.router}" if args.router else ""), show_lines=True)
+        for col in ("check", "role", "status", "numbers", "detail"):
+            t.add_column(col, overflow="fold")
+        for c in res["checks"]:
+            t.add_row(c["id"], c["role"], f"[{style[c['status']]}]{c['status'].upper()}[/]",
+                      json.dumps(c["numbers"], default=str), c["detail"])
+        con = Console(width=max(160, Console().width))
+        con.print(t)
+        con.print(f"{res['counts']['pass']} PASS, {res['counts']['fail']} FAIL, {res['counts']['unknown']} UNKNOWN"
+                  f" (environment read from: {res['environment_source']})")
+    return exit_code(res, args.strict)
+
+
+# --------------------------------------------------------------------------- report
+def cmd_report(args) -> int:
+    from kvchaos.report import ReportError, build
+
+    try:
+        r = build(args.dir)
+    except ReportError as e:
+        raise UsageError(f"report: {e}")
+    m = r["model"]
+    for s in m.scenarios:
+        print(f"  {s.status.upper():8s} {s.name}" + (f"  [{s.context}]" if s.context else ""))
+    print(f"kvchaos report: {r['html']} and {r['verdicts']}: {r['overall'].upper()}")
+    return {"pass": 0, "fail": 1}.get(r["overall"], 3)
+
+
+# --------------------------------------------------------------------------- parser
+def build_parser(cfg: dict) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvchaos", description="Chaos harness for disaggregated LLM inference")
+    p.add_argument("--config", help="TOML file with a [kvchaos] table (default: [tool.kvchaos] of ./pyproject.toml)")
     sub = p.add_subparsers(dest="cmd", required=True)
 
     def common(sp):
@@ -126,26 +335,57 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument("--model", default=cfg.get("model"), help="tiny:SEED or a model directory")
         sp.add_argument("--reports", default=cfg.get("reports", "reports"), help="reports directory")
 
+    def running(sp):
+        sp.add_argument("--backends", default=cfg.get("backends"), help="KV transfer backends, e.g. mooncake_tcp,nixl")
+        sp.add_argument("--verbose", action=argparse.BooleanOptionalAction, default=cfg.get("verbose", False),
+                        help="stream pytest's output instead of the progress bar")
+
+    _add = sub.add_parser
+
+    def add_parser(*a, **kw):  # --config is accepted after the subcommand too (read before parsing)
+        sp = _add(*a, **kw)
+        sp.add_argument("--config", help=argparse.SUPPRESS)
+        return sp
+
+    sub.add_parser = add_parser
     up = sub.add_parser("up", help="stand up a cluster and print its URLs until Ctrl-C")
     common(up)
     up.set_defaults(fn=cmd_up)
     run = sub.add_parser("run", help="run chaos suites and write reports/<run-id>/")
     common(run)
+    running(run)
     run.add_argument("suites", nargs="*", default=cfg.get("suites"), help="suite files/dirs (default: suites/)")
-    run.add_argument("--attach", default=None, help="router=URL,prefill=URL,decode=URL instead of launching")
-    run.add_argument("-k", default=None, help="pytest -k expression")
-    run.add_argument("-m", dest="markers", default="not slow and not gpu", help="pytest marker expression")
+    run.add_argument("--attach", default=cfg.get("attach"), help="router=URL,prefill=URL,decode=URL instead of launching")
+    run.add_argument("-k", default=cfg.get("k"), help="pytest -k expression")
+    run.add_argument("-m", dest="markers", default=cfg.get("markers", "not slow and not gpu"), help="pytest marker expression")
     run.set_defaults(fn=cmd_run)
     rp = sub.add_parser("repro", help="reproduce a known incident (see --list)")
     common(rp)
+    running(rp)
     rp.add_argument("name", nargs="?", help="incident name, e.g. glm53")
     rp.add_argument("--list", action="store_true", help="list known incidents")
     rp.set_defaults(fn=cmd_repro)
+    au = sub.add_parser("audit", help="the incident's operator checklist against running servers")
+    au.add_argument("--prefill", default=cfg.get("prefill"), help="prefill server URL")
+    au.add_argument("--decode", default=cfg.get("decode"), help="decode server URL")
+    au.add_argument("--router", default=cfg.get("router"), help="router URL (optional)")
+    au.add_argument("--json", action="store_true", help="print the result as JSON")
+    au.add_argument("--strict", action=argparse.BooleanOptionalAction, default=cfg.get("strict", False),
+                    help="UNKNOWN counts as FAIL in the exit status")
+    au.add_argument("--timeout", type=float, default=float(cfg.get("timeout", 15)), help="per-request timeout, s")
+    au.set_defaults(fn=cmd_audit)
+    rep = sub.add_parser("report", help="(re)build verdicts.json and report.html of a run directory")
+    rep.add_argument("dir", help="a run directory, e.g. reports/20261201-101500-1234 or reports/incidents/glm53-replay")
+    rep.set_defaults(fn=cmd_report)
     return p
 
 
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--config")
+    known, _ = pre.parse_known_args(argv)
+    args = build_parser(load_config(known.config)).parse_args(argv)
     return args.fn(args)
 
 

@@ -165,6 +165,19 @@ def test_prefix_release_leaks_another_tenants_data_with_http_200(prefix_cluster,
     assert not problems, problems
     _assert_leak(iso, http, victim, plans)
     _assert_one_page_handoff(summary)
+    # the operator checklist would have flagged this deployment before it served anyone
+    from kvchaos.audit import audit
+
+    res = audit(c.endpoints.prefill, c.endpoints.decode)
+    (kvchaos_run_dir / "incidents" / "glm53-prefix" / "audit.json").write_text(json.dumps(res, indent=2, default=str))
+    st = {(x["id"], x["role"]): x for x in res["checks"]}
+    ver = st[("engine_version", "both")]
+    assert ver["status"] == "fail" and "#36988" in ver["detail"] and "#38935" in ver["detail"], ver
+    assert st[("pool_vs_context", "prefill")]["status"] == "fail", st[("pool_vs_context", "prefill")]
+    assert st[("pool_vs_context", "prefill")]["numbers"]["pool_tokens"] == PREFIX_PREFILL_POOL
+    for role in ("prefill", "decode"):  # off by default in 0.5.19, read from the live processes
+        assert st[("deferred_kv_release", role)]["status"] == "fail", st[("deferred_kv_release", role)]
+        assert st[("mooncake_batch_bound", role)]["status"] == "fail"
 
 
 def test_replay_leaks_another_tenants_data_with_http_200(cluster, faults, kvchaos_run_dir):

@@ -1,0 +1,132 @@
+"""The ``kvchaos`` CLI as a user runs it (subprocesses): configuration from a TOML file or
+``[tool.kvchaos]`` with flags on top, clear errors, ``run`` with its progress display and report,
+Ctrl-C stopping the whole pytest tree, ``report`` exit codes. No cluster: the suites here are tiny."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from kvchaos.cli import UsageError, load_config
+from tests.test_report import make_run
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def kvchaos(*args, cwd=None, timeout=180, **kw):
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_", "KVCHAOS_"))}
+    return subprocess.run([sys.executable, "-m", "kvchaos", *args], capture_output=True, text=True,
+                          timeout=timeout, cwd=cwd or REPO, env=env, **kw)
+
+
+def test_config_file_and_pyproject_table(tmp_path, monkeypatch):
+    f = tmp_path / "k.toml"
+    f.write_text('[kvchaos]\nprofile = "gpu"\nmarkers = "slow"\nsuites = ["suites/test_smoke.py"]\n')
+    assert load_config(str(f)) == {"profile": "gpu", "markers": "slow", "suites": ["suites/test_smoke.py"]}
+    f.write_text('profile = "gpu"\n')                           # keys at top level of an explicit file
+    assert load_config(str(f)) == {"profile": "gpu"}
+    (tmp_path / "pyproject.toml").write_text('[tool.kvchaos]\nreports = "out"\n')
+    monkeypatch.chdir(tmp_path)
+    assert load_config(None) == {"reports": "out"}
+    for text, msg in (('[kvchaos]\nprofil = "cpu"\n', "unknown key 'profil'"),
+                      ('[kvchaos]\nsuites = "x"\n', "expected a list of strings"),
+                      ('[kvchaos]\nstrict = "yes"\n', "expected bool"),
+                      ("[kvchaos\n", "invalid TOML")):
+        f.write_text(text)
+        with pytest.raises(UsageError):
+            load_config(str(f))
+        p = kvchaos("--config", str(f), "report", str(tmp_path))
+        assert p.returncode == 2 and msg in p.stderr, p.stderr
+    p = kvchaos("--config", str(tmp_path / "missing.toml"), "report", str(tmp_path))
+    assert p.returncode == 2 and "no such file" in p.stderr
+
+
+def test_flags_override_the_config(tmp_path):
+    suite = tmp_path / "test_one.py"
+    suite.write_text("def test_ok():\n    pass\n")
+    cfg = tmp_path / "k.toml"
+    cfg.write_text(f'[kvchaos]\nreports = "{tmp_path / "from-config"}"\nsuites = ["{suite}"]\n')
+    p = kvchaos("--config", str(cfg), "run", "--reports", str(tmp_path / "from-flag"))
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert list((tmp_path / "from-flag").iterdir()) and not (tmp_path / "from-config").exists()
+
+
+def test_run_shows_progress_and_leaves_a_report(tmp_path):
+    suite = tmp_path / "test_mini.py"
+    suite.write_text("import pytest, time\n"
+                     "def test_a():\n    time.sleep(0.3)\n"
+                     "@pytest.mark.xfail(reason='known engine finding', strict=True)\n"
+                     "def test_known():\n    assert False\n"
+                     "def test_broken():\n    assert 'reply' == 'leak'\n")
+    p = kvchaos("run", str(suite), "--reports", str(tmp_path / "r"))
+    assert p.returncode == 1, p.stdout + p.stderr                    # pytest's status: one test failed
+    (d,) = (tmp_path / "r").iterdir()
+    assert {"junit.xml", "progress.jsonl", "report.html", "verdicts.json", "run.json", "pytest.log"} <= \
+        {x.name for x in d.iterdir()}
+    assert "FAILED " in p.stderr and "test_broken" in p.stderr      # shown while running (rich, stderr)
+    assert "XFAIL " in p.stderr and "known engine finding" in p.stderr
+    assert "3/3" in p.stderr                                          # the progress bar's count
+    assert f"report: {d / 'report.html'}" in p.stdout.replace("\n", "")
+    v = json.loads((d / "verdicts.json").read_text())
+    assert v["overall"] == "fail" and v["tests"]["counts"] == {"passed": 1, "xfailed": 1, "failed": 1}
+    assert json.loads((d / "run.json").read_text())["exit_code"] == 1
+    assert "assert 'reply' == 'leak'" in (d / "pytest.log").read_text()
+
+
+def test_ctrl_c_stops_pytest_and_its_children(tmp_path):
+    suite = tmp_path / "test_slow.py"
+    pidfile = tmp_path / "child.pid"
+    suite.write_text("import subprocess, time\n"
+                     "def test_hold():\n"
+                     "    c = subprocess.Popen(['sleep', '300'])\n"
+                     f"    open({str(pidfile)!r}, 'w').write(str(c.pid))\n"
+                     "    time.sleep(300)\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_", "KVCHAOS_"))}
+    proc = subprocess.Popen([sys.executable, "-m", "kvchaos", "run", str(suite), "--reports", str(tmp_path / "r")],
+                            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        t0 = time.monotonic()
+        while not pidfile.exists() or not pidfile.read_text():
+            assert proc.poll() is None and time.monotonic() - t0 < 60, "the test never started"
+            time.sleep(0.2)
+        kvc = psutil.Process(proc.pid)
+        tree = [p.pid for p in kvc.children(recursive=True)]
+        assert int(pidfile.read_text()) in tree
+        proc.send_signal(signal.SIGINT)                              # what Ctrl-C sends to the foreground
+        out, err = proc.communicate(timeout=90)
+        assert proc.returncode == 130, err
+        assert "interrupted" in err
+        time.sleep(0.5)
+        alive = [p for p in tree if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+        assert not alive, f"left running after Ctrl-C: {alive}"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def test_report_exit_codes(tmp_path):
+    leak, clean = tmp_path / "leak", tmp_path / "clean"
+    make_run(leak, leak=True)
+    make_run(clean, leak=False)
+    p = kvchaos("report", str(leak))
+    assert p.returncode == 1 and "FAIL" in p.stdout and str(leak / "report.html") in p.stdout
+    assert kvchaos("report", str(clean)).returncode == 0
+    p = kvchaos("report", str(tmp_path / "nope"))
+    assert p.returncode == 2 and "no such run directory" in p.stderr
+
+
+def test_audit_and_repro_input_errors():
+    p = kvchaos("audit", "--prefill", "http://127.0.0.1:9")
+    assert p.returncode == 2 and "--decode URL" in p.stderr
+    p = kvchaos("audit", "--prefill", "http://127.0.0.1:9", "--decode", "http://127.0.0.1:9", "--timeout", "2")
+    assert p.returncode == 2 and "not reachable" in p.stderr
+    p = kvchaos("repro", "nope")
+    assert p.returncode == 2 and "unknown incident 'nope'" in p.stderr and "glm53" in p.stderr
+    p = kvchaos("repro", "--list")
+    assert p.returncode == 0 and "glm53" in p.stdout
