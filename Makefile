@@ -20,8 +20,13 @@ test: setup
 test-unit: setup
 	$(PY) -m pytest tests -m "not cluster" -p no:cacheprovider $(PYTEST_ARGS)
 
-bench: setup
+bench: setup  # each prints its ratios; figures and commands are kept in bench/RESULTS.md
 	$(PY) bench/cold_start.py
+	$(PY) bench/reset_cost.py
+	$(PY) bench/driver_throughput.py
+	$(PY) bench/canary_scan.py
+	$(PY) bench/proxy_overhead.py
+	$(PY) bench/repro_cold.py
 
 clean-reports:
 	rm -rf reports/[0-9]*

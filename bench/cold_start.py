@@ -23,6 +23,7 @@ import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from kvchaos.cluster import Cluster, ClusterSpec, SingleServer  # noqa: E402
+from kvchaos.cluster.procs import tree_pids  # noqa: E402
 
 
 def _procs(pids):
@@ -97,8 +98,12 @@ def main():
         t0 = time.monotonic()
         s = SingleServer(spec, d).start()
         single_cold = time.monotonic() - t0
-        s.stop()
-    res = {"pd": pd, "single_cold_start_s": single_cold}
+        try:
+            time.sleep(2.0)
+            single_rss = rss_mb(tree_pids([s.proc.pgid], s.token))
+        finally:
+            s.stop()
+    res = {"pd": pd, "single_cold_start_s": single_cold, "single_rss_mb": single_rss}
     if not args.no_baseline:
         busy = ClusterSpec.load(args.profile, common_args=[a for a in spec.common_args if a != "--sleep-on-idle"])
         res["busy_poll"] = measure_cluster(busy, args.idle_window)
@@ -110,6 +115,8 @@ def main():
     print(f"idle cluster CPU: {pd['idle_cpu_pct_of_core']:.2f} % of one core over {args.idle_window:.0f} s "
           f"({pd['processes']} processes, RSS {pd['rss_mb']:.0f} MiB, teardown {pd['teardown_s']:.1f} s, "
           f"leftover {pd['leftover'] or 'none'})")
+    print(f"memory of the CPU cluster: {pd['rss_mb']:.0f} MiB RSS (prefill + decode + router); single server "
+          f"{single_rss:.0f} MiB; ratio PD/single = {pd['rss_mb'] / single_rss:.2f}")
     if "busy_poll" in res:
         b = res["busy_poll"]
         print(f"idle CPU without --sleep-on-idle: {b['idle_cpu_pct_of_core']:.1f} % of one core; "
