@@ -87,7 +87,7 @@ def test_scenario_is_linked_to_its_test_and_a_required_fail_does_not_redden_the_
     r = build(tmp_path)
     (s,) = r["model"].scenarios
     assert s.test == "suites/test_x.py::test_leaky" and s.test_outcome == "passed"
-    assert r["overall"] == "pass" and "expected" in s.context
+    assert r["overall"] == "pass" and "detection the test required" in s.context
     (tmp_path / "progress.jsonl").unlink()
     make_run(tmp_path, leak=False, test_outcome="failed")
     assert build(tmp_path)["overall"] == "fail"
@@ -108,6 +108,13 @@ def test_committed_incident_report_rebuilds_with_the_victims_named(tmp_path):
     assert all(w["owner_tenant"] != "t015" and w["status"] == 200 for w in iso["witnesses"])
     assert [w.kind for w in s.faults] == ["reject_admitted"]
     assert r["html"].read_text().count('<div class="witness leak"') == 4
+    p = tmp_path / "glm53-prefix"
+    shutil.copytree(REPO / "reports" / "incidents" / "glm53-prefix", p)
+    audit = json.loads((p / "audit.json").read_text())
+    page = build(p)["html"].read_text()                      # the audit of that deployment is shown too
+    fails = sum(c["status"] == "fail" for c in audit["checks"])
+    assert 'table class="audit"' in page and fails >= 7
+    assert page.count('class="badge fail">FAIL</span></td><td><code>') == fails
 
 
 def test_highlight_escapes_html_and_finds_moved_offsets():

@@ -84,8 +84,11 @@ class Scenario:
     @property
     def context(self) -> str:
         """How to read this scenario's status next to its test's outcome."""
+        if self.source == "selftest.json":
+            return "leaks planted on purpose: a FAIL here proves the harness can see a leak on this cluster"
         if self.status == "fail" and self.test_outcome == "passed":
-            return "expected: the test required this oracle to catch an injected bug"
+            return ("its test passed: a detection the test required (an injected bug), or a verdict the test "
+                    "does not apply to this scenario — see the test")
         if self.status == "fail" and self.test_outcome == "xfailed":
             return "known engine finding (xfail with witness)"
         if self.test_outcome in ("failed", "error"):
@@ -323,6 +326,8 @@ def collect(run_dir: str | Path) -> RunModel:
     for name in ("detection_matrix.json", "run.json"):
         if (run_dir / name).exists():
             extras[name] = _read_json(run_dir / name)
+    for a in sorted(run_dir.rglob("audit.json")):  # kvchaos audit results saved by a suite
+        extras.setdefault("audits", {})[str(a.relative_to(run_dir))] = _read_json(a)
     cluster = _read_json(run_dir / "cluster.json") if (run_dir / "cluster.json").exists() else None
     return RunModel(run_dir, run_dir.name, scs, tests, cluster, logs, extras)
 

@@ -186,6 +186,19 @@ def _matrix(m) -> str:
     return f'<h2>Detection matrix</h2><table id="matrix"><tr>{head}</tr>{body}</table>'
 
 
+def _audits(m) -> str:
+    out = []
+    for path, res in (m.extras.get("audits") or {}).items():
+        rows = "".join(f"<tr><td>{esc(c.get('id'))}</td><td>{esc(c.get('role'))}</td><td>{badge(c.get('status'))}</td>"
+                       f"<td><code>{esc(_short(c.get('numbers'), 300))}</code></td><td>{esc(c.get('detail'))}</td></tr>"
+                       for c in res.get("checks", []))
+        tg = res.get("targets") or {}
+        out.append(f'<h2>Deployment audit <span class="muted">({esc(path)}: prefill {esc(tg.get("prefill"))}, '
+                   f'decode {esc(tg.get("decode"))})</span></h2><table class="audit"><tr><th>check</th><th>role</th>'
+                   f"<th>status</th><th>numbers</th><th>detail</th></tr>{rows}</table>")
+    return "".join(out)
+
+
 def render(m, verdicts: dict) -> str:
     counts = verdicts["tests"]["counts"]
     overall = verdicts["overall"]
@@ -207,7 +220,7 @@ def render(m, verdicts: dict) -> str:
                + "<div class=\"muted\">oracles: " + ", ".join(
                    f"{esc(o)} {c.get('fail', 0)}✗ {c.get('unknown', 0)}? {c.get('pass', 0)}✓"
                    for o, c in sorted(verdicts["by_oracle"].items())) + "</div></div>")
-    body = [summary, tests, _matrix(m)] + [scenario_html(i, s) for i, s in enumerate(m.scenarios)]
+    body = [summary, tests, _matrix(m), _audits(m)] + [scenario_html(i, s) for i, s in enumerate(m.scenarios)]
     body.append(f'<section id="logs"><h2>Engine logs</h2>{logs or "<p class=muted>none in this run directory</p>"}</section>')
     return ("<!DOCTYPE html><html lang=\"en\"><head><meta charset=\"utf-8\">"
             f"<title>kvchaos {esc(m.run_id)}: {overall}</title><style>{CSS}</style></head><body>"
