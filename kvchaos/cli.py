@@ -156,8 +156,15 @@ def _run_pytest(cmd, env, run_dir: Path, verbose: bool) -> int:
     console = Console(stderr=True)
     log_path = run_dir / "pytest.log"
     out = None if verbose else open(log_path, "w")
+    from kvchaos.cluster.reaper import Reaper
+
     proc = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=out, stderr=subprocess.STDOUT if out else None,
                             start_new_session=True)
+    # SIGTERM (a CI job cancelled, kill PID) stops the run like Ctrl-C; were kvchaos itself SIGKILLed,
+    # the out-of-process reaper sees its pipe close and kills pytest's whole tree
+    reaper = Reaper(f"kvc-run-{os.getpid()}", grace_s=20)
+    reaper.register(proc.pid)
+    prev_term = signal.signal(signal.SIGTERM, _raise_interrupt)
     w = _Watcher(run_dir / "progress.jsonl")
     try:
         if verbose:
@@ -184,10 +191,16 @@ def _run_pytest(cmd, env, run_dir: Path, verbose: bool) -> int:
         _stop_group(proc, signal.SIGINT, 60)
         return 130
     finally:
+        signal.signal(signal.SIGTERM, prev_term)
         if proc.poll() is None:
             _stop_group(proc, signal.SIGTERM, 30)
+        reaper.close()
         if out:
             out.close()
+
+
+def _raise_interrupt(*_):
+    raise KeyboardInterrupt
 
 
 def _stop_group(proc, sig, grace_s: float) -> None:

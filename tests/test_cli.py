@@ -79,7 +79,8 @@ def test_run_shows_progress_and_leaves_a_report(tmp_path):
     assert "assert 'reply' == 'leak'" in (d / "pytest.log").read_text()
 
 
-def test_ctrl_c_stops_pytest_and_its_children(tmp_path):
+@pytest.mark.parametrize("how", ["ctrl-c", "sigterm", "sigkill"])
+def test_stopping_kvchaos_run_stops_pytest_and_its_children(tmp_path, how):
     suite = tmp_path / "test_slow.py"
     pidfile = tmp_path / "child.pid"
     suite.write_text("import subprocess, time\n"
@@ -98,13 +99,21 @@ def test_ctrl_c_stops_pytest_and_its_children(tmp_path):
         kvc = psutil.Process(proc.pid)
         tree = [p.pid for p in kvc.children(recursive=True)]
         assert int(pidfile.read_text()) in tree
-        proc.send_signal(signal.SIGINT)                              # what Ctrl-C sends to the foreground
+        sig = {"ctrl-c": signal.SIGINT, "sigterm": signal.SIGTERM, "sigkill": signal.SIGKILL}[how]
+        proc.send_signal(sig)                                        # SIGINT is what Ctrl-C sends
         out, err = proc.communicate(timeout=90)
-        assert proc.returncode == 130, err
-        assert "interrupted" in err
-        time.sleep(0.5)
-        alive = [p for p in tree if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
-        assert not alive, f"left running after Ctrl-C: {alive}"
+        if how == "sigkill":
+            assert proc.returncode == -signal.SIGKILL
+        else:
+            assert proc.returncode == 130 and "interrupted" in err, (proc.returncode, err)
+
+        def alive():
+            return [p for p in tree if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+
+        t1 = time.monotonic()
+        while alive() and time.monotonic() - t1 < 60:  # after SIGKILL: kvchaos' reaper kills the tree
+            time.sleep(0.2)
+        assert not alive(), f"left running after {how}: {alive()}"
     finally:
         if proc.poll() is None:
             proc.kill()
