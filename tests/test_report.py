@@ -161,3 +161,16 @@ def test_every_pytest_session_leaves_junit_progress_and_report(tmp_path):
     assert v["tests"]["counts"] == {"passed": 1, "xfailed": 1, "failed": 1}
     bad = next(c for c in v["tests"]["cases"] if c["outcome"] == "failed")
     assert bad["nodeid"].endswith("::test_bad") and "assert 1 == 2" in bad["message"]
+
+
+def test_process_faults_without_ids_become_one_window_per_kill_and_restart():
+    from kvchaos.report.collect import fault_windows
+
+    ev = [{"ev": "fault", "injector": "process", "action": "fired", "kind": "sigkill", "role": "decode", "wall": 10.0},
+          {"ev": "fault", "injector": "process", "action": "healed", "kind": "restart", "role": "decode", "wall": 40.0},
+          {"ev": "fault", "injector": "process", "action": "fired", "kind": "sigstop", "role": "decode", "wall": 100.0},
+          {"ev": "fault", "injector": "process", "action": "healed", "kind": "sigcont", "role": "decode", "wall": 104.0},
+          {"ev": "fault", "action": "armed", "fault": "delay-1", "kind": "delay", "role": "prefill", "wall": 50.0},
+          {"ev": "fault", "action": "healed", "fault": "delay-1", "kind": "delay", "role": "prefill", "wall": 60.0}]
+    w = sorted(((x.kind, x.start, x.end) for x in fault_windows(ev)), key=lambda t: t[1])
+    assert w == [("sigkill", 10.0, 40.0), ("delay", 50.0, 60.0), ("sigstop", 100.0, 104.0)]

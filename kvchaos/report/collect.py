@@ -158,12 +158,25 @@ def fault_windows(events: list[dict]) -> list[FaultWindow]:
     """Windows from harness ``fault`` events (action armed/fired/healed) and the agents' own
     ``armed``/``mutation_on``/``fault_fired``/``healed``; one window per fault id."""
     win: dict[str, FaultWindow] = {}
+    open_by_role: dict = {}   # process faults carry no id: a kill/stop opens a window its restart/cont closes
     for e in sorted(events, key=lambda e: e.get("wall") or 0):
         wall = e.get("wall")
         if wall is None:
             continue
+        if e.get("ev") == "fault" and not e.get("fault"):
+            role, action = e.get("role"), e.get("action")
+            if action == "fired":
+                fid = f"{e.get('injector', 'fault')}-{e.get('kind')}-{role}-{len(win)}"
+                open_by_role[role] = win[fid] = FaultWindow(fid, str(e.get("kind")), role, wall, None, [wall])
+            elif action == "healed":
+                w = open_by_role.pop(role, None)
+                if w is None:
+                    fid = f"{e.get('injector', 'fault')}-{e.get('kind')}-{role}-{len(win)}"
+                    w = win[fid] = FaultWindow(fid, str(e.get("kind")), role, wall, None)
+                w.end = wall
+            continue
         if e.get("ev") == "fault":
-            fid, action = e.get("fault") or e.get("kind"), e.get("action")
+            fid, action = e.get("fault"), e.get("action")
         elif e.get("ev") == "agent" and e.get("agent_ev") in ("armed", "mutation_on", "fault_fired", "healed"):
             fid = e.get("fault")
             action = {"armed": "armed", "mutation_on": "armed", "fault_fired": "fired", "healed": "healed"}[e["agent_ev"]]
