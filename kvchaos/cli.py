@@ -1,6 +1,6 @@
 """kvchaos command line.
 
-  kvchaos up     [--profile P] [--model M]              stand up a cluster, print its URLs until Ctrl-C
+  kvchaos up     [--profile P] [--model M] [--urls-file F]   stand up a cluster, print its URLs until Ctrl-C
   kvchaos run    [--profile P] [SUITE ...]              chaos suites -> reports/<run-id>/ (live progress)
   kvchaos repro  NAME | --list                          reproduce a known incident
   kvchaos audit  --prefill URL --decode URL [--router URL] [--json] [--strict]
@@ -84,8 +84,13 @@ def cmd_up(args) -> int:
     try:
         c.start()
         e = c.endpoints
-        print(json.dumps({"router": e.router, "prefill": e.prefill, "decode": e.decode,
-                          "bootstrap_port": e.bootstrap_port, "timings_s": c.timings}, indent=2), flush=True)
+        urls = {"router": e.router, "prefill": e.prefill, "decode": e.decode, "router_direct": e.router_direct,
+                "bootstrap_port": e.bootstrap_port, "timings_s": c.timings, "logs": str(run_dir / "logs")}
+        print(json.dumps(urls, indent=2), flush=True)
+        if args.urls_file:
+            tmp = Path(args.urls_file).with_suffix(".tmp")
+            tmp.write_text(json.dumps(urls, indent=2))
+            tmp.rename(args.urls_file)  # appears whole: a script may poll for it
         print("kvchaos: attach with --kvchaos-attach "
               f"router={e.router},prefill={e.prefill},decode={e.decode}  (Ctrl-C to stop)", flush=True)
         while not stop["now"]:
@@ -363,6 +368,7 @@ def build_parser(cfg: dict) -> argparse.ArgumentParser:
     sub.add_parser = add_parser
     up = sub.add_parser("up", help="stand up a cluster and print its URLs until Ctrl-C")
     common(up)
+    up.add_argument("--urls-file", help="also write the URLs as JSON to this file once the cluster serves")
     up.set_defaults(fn=cmd_up)
     run = sub.add_parser("run", help="run chaos suites and write reports/<run-id>/")
     common(run)
