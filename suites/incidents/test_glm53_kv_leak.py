@@ -141,6 +141,7 @@ def prefix_cluster(kvchaos_spec, kvchaos_run_dir, kvchaos_reaper):
                                   "engine_python": py,
                                   "prefill_args": kvchaos_spec.prefill_args + ["--max-total-tokens", str(PREFIX_PREFILL_POOL)]})
     c = Cluster(spec, kvchaos_run_dir / f"sglang-{PREFIX_VERSION}", reaper=kvchaos_reaper).start()
+    (c.workdir / "cluster.json").write_text(json.dumps(c.describe(), indent=2, default=str))
     try:
         yield c
     finally:
