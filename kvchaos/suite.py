@@ -23,10 +23,41 @@ from kvchaos.workload.probes import snapshot
 SETTLE_S = 45.0
 
 
+KNOWN_ENGINE_FAILURE = (
+    "known engine bug (sglang 0.5.23, Mooncake, prefill): MooncakeKVManager.transfer_worker re-raises any "
+    "exception, so one error kills the transfer thread while the server stays up and healthy — every later KV "
+    "transfer then stalls and requests time out. Seen under clean load as a KeyError in check_status() for a "
+    "room the scheduler had just cleared (upstream: PR #27162, PR #28003 / issue #27643, kvcache-ai/Mooncake#1400). "
+    "The session restarts that role after the test (engine_errors.jsonl).")
+
+
+def engine_failures(cluster) -> list[dict]:
+    """Known silent engine failures found in the logs since the last look (none on attached clusters)."""
+    return cluster.engine_errors() if hasattr(cluster, "engine_errors") else []
+
+
+def xfail_on_known_engine_failure(found: list[dict], verdicts) -> None:
+    """When a known silent engine failure happened during the run and is what liveness caught, the run
+    is that engine bug, not a harness verdict: xfail with the engine's own traceback as the witness. A
+    leak is never excused: with isolation FAIL this does nothing and the test's assertions decide."""
+    import pytest
+
+    from kvchaos import oracles
+
+    by = {v.oracle: v for v in verdicts}
+    if not found or by.get("isolation") is not None and by["isolation"].status == oracles.FAIL:
+        return
+    if by.get("liveness") is not None and by["liveness"].status == oracles.FAIL:
+        f = found[0]
+        pytest.xfail(f"{KNOWN_ENGINE_FAILURE} Witness: {f['role']}: {f['line']} (cause {f.get('cause')}); "
+                     f"liveness: {by['liveness'].summary}")
+
+
 def run_judged(cluster, faults, run_dir, name: str, plans, judges, concurrency: int = 8,
                timeout_s: float = 60.0, settle_s: float = SETTLE_S):
     path = run_dir / "suites" / f"{name}.events.jsonl"
     t_start = time.time()
+    engine_failures(cluster)  # what happened before this run is not this run's
     with EventLog(path) as log:
         log.emit("run", name=name, n=len(plans))
         snapshot(cluster, log, "before", answer=False, settle_s=settle_s)
@@ -42,6 +73,10 @@ def run_judged(cluster, faults, run_dir, name: str, plans, judges, concurrency: 
         json.dumps([v.to_dict() for v in verdicts], indent=2, default=str))
     for v in verdicts:
         print(v)
+    found = engine_failures(cluster)
+    if found:
+        (path.parent / f"{name}.engine_errors.json").write_text(json.dumps(found, indent=2, default=str))
+    xfail_on_known_engine_failure(found, verdicts)
     return ev, verdicts
 
 

@@ -7,6 +7,7 @@ import json
 import pytest
 
 from kvchaos import oracles
+from kvchaos.suite import engine_failures, xfail_on_known_engine_failure
 from kvchaos.workload import EventLog, Workload, run_plans
 from kvchaos.workload.probes import snapshot
 
@@ -21,6 +22,7 @@ def test_clean_control_has_no_foreign_canary(cluster, kvchaos_run_dir):
                    endpoints=("generate", "generate", "completions", "chat"))
     path = kvchaos_run_dir / "clean_control.events.jsonl"
     print(f"clean control: seed {SEED}, {N_REQUESTS} requests, {N_TENANTS} tenants, events in {path}")
+    engine_failures(cluster)  # earlier tests' are not this run's
     with EventLog(path) as log:
         log.emit("run", name="clean_control", seed=SEED, n=N_REQUESTS, tenants=N_TENANTS, concurrency=CONCURRENCY)
         snapshot(cluster, log, "before", answer=False)
@@ -36,5 +38,6 @@ def test_clean_control_has_no_foreign_canary(cluster, kvchaos_run_dir):
     iso, sens, live = verdicts
     assert len({p.tenant for p in plans}) >= 32 and len(plans) >= 1000
     assert iso.status == oracles.PASS, iso
+    xfail_on_known_engine_failure(engine_failures(cluster), verdicts)
     assert sens.stats["eligible"] >= 0.95 * N_REQUESTS
     assert live.status == oracles.PASS, live.witnesses[:3]

@@ -174,3 +174,15 @@ def test_process_faults_without_ids_become_one_window_per_kill_and_restart():
           {"ev": "fault", "action": "healed", "fault": "delay-1", "kind": "delay", "role": "prefill", "wall": 60.0}]
     w = sorted(((x.kind, x.start, x.end) for x in fault_windows(ev)), key=lambda t: t[1])
     assert w == [("sigkill", 10.0, 40.0), ("delay", 50.0, 60.0), ("sigstop", 100.0, 104.0)]
+
+
+def test_engine_failures_of_the_run_are_shown(tmp_path):
+    make_run(tmp_path, leak=False)
+    tb = "KeyError: 42\nRuntimeError: Transfer thread failed because of 42. Prefill instance with bootstrap_port=1 is dead."
+    (tmp_path / "engine_errors.jsonl").write_text(json.dumps(
+        {"role": "prefill", "signature": "mooncake_transfer_worker_died", "traceback": tb,
+         "test": "suites/test_clean_control.py::test_clean_control_has_no_foreign_canary",
+         "healed": {"role": "prefill", "rejoined_s": 21.5}}) + "\n")
+    page = build(tmp_path)["html"].read_text()
+    assert page.count('class="witness other engine-error"') == 1
+    assert "mooncake_transfer_worker_died" in page and "KeyError: 42" in page and "21.5" in page

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import secrets
 import shutil
 import sys
@@ -30,6 +31,49 @@ from .spec import ClusterSpec
 REPO_ROOT = Path(__file__).resolve().parents[2]
 BOOT_DIR = REPO_ROOT / "kvchaos" / "_boot"
 LOOPBACK = "127.0.0.1"
+
+
+# Engine failures that leave the server process alive and answering /health while it no longer works.
+#   mooncake_transfer_worker_died (sglang 0.5.23, prefill): MooncakeKVManager.transfer_worker re-raises
+#   any exception, so the worker thread dies and every later KV transfer on its queue stalls — seen
+#   here as a KeyError in check_status() for a room the scheduler had just cleared, under clean load
+#   (upstream: PR #27162 "Fail single request instead of killing the mooncake transfer worker",
+#   PR #28003 / issue #27643 missing-status KeyError, kvcache-ai/Mooncake#1400).
+ENGINE_ERRORS = {
+    "mooncake_transfer_worker_died": re.compile(
+        r"RuntimeError: Transfer thread failed because of (?P<cause>.*?)\. Prefill instance with "
+        r"bootstrap_port=(?P<port>\d+) is dead"),
+}
+
+
+def scan_engine_errors(logs: dict, offsets: dict) -> list[dict]:
+    """New matches of ``ENGINE_ERRORS`` in each role's log since the last scan (``offsets[role]`` holds
+    the read position and the last lines, updated); each with the role, signature, the matching line
+    and the lines before it (the traceback, also when it was read by an earlier scan)."""
+    found = []
+    for role, path in logs.items():
+        try:
+            size = os.path.getsize(path)
+        except OSError:
+            continue
+        st = offsets.setdefault(role, {"pos": 0, "tail": []})
+        if size < st["pos"]:  # the log was replaced
+            st.update(pos=0, tail=[])
+        with open(path, "rb") as f:
+            f.seek(st["pos"])
+            chunk = f.read(size - st["pos"])
+        end = chunk.rfind(b"\n") + 1  # only whole lines; the rest is read next time
+        st["pos"] += end
+        lines = st["tail"] + chunk[:end].decode("utf-8", "replace").splitlines()
+        for i in range(len(st["tail"]), len(lines)):
+            for sig, rx in ENGINE_ERRORS.items():
+                m = rx.search(lines[i])
+                if m:
+                    found.append({"role": role, "signature": sig, "line": lines[i].strip(), **m.groupdict(),
+                                  "traceback": "\n".join(lines[max(0, i - 20):i + 1]), "log": str(path),
+                                  "wall": time.time()})
+        st["tail"] = lines[-20:]
+    return found
 
 
 class ClusterStartError(RuntimeError):
@@ -192,6 +236,8 @@ class Cluster(_ClusterAPI):
         self.proxy = None  # faults.netfault.NetworkFaults when spec.network_proxy is set
         self._launch: dict[str, tuple] = {}  # role -> (argv, env, log, health url) for restart()
         self.restarts: list[dict] = []
+        self._log_offsets: dict[str, int] = {}
+        self.engine_failures: list[dict] = []  # every ENGINE_ERRORS match seen, with "healed" (restart record)
 
     # -- lifecycle
     def start(self) -> "Cluster":
@@ -297,6 +343,28 @@ class Cluster(_ClusterAPI):
         for p in self.procs.values():
             if not p.alive():
                 raise p.died_error("is no longer running")
+
+    def engine_errors(self) -> list[dict]:
+        """Known engine failures that leave the process running (so check_alive cannot see them),
+        found in the servers' logs since the last call: see ``ENGINE_ERRORS``."""
+        new = scan_engine_errors({r: p.log_path for r, p in self.procs.items() if r != "router"}, self._log_offsets)
+        for f in new:
+            f["healed"] = None
+        self.engine_failures += new
+        return new
+
+    def heal_engine_errors(self) -> list[dict]:
+        """Restart each role with an unhealed engine failure (the process lives on but no longer
+        works); return those failures, each with its restart record under ``healed``."""
+        self.engine_errors()
+        todo = [f for f in self.engine_failures if f["healed"] is None]
+        for role in sorted({f["role"] for f in todo}):
+            rec = self.restart(role)
+            # and what the old process wrote before it was stopped: healed by the same restart
+            for f in todo + self.engine_errors():
+                if f["role"] == role:
+                    f["healed"] = rec
+        return todo
 
     def stop(self) -> list[int]:
         """Stop everything (router first, so no new requests reach dying servers). Returns leftovers."""

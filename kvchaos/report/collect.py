@@ -339,6 +339,8 @@ def collect(run_dir: str | Path) -> RunModel:
     for name in ("detection_matrix.json", "run.json"):
         if (run_dir / name).exists():
             extras[name] = _read_json(run_dir / name)
+    if (run_dir / "engine_errors.jsonl").exists():  # known silent engine failures, healed by a restart
+        extras["engine_errors"] = load_events(run_dir / "engine_errors.jsonl")
     for a in sorted(run_dir.rglob("audit.json")):  # kvchaos audit results saved by a suite
         extras.setdefault("audits", {})[str(a.relative_to(run_dir))] = _read_json(a)
     cluster = _read_json(run_dir / "cluster.json") if (run_dir / "cluster.json").exists() else None

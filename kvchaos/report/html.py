@@ -186,6 +186,16 @@ def _matrix(m) -> str:
     return f'<h2>Detection matrix</h2><table id="matrix"><tr>{head}</tr>{body}</table>'
 
 
+def _engine_errors(m) -> str:
+    errs = m.extras.get("engine_errors") or []
+    if not errs:
+        return ""
+    parts = "".join(f'<div class="witness other engine-error"><div><b>{esc(e.get("role"))}</b> '
+                    f'{esc(e.get("signature"))} during <code>{esc(e.get("test"))}</code>; restarted: '
+                    f'{esc(_short(e.get("healed")))}</div><pre>{esc(e.get("traceback"))}</pre></div>' for e in errs)
+    return f'<h2>Engine failures (process alive, no longer working; the role was restarted)</h2>{parts}'
+
+
 def _audits(m) -> str:
     out = []
     for path, res in (m.extras.get("audits") or {}).items():
@@ -220,7 +230,7 @@ def render(m, verdicts: dict) -> str:
                + "<div class=\"muted\">oracles: " + ", ".join(
                    f"{esc(o)} {c.get('fail', 0)}✗ {c.get('unknown', 0)}? {c.get('pass', 0)}✓"
                    for o, c in sorted(verdicts["by_oracle"].items())) + "</div></div>")
-    body = [summary, tests, _matrix(m), _audits(m)] + [scenario_html(i, s) for i, s in enumerate(m.scenarios)]
+    body = [summary, tests, _engine_errors(m), _matrix(m), _audits(m)] + [scenario_html(i, s) for i, s in enumerate(m.scenarios)]
     body.append(f'<section id="logs"><h2>Engine logs</h2>{logs or "<p class=muted>none in this run directory</p>"}</section>')
     return ("<!DOCTYPE html><html lang=\"en\"><head><meta charset=\"utf-8\">"
             f"<title>kvchaos {esc(m.run_id)}: {overall}</title><style>{CSS}</style></head><body>"
