@@ -186,3 +186,13 @@ def test_engine_failures_of_the_run_are_shown(tmp_path):
     page = build(tmp_path)["html"].read_text()
     assert page.count('class="witness other engine-error"') == 1
     assert "mooncake_transfer_worker_died" in page and "KeyError: 42" in page and "21.5" in page
+
+
+def test_witness_without_its_request_record_marks_the_excerpt(tmp_path):
+    (tmp_path / "x").mkdir()
+    w = {"victim_rid": "v1", "victim_tenant": "t1", "owner_rid": "o1", "owner_tenant": "t2", "canary": "[ABCDEFGHIJ]",
+         "matched": "ABCDEFGHIJ", "match": "exact", "offsets": [1, 11], "status": 200, "excerpt": "[ABCDEFGHIJ]["}
+    (tmp_path / "x" / "s.verdicts.json").write_text(json.dumps([{"oracle": "isolation", "status": "fail",
+                                                                 "summary": "LEAK", "witnesses": [w]}]))
+    page = build(tmp_path)["html"].read_text()                # no s.events.jsonl beside it
+    assert '<mark class="leak" title="o1 (t2)">ABCDEFGHIJ</mark>' in page

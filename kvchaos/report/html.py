@@ -108,10 +108,9 @@ def _isolation_witnesses(scn, v) -> str:
             reply = (f'<div>reply (leaked text highlighted, own canaries green; own: {own}):</div>'
                      f'<pre class="reply">{body}</pre>')
         else:
-            reply = ('<div>excerpt:</div><pre class="reply">'
-                     + highlight(w0.get("excerpt") or "", [], []).replace(
-                         esc(w0.get("matched") or "\0"), f'<mark class="leak">{esc(w0.get("matched"))}</mark>', 1)
-                     + "</pre>")
+            # no request record for the victim: mark the leaked text inside the oracle's excerpt
+            marks = [(-1, -1, f"{w.get('owner_rid')} ({w.get('owner_tenant')})", w.get("matched")) for w in ws]
+            reply = f'<div>excerpt:</div><pre class="reply">{highlight(w0.get("excerpt") or "", marks, [])}</pre>'
         parts.append(f'<div class="witness leak" data-victim="{esc(rid)}"><div>{head}</div>{reply}'
                      f"<table><tr><th>canary</th><th>match</th><th>owner rid</th><th>owner tenant</th>"
                      f"<th>offsets</th></tr>{rows}</table></div>")
