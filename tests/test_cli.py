@@ -3,7 +3,6 @@
 Ctrl-C stopping the whole pytest tree, ``report`` exit codes. No cluster: the suites here are tiny."""
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -15,12 +14,13 @@ import pytest
 
 from kvchaos.cli import UsageError, load_config
 from tests.test_report import make_run
+from tests.util import child_env
 
 REPO = Path(__file__).resolve().parents[1]
 
 
 def kvchaos(*args, cwd=None, timeout=180, **kw):
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_", "KVCHAOS_"))}
+    env = child_env()
     return subprocess.run([sys.executable, "-m", "kvchaos", *args], capture_output=True, text=True,
                           timeout=timeout, cwd=cwd or REPO, env=env, **kw)
 
@@ -88,7 +88,7 @@ def test_stopping_kvchaos_run_stops_pytest_and_its_children(tmp_path, how):
                      "    c = subprocess.Popen(['sleep', '300'])\n"
                      f"    open({str(pidfile)!r}, 'w').write(str(c.pid))\n"
                      "    time.sleep(300)\n")
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_", "KVCHAOS_"))}
+    env = child_env()
     proc = subprocess.Popen([sys.executable, "-m", "kvchaos", "run", str(suite), "--reports", str(tmp_path / "r")],
                             cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:

@@ -14,13 +14,14 @@ import psutil
 import pytest
 
 from kvchaos import canary, probe
+from tests.util import child_env
 
 pytestmark = [pytest.mark.cluster, pytest.mark.backends("mooncake_tcp")]
 
 
 def test_up_serves_until_ctrl_c_and_leaves_nothing(tmp_path):
     urls_file = tmp_path / "up.json"
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_", "KVCHAOS_"))}
+    env = child_env()
     proc = subprocess.Popen([sys.executable, "-m", "kvchaos", "up", "--reports", str(tmp_path / "r"),
                              "--urls-file", str(urls_file)], env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)

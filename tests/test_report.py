@@ -4,7 +4,6 @@ clean run must show no leak; the committed incident report must rebuild; bad inp
 naming the file. The HTML is opened in a browser by tests/test_report_html.py."""
 
 import json
-import os
 import re
 import shutil
 import subprocess
@@ -19,6 +18,7 @@ from kvchaos.report import ReportError, build, collect
 from kvchaos.report.html import highlight
 from kvchaos.workload import EventLog, Workload, run_plans
 from tests.fake_engine import FakeEngine
+from tests.util import child_env
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -150,8 +150,7 @@ def test_every_pytest_session_leaves_junit_progress_and_report(tmp_path):
     p = subprocess.run([sys.executable, "-m", "pytest", str(suite), "-p", "no:cacheprovider", "-q",
                         "--rootdir", str(tmp_path), "--kvchaos-reports", str(reports)],
                        capture_output=True, text=True, timeout=120, cwd=tmp_path,
-                       env={**{k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_", "KVCHAOS_"))},
-                            "KVCHAOS_RUN_ID": "inner-run"})
+                       env=child_env(KVCHAOS_RUN_ID="inner-run"))
     assert p.returncode == 1, p.stdout + p.stderr
     d = reports / "inner-run"
     assert {"junit.xml", "progress.jsonl", "report.html", "verdicts.json"} <= {x.name for x in d.iterdir()}

@@ -22,6 +22,15 @@ class ProcessDied(RuntimeError):
     pass
 
 
+def log_tail(path, n: int = 40, max_bytes: int = 64 * 1024) -> str:
+    """The last ``n`` lines of a log, reading at most its last ``max_bytes``."""
+    with open(path, "rb") as f:
+        f.seek(0, os.SEEK_END)
+        f.seek(max(0, f.tell() - max_bytes))
+        lines = f.read().decode("utf-8", "replace").splitlines()
+    return "\n".join(lines[-n:])
+
+
 class ManagedProcess:
     def __init__(self, name: str, argv: list[str], env: dict, log_path: Path, reaper: Reaper | None,
                  token: str, cwd: str | None = None):
@@ -51,14 +60,9 @@ class ManagedProcess:
 
     def tail(self, n: int = 40) -> str:
         try:
-            with open(self.log_path, "rb") as f:
-                f.seek(0, os.SEEK_END)
-                size = f.tell()
-                f.seek(max(0, size - 64 * 1024))
-                lines = f.read().decode("utf-8", "replace").splitlines()
+            return log_tail(self.log_path, n)
         except OSError as e:
             return f"<log unreadable: {e}>"
-        return "\n".join(lines[-n:])
 
     def died_error(self, what: str = "exited") -> ProcessDied:
         return ProcessDied(

@@ -15,6 +15,7 @@ import xml.etree.ElementTree as ET
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kvchaos.cluster.procs import log_tail
 from kvchaos.workload.events import load_events
 
 ORACLE_RID_KEYS = ("victim_rid", "rid")
@@ -165,14 +166,17 @@ def fault_windows(events: list[dict]) -> list[FaultWindow]:
             continue
         if e.get("ev") == "fault" and not e.get("fault"):
             role, action = e.get("role"), e.get("action")
-            if action == "fired":
+
+            def new_window():
                 fid = f"{e.get('injector', 'fault')}-{e.get('kind')}-{role}-{len(win)}"
-                open_by_role[role] = win[fid] = FaultWindow(fid, str(e.get("kind")), role, wall, None, [wall])
+                win[fid] = FaultWindow(fid, str(e.get("kind")), role, wall, None)
+                return win[fid]
+
+            if action == "fired":
+                w = open_by_role[role] = new_window()
+                w.fired.append(wall)
             elif action == "healed":
-                w = open_by_role.pop(role, None)
-                if w is None:
-                    fid = f"{e.get('injector', 'fault')}-{e.get('kind')}-{role}-{len(win)}"
-                    w = win[fid] = FaultWindow(fid, str(e.get("kind")), role, wall, None)
+                w = open_by_role.pop(role, None) or new_window()
                 w.end = wall
             continue
         if e.get("ev") == "fault":
@@ -208,19 +212,22 @@ def _flag(requests: dict[str, Request], verdicts: list[dict]) -> None:
                 requests[rid].flagged_by.setdefault(v.get("oracle"), []).append(i)
 
 
-def _scenario(run_dir: Path, name: str, vfile: Path, efiles: list[Path], summary: dict | None = None) -> Scenario:
-    verdicts = _read_json(vfile)
-    if isinstance(verdicts, dict):
-        verdicts = [verdicts]
-    if not isinstance(verdicts, list) or not all(isinstance(v, dict) and "oracle" in v for v in verdicts):
-        raise ReportError(f"{vfile}: expected a list of verdicts (objects with 'oracle', 'status')")
-    events = [e for f in efiles if f.exists() for e in load_events(f)]
+def _scenario(name: str, source: str, verdicts: list, events: list, summary: dict | None = None) -> Scenario:
     reqs = requests_of(events)
     _flag(reqs, verdicts)
     walls = [e["wall"] for e in events if isinstance(e.get("wall"), (int, float)) and e.get("ev") != "agent"]
     walls += [t for r in reqs.values() for t in (r.send, r.end) if t]
     t0, t1 = (min(walls), max(walls)) if walls else (None, None)
-    return Scenario(name, str(vfile.relative_to(run_dir)), verdicts, events, reqs, t0, t1, summary=summary)
+    return Scenario(name, source, verdicts, events, reqs, t0, t1, summary=summary)
+
+
+def _verdict_file(vfile: Path) -> list:
+    verdicts = _read_json(vfile)
+    if isinstance(verdicts, dict):
+        verdicts = [verdicts]
+    if not isinstance(verdicts, list) or not all(isinstance(v, dict) and "oracle" in v for v in verdicts):
+        raise ReportError(f"{vfile}: expected a list of verdicts (objects with 'oracle', 'status')")
+    return verdicts
 
 
 def scenarios(run_dir: Path) -> list[Scenario]:
@@ -236,19 +243,16 @@ def scenarios(run_dir: Path) -> list[Scenario]:
         summary = _read_json(sfile) if sfile.exists() else None
         rel = vfile.parent.relative_to(run_dir)
         name = prefix.rstrip(".") or (vfile.parent.name if rel.parts else run_dir.name)
-        out.append(_scenario(run_dir, name, vfile, efiles, summary))
+        events = [e for f in efiles if f.exists() for e in load_events(f)]
+        out.append(_scenario(name, str(vfile.relative_to(run_dir)), _verdict_file(vfile), events, summary))
     st = run_dir / "selftest.json"
     if st.exists():
         d = _read_json(st)
-        tmp = run_dir / "selftest.events.jsonl"
-        vs = [d[k] for k in ("isolation", "sensitivity") if isinstance(d.get(k), dict)]
-        events = load_events(tmp) if tmp.exists() else []
-        reqs = requests_of(events)
-        _flag(reqs, vs)
-        walls = [t for r in reqs.values() for t in (r.send, r.end) if t]
-        out.insert(0, Scenario("planted-leak self-test (must FAIL: leaks planted on purpose)", "selftest.json", vs,
-                               events, reqs, min(walls) if walls else None, max(walls) if walls else None,
-                               summary={"selftest": d.get("status"), "planted": d.get("faults")}))
+        ev = run_dir / "selftest.events.jsonl"
+        out.insert(0, _scenario("planted-leak self-test (must FAIL: leaks planted on purpose)", "selftest.json",
+                                [d[k] for k in ("isolation", "sensitivity") if isinstance(d.get(k), dict)],
+                                load_events(ev) if ev.exists() else [],
+                                {"selftest": d.get("status"), "planted": d.get("faults")}))
     return out
 
 
@@ -304,15 +308,6 @@ def _link(scs: list[Scenario], tests: list[TestCase]) -> None:
                 break
 
 
-def _tail(p: Path, n: int = 25, max_bytes: int = 64 * 1024) -> str:
-    with open(p, "rb") as f:
-        f.seek(0, 2)
-        size = f.tell()
-        f.seek(max(0, size - max_bytes))
-        lines = f.read().decode("utf-8", "replace").splitlines()
-    return "\n".join(lines[-n:])
-
-
 def collect(run_dir: str | Path) -> RunModel:
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
@@ -334,7 +329,7 @@ def collect(run_dir: str | Path) -> RunModel:
                     and (w.end is not None or w.start >= s.t0 - 60)]
     logs = []
     for p in sorted(run_dir.rglob("*.log")):
-        logs.append((str(p.relative_to(run_dir)), p.stat().st_size, _tail(p)))
+        logs.append((str(p.relative_to(run_dir)), p.stat().st_size, log_tail(p, 25)))
     extras = {}
     for name in ("detection_matrix.json", "run.json"):
         if (run_dir / name).exists():

@@ -121,17 +121,18 @@ def _other_witnesses(v) -> str:
     ws = v.get("witnesses") or []
     if not ws:
         return ""
-    keys = []
-    for w in ws[:MAX_WITNESSES]:
-        for k in (w if isinstance(w, dict) else {"value": w}):
-            if k not in keys:
-                keys.append(k)
+    keys = _columns(w if isinstance(w, dict) else {"value": w} for w in ws[:MAX_WITNESSES])
     head = "".join(f"<th>{esc(k)}</th>" for k in keys)
     rows = "".join("<tr>" + "".join(f"<td>{esc(_short(w.get(k) if isinstance(w, dict) else w))}</td>" for k in keys)
                    + "</tr>" for w in ws[:MAX_WITNESSES])
     more = f'<p class="muted">… {len(ws) - MAX_WITNESSES} more in verdicts.json</p>' if len(ws) > MAX_WITNESSES else ""
     return (f'<div class="witness other" data-oracle="{esc(v.get("oracle"))}"><div><b>{esc(v.get("oracle"))}</b> '
             f"witnesses ({len(ws)})</div><table><tr>{head}</tr>{rows}</table>{more}</div>")
+
+
+def _columns(rows) -> list:
+    """Every key of the dict rows, in first-seen order: a table's header."""
+    return list(dict.fromkeys(k for r in rows for k in r))
 
 
 def _short(x, n: int = 240) -> str:
@@ -174,11 +175,7 @@ def _matrix(m) -> str:
         return ""
     rows = dm.get("rows") if isinstance(dm, dict) else None
     rows = rows if isinstance(rows, list) else dm if isinstance(dm, list) else [dm]
-    keys = []
-    for r in rows:
-        for k in (r if isinstance(r, dict) else {}):
-            if k not in keys:
-                keys.append(k)
+    keys = _columns(r for r in rows if isinstance(r, dict))
     head = "".join(f"<th>{esc(k)}</th>" for k in keys)
     body = "".join("<tr>" + "".join(f"<td>{esc(_short(r.get(k)))}</td>" for k in keys) + "</tr>"
                    for r in rows if isinstance(r, dict))

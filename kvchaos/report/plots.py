@@ -35,6 +35,13 @@ def _svg(fig) -> str:
     return s[s.index("<svg"):]  # drop the XML prolog and DOCTYPE: the SVG goes inline into HTML
 
 
+def _span(w, scn) -> tuple[float, float]:
+    """A fault window in seconds since the scenario start; unhealed windows run to its end."""
+    a = max(w.start, scn.t0) - scn.t0
+    b = (w.end if w.end is not None else scn.t1) - scn.t0
+    return a, max(b, a + 0.05)
+
+
 def marks(scn) -> tuple[dict, set]:
     """rid -> owner tenants of the canaries it leaked; rids a liveness witness names."""
     leaks, hung = {}, set()
@@ -61,9 +68,8 @@ def timeline(scn) -> str:
     h = min(18.0, 1.2 + 0.11 * len(reqs))
     fig, ax = plt.subplots(figsize=(11, h))
     for w in scn.faults:
-        a = max(w.start, t0) - t0
-        b = (w.end if w.end is not None else scn.t1) - t0
-        ax.axvspan(a, max(b, a + 0.05), color="#ff9900", alpha=0.13, lw=0, gid=f"fault-{w.fault}")
+        a, b = _span(w, scn)
+        ax.axvspan(a, b, color="#ff9900", alpha=0.13, lw=0, gid=f"fault-{w.fault}")
         ax.text(a, 1.0, f" {w.kind}" + (f" ({w.role})" if w.role else ""), transform=ax.get_xaxis_transform(),
                 va="bottom", ha="left", fontsize=7, color="#b35900", clip_on=False)
         for f in w.fired:
@@ -121,9 +127,7 @@ def latency(scn) -> str:
         ax.scatter([p[0] for p in lk], [p[1] for p in lk], s=90, facecolors="none", edgecolors="#d62728",
                    linewidths=1.5, label=f"leak victim ({len(lk)})")
     for w in scn.faults:
-        a = max(w.start, t0) - t0
-        b = (w.end if w.end is not None else scn.t1) - t0
-        ax.axvspan(a, max(b, a + 0.05), color="#ff9900", alpha=0.13, lw=0)
+        ax.axvspan(*_span(w, scn), color="#ff9900", alpha=0.13, lw=0)
     ax.set_xlabel("send time, s since scenario start")
     ax.set_ylabel("latency, s")
     ax.grid(alpha=0.3)
