@@ -55,7 +55,8 @@ def test_driver_logs_every_step_over_all_endpoints(tmp_path):
         assert all(canary.payload(c) in body["text"] for c in p.canaries), (p.endpoint, p.kind, body)
     ts = [e["t"] for e in ev]
     assert ts == sorted(ts)
-    assert oracles.isolation(ev).status == oracles.PASS
+    iso = oracles.isolation(ev)  # no leak; six replies may be too few for sensitivity to vouch for a PASS
+    assert iso.status != oracles.FAIL and not iso.witnesses, iso
 
 
 def test_abort_and_disconnect_are_bounded_and_logged(tmp_path):
@@ -70,6 +71,11 @@ def test_abort_and_disconnect_are_bounded_and_logged(tmp_path):
     assert {e["outcome"] for e in ends} == {"aborted", "disconnected"}
     assert {b["rid"] for b in aborted} == {ab.rid, dc.rid}
     assert not any(e["ev"] == "first_byte" and e["rid"] == dc.rid for e in log.records)
+    # what each received is logged once, marked incomplete (the disconnect had its headers; the abort
+    # almost surely too): tests/test_driver_bytes.py
+    bodies = {e["rid"]: e for e in log.records if e["ev"] == "body"}
+    assert dc.rid in bodies and set(bodies) <= {ab.rid, dc.rid} and not any(b["complete"] for b in bodies.values())
+    assert sum(e["ev"] == "body" for e in log.records) == len(bodies)
 
 
 def test_hang_becomes_a_timeout_within_the_bound(tmp_path):

@@ -7,7 +7,14 @@ Each :class:`RequestPlan` runs as planned — plain or streaming ``/generate``, 
 ``POST /abort_request`` to the given servers), or disconnected as soon as the response headers
 arrive, before the first token. Every step is an event in the :class:`EventLog`; every request
 ends with exactly one ``end`` event (outcome ``ok``, ``http_error``, ``aborted``,
-``disconnected``, ``timeout`` or ``error``) within ``timeout_s`` — nothing waits unbounded.
+``disconnected``, ``timeout``, ``cut`` (the connection broke after the headers: a stream or body
+cut short) or ``error``) within ``timeout_s`` — nothing waits unbounded.
+
+Whatever the outcome, a request that got a response (its headers) logs exactly one ``body`` event
+before its ``end``: ``text`` (the reply as parsed so far), ``raw`` (every body byte received,
+utf-8 with replacement, partial last line included — what the isolation oracle must scan),
+``complete`` (read to its end normally), ``output_ids``, ``meta``, ``error``, ``chunks``. Every
+``end`` carries ``bytes_received`` (0: no response at all, and then no ``body``).
 """
 
 from __future__ import annotations
@@ -15,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from dataclasses import dataclass, field
 
 import aiohttp
 
@@ -66,73 +74,131 @@ class Driver:
     async def _run_one(self, p: RequestPlan) -> dict:
         path, body, stream = self._request(p)
         t0 = time.monotonic()
+        reply = _Reply(stream)
         self.log.emit("send", rid=p.rid, url=self.base_url + path, stream=stream)
-        task = asyncio.ensure_future(self._exchange(p, path, body, stream))
+        task = asyncio.ensure_future(self._exchange(p, path, body, reply))
         try:
             if p.kind == "abort_after":
                 done, _ = await asyncio.wait({task}, timeout=p.abort_after_ms / 1000.0)
                 if not done:
                     task.cancel()
+                    # let the exchange unwind (its finally collects the buffered bytes and drops the
+                    # connection) before the reply is logged and the servers are told
+                    await asyncio.wait({task}, timeout=self.timeout_s)
                     await self._abort(p, "client_disconnect_after_ms")
-                    return self._end(p, t0, "aborted", after_ms=p.abort_after_ms)
+                    return self._leave(p, t0, reply, "aborted", after_ms=p.abort_after_ms)
+            # on timeout wait_for cancels the task and waits for it: its finally has run here too
             return await asyncio.wait_for(task, timeout=self.timeout_s + 5)
         except asyncio.TimeoutError as e:  # the overall bound, or no byte for timeout_s (aiohttp's read timeout)
             task.cancel()
             extra = {} if type(e) in (asyncio.TimeoutError, TimeoutError) else {"error": repr(e)}
-            return self._end(p, t0, "timeout", bound_s=self.timeout_s, **extra)
+            return self._leave(p, t0, reply, "timeout", bound_s=self.timeout_s, **extra)
         except _Disconnected:
             await self._abort(p, "disconnect_before_first_token")
-            return self._end(p, t0, "disconnected")
-        except aiohttp.ClientError as e:
+            return self._leave(p, t0, reply, "disconnected")
+        except (aiohttp.ClientError, _Malformed) as e:
             self.log.emit("error", rid=p.rid, error=repr(e))
-            return self._end(p, t0, "error", error=repr(e))
+            # a connection failing once the headers are in cuts the reply short; a line the client
+            # cannot parse, or a failure before any response, is an error
+            cut = reply.status is not None and isinstance(e, aiohttp.ClientError)
+            return self._leave(p, t0, reply, "cut" if cut else "error", error=repr(e))
 
-    async def _exchange(self, p: RequestPlan, path: str, body: dict, stream: bool) -> dict:
+    async def _exchange(self, p: RequestPlan, path: str, body: dict, reply: _Reply) -> dict:
         t0 = time.monotonic()
         r = await self.client.post(self.base_url + path, json=body)  # returns once the headers are in
+        reply.status = r.status
         try:
-            if not stream:
-                text = await r.text(errors="replace")
-                self.log.emit("first_byte", rid=p.rid)
-                return self._finish(p, t0, r.status, text)
-            self.log.emit("status", rid=p.rid, status=r.status, headers_only=True)
-            if p.kind == "disconnect_before_first_token":
-                raise _Disconnected()
-            if r.status != 200:
-                return self._finish(p, t0, r.status, await r.text(errors="replace"))
-            last, chunks, first = None, 0, True
-            async for raw in r.content:  # one SSE line at a time
-                line = raw.decode("utf-8", "replace").strip()
-                if not line.startswith("data:"):
-                    continue
-                data = line[5:].strip()
-                if data == "[DONE]":
-                    break
-                if first:
+            if reply.stream:
+                self.log.emit("status", rid=p.rid, status=r.status, headers_only=True)
+                if p.kind == "disconnect_before_first_token":
+                    raise _Disconnected()
+            if reply.sse:
+                await self._read_sse(p, r.content, reply)
+            else:
+                async for data in r.content.iter_any():
+                    reply.raw.append(data)
+                if not reply.stream:
                     self.log.emit("first_byte", rid=p.rid)
-                    first = False
-                chunks += 1
-                last = _merge_stream(last, json.loads(data), p.endpoint)
-            return self._finish(p, t0, 200, None, streamed=last, chunks=chunks)
+            reply.complete = True
         finally:
+            # bytes already received but not read (a cut, a cancelled read, a disconnect at the headers)
+            # are part of what the client saw
+            unread = _unread(r.content)
+            if unread:
+                reply.raw.append(unread)
             # a stream left early (disconnect, abort, [DONE] before the last chunk) or any error: drop the
             # connection, as a client going away does; a fully read answer goes back to the pool
-            if r.content.at_eof() and not stream:
+            if r.content.at_eof() and not reply.stream:
                 r.release()
             else:
                 r.close()
+        return self._finish(p, t0, reply)
 
-    def _finish(self, p, t0, status, text, streamed=None, chunks=None) -> dict:
-        self.log.emit("status", rid=p.rid, status=status)
-        parsed = streamed
-        if parsed is None and text is not None:
+    async def _read_sse(self, p: RequestPlan, content: aiohttp.StreamReader, reply: _Reply) -> None:
+        """Read server-sent events into ``reply`` until ``[DONE]`` or EOF. Chunks are kept as received
+        (``raw``) and split into lines here, so a line cut short stays in ``raw``."""
+        pending = b""  # the line being received: its end is in a later chunk
+        async for data in content.iter_any():
+            reply.raw.append(data)
+            lines = (pending + data).split(b"\n")
+            pending = lines.pop()
+            for line in lines:
+                if self._sse_line(p, line, reply):
+                    return
+        if pending.strip():  # a clean EOF in the middle of a line: the stream was cut
+            raise aiohttp.ClientPayloadError(f"stream ended mid-line: {pending[:200]!r}")
+
+    def _sse_line(self, p: RequestPlan, line: bytes, reply: _Reply) -> bool:
+        """Merge one SSE line into ``reply``; True at ``[DONE]``."""
+        line = line.strip()
+        if not line.startswith(b"data:"):
+            return False
+        data = line[5:].strip()
+        if data == b"[DONE]":
+            return True
+        if not reply.chunks:
+            self.log.emit("first_byte", rid=p.rid)
+        try:
+            chunk = json.loads(data)
+        except ValueError:
+            chunk = None
+        if not isinstance(chunk, dict):
+            raise _Malformed(f"stream line is not a JSON object: {line[:200]!r}")
+        reply.chunks += 1
+        reply.merged = _merge_stream(reply.merged, chunk, p.endpoint)
+        return False
+
+    def _finish(self, p: RequestPlan, t0: float, reply: _Reply) -> dict:
+        self.log.emit("status", rid=p.rid, status=reply.status)
+        n = self._body(p, reply)
+        return self._end(p, t0, "ok" if reply.status == 200 else "http_error", status=reply.status, bytes_received=n)
+
+    def _leave(self, p: RequestPlan, t0: float, reply: _Reply, outcome: str, **extra) -> dict:
+        """End a request that did not finish normally, logging what it received, if anything."""
+        if reply.status is None:
+            return self._end(p, t0, outcome, bytes_received=0, **extra)
+        if not reply.stream:  # a stream logged its headers' status when they arrived
+            self.log.emit("status", rid=p.rid, status=reply.status, headers_only=True)
+        n = self._body(p, reply)
+        return self._end(p, t0, outcome, status=reply.status, bytes_received=n, **extra)
+
+    def _body(self, p: RequestPlan, reply: _Reply) -> int:
+        """Log the one ``body`` event of a request; returns the number of body bytes received."""
+        data = b"".join(reply.raw)
+        raw = data.decode("utf-8", "replace")
+        if reply.sse:
+            parsed = reply.merged
+        elif reply.complete:
             try:
-                parsed = json.loads(text)
+                parsed = json.loads(raw)
             except json.JSONDecodeError:
-                parsed = {"raw": text[:2000]}
-        out_text, ids, meta, error = _extract(parsed, p.endpoint)
-        self.log.emit("body", rid=p.rid, text=out_text, output_ids=ids, meta=meta, error=error, chunks=chunks)
-        return self._end(p, t0, "ok" if status == 200 else "http_error", status=status)
+                parsed = {"raw": raw[:2000]}
+        else:
+            parsed = None  # part of one JSON document: nothing to parse (raw has it)
+        text, ids, meta, error = _extract(parsed, p.endpoint)
+        self.log.emit("body", rid=p.rid, text=text, output_ids=ids, meta=meta, error=error,
+                      chunks=reply.chunks if reply.sse else None, raw=raw, complete=reply.complete)
+        return len(data)
 
     async def _abort(self, p: RequestPlan, method: str) -> None:
         self.log.emit("abort", rid=p.rid, method=method)
@@ -149,8 +215,40 @@ class Driver:
         return rec
 
 
+@dataclass(eq=False, slots=True)
+class _Reply:
+    """What the client has seen of one reply so far. Shared by ``_run_one`` and the ``_exchange``
+    task, so that a reply left early (cancelled, timed out, cut) still logs the bytes it got."""
+    stream: bool
+    status: int | None = None     # from the headers; None: no response (yet)
+    raw: list[bytes] = field(default_factory=list)  # body bytes as received, joined once at the end
+    merged: dict | None = None    # streamed events merged so far (see _merge_stream)
+    chunks: int = 0               # stream events parsed
+    complete: bool = False        # read to its end ([DONE] or EOF) without error
+
+    @property
+    def sse(self) -> bool:
+        """Read as server-sent events (an error status on a stream request is one JSON body)."""
+        return self.stream and self.status == 200
+
+
 class _Disconnected(Exception):
     pass
+
+
+class _Malformed(ValueError):
+    """A stream line the client cannot parse."""
+
+
+def _unread(content: aiohttp.StreamReader) -> bytes:
+    """The bytes aiohttp has received for a body but not handed out. Once the payload has failed (a
+    cut), ``readany()`` raises before returning them, and a read abandoned at the headers never asks;
+    no public call returns them, so they are taken from the reader's buffer (absent from
+    ``EmptyStreamReader``: no body)."""
+    buf = getattr(content, "_buffer", None)
+    if not buf:
+        return b""
+    return b"".join(buf)[getattr(content, "_buffer_offset", 0):]
 
 
 def _merge_stream(prev, chunk, endpoint):
