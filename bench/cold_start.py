@@ -22,6 +22,7 @@ from pathlib import Path
 import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from faults import open_network_proxy  # noqa: E402 - the fault layer's network proxy
 from kvchaos.cluster import Cluster, ClusterSpec, SingleServer  # noqa: E402
 from kvchaos.cluster.procs import tree_pids  # noqa: E402
 
@@ -69,7 +70,7 @@ def rss_mb(pids) -> float:
 def measure_cluster(spec, window):
     with tempfile.TemporaryDirectory() as d:
         t0 = time.monotonic()
-        c = Cluster(spec, d).start()
+        c = Cluster(spec, d, proxy_factory=open_network_proxy).start()
         cold = time.monotonic() - t0
         try:
             pids = c.all_pids()

@@ -24,6 +24,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from kvchaos import canary  # noqa: E402
+from faults import open_network_proxy  # noqa: E402 - the fault layer's network proxy
 from kvchaos.cluster import Cluster, ClusterSpec, SingleServer  # noqa: E402
 from kvchaos.probe import MIN_HEAD, MIN_TAIL, max_new_tokens, prompt  # noqa: E402
 from kvchaos.probe.measure import Rate, measure_contamination, measure_determinism, measure_echo  # noqa: E402
@@ -96,7 +97,7 @@ def main():
     lengths = [32, 48, 64, 128, 256, 512, 1024, 2048, 3072, ctx * 9 // 10]
     rows = []
     with tempfile.TemporaryDirectory() as d:
-        c = Cluster(spec, d).start()
+        c = Cluster(spec, d, proxy_factory=open_network_proxy).start()
         try:
             url = c.endpoints.router
             for fn, arg in ((measure_echo, (url, args.echo, lengths)),

@@ -102,12 +102,13 @@ def micro(n: int):
 
 
 def cluster(n: int, full: bool):
+    from faults import open_network_proxy
     from kvchaos.cluster import Cluster, ClusterSpec
 
     body = {"text": "kvchaos proxy bench " * 10 + "[", "sampling_params": {"max_new_tokens": 8, "temperature": 0}}
     with tempfile.TemporaryDirectory() as d:
         spec = ClusterSpec.load("cpu", network_proxy="embedded")
-        with Cluster(spec, d) as c:
+        with Cluster(spec, d, proxy_factory=open_network_proxy) as c:
             e = c.endpoints
             direct, proxied = paired(e.router_direct + "/generate", e.router + "/generate", n, "POST", body)
             row(f"CPU PD cluster /generate, client->router hop, n={n}", direct, proxied)

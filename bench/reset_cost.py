@@ -20,6 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from faults import FaultKit  # noqa: E402
+from faults import open_network_proxy  # noqa: E402 - the fault layer's network proxy
 from kvchaos.cluster import Cluster, ClusterSpec  # noqa: E402
 from kvchaos.workload import EventLog  # noqa: E402
 
@@ -34,7 +35,7 @@ def main():
     resets = []
     with tempfile.TemporaryDirectory() as d:
         t0 = time.monotonic()
-        c = Cluster(spec, d).start()
+        c = Cluster(spec, d, proxy_factory=open_network_proxy).start()
         start_s = time.monotonic() - t0
         try:
             with EventLog(Path(d) / "reset.jsonl") as log:

@@ -10,15 +10,43 @@
                       client disconnects are request kinds of ``kvchaos.workload``).
 
 Every fault: arm → verify (evidence in the event log, ``FaultDidNotFire`` otherwise) → heal.
+Every injector hands back the same kind of handle, a :class:`Fault` (``faults.base``): ``id``,
+``kind``, ``injector``, ``verify()``, ``heal()`` (idempotent), ``fired_events()`` — an
+``ArmedFault`` (agent), ``NetFault`` (proxy toxic) or ``ProcessFault`` (SIGKILL / SIGSTOP).
 :class:`FaultKit` bundles them for one test; the pytest fixture ``faults`` heals it after the
 test even on failure and errors the test if anything is still armed afterwards.
+
+The cluster layer (``kvchaos.cluster``) never imports this package: the network proxy it places in
+front of the router comes from here as a factory — ``Cluster(spec, workdir,
+proxy_factory=faults.open_network_proxy)``, or once per process ``faults.install_network_proxy()``.
+
+This module stays light (it is imported into every engine process that loads the agent).
 """
 
 from __future__ import annotations
 
 import time
 
-from .engine import AgentClient, AgentError, ArmedFault, FaultDidNotFire  # noqa: F401
+from .base import Fault, FaultDidNotFire  # noqa: F401
+from .engine import AgentClient, AgentError, ArmedFault  # noqa: F401
+
+
+def open_network_proxy(where: str, token: str):
+    """The cluster's proxy factory (``kvchaos.cluster.hooks.ProxyFactory``): the embedded
+    toxiproxy-API proxy (``where="embedded"``) or a real toxiproxy-server (``host:port``), driven by
+    :class:`faults.netfault.NetworkFaults`."""
+    from .netfault import NetworkFaults
+
+    return NetworkFaults.open(where, token)
+
+
+def install_network_proxy():
+    """Make :func:`open_network_proxy` the proxy factory of every ``kvchaos.cluster.Cluster`` this
+    process builds without one (what the kvchaos pytest plugin and CLI do at start-up). Returns the
+    factory it replaced."""
+    from kvchaos.cluster.hooks import set_default_proxy_factory
+
+    return set_default_proxy_factory(open_network_proxy)
 
 
 def copy_agent_event(log, e: dict) -> None:

@@ -22,14 +22,13 @@ import socket
 import time
 import uuid
 from dataclasses import dataclass, field
+from typing import ClassVar
+
+from .base import Fault, FaultDidNotFire  # noqa: F401 - FaultDidNotFire is also faults.engine's
 
 
 class AgentError(RuntimeError):
     pass
-
-
-class FaultDidNotFire(AssertionError):
-    """A fault was armed but no injector reported acting: the test proved nothing."""
 
 
 def _call(sock_path: str, req: dict, timeout: float = 10.0) -> dict:
@@ -55,7 +54,9 @@ def _call(sock_path: str, req: dict, timeout: float = 10.0) -> dict:
 
 
 @dataclass
-class ArmedFault:
+class ArmedFault(Fault):
+    """A fault armed in the engine agents of one role (the :class:`faults.Fault` of the agent)."""
+
     client: "AgentClient"
     id: str
     role: str
@@ -63,6 +64,8 @@ class ArmedFault:
     target: dict
     params: dict
     agents: list = field(default_factory=list)
+    healed: bool = field(default=False, init=False, compare=False)
+    injector: ClassVar[str] = "agent"
 
     def fired_events(self) -> list[dict]:
         return [e for e in self.client.events(self.role) if e.get("fault") == self.id and e["ev"] == "fault_fired"]
@@ -90,7 +93,14 @@ class ArmedFault:
         self.client._log("released", self)
 
     def heal(self) -> None:
-        self.client._each(self.role, {"cmd": "heal", "id": self.id})
+        """Disarm in every live agent of the role. Idempotent; agents that are gone (a killed or
+        restarted process) took the fault with them."""
+        if self.healed:
+            return
+        agents = self.client.agents(self.role)
+        for a in agents:
+            _call(a["sock"], {"cmd": "heal", "id": self.id}, self.client.timeout)
+        self.healed = True
         self.client._log("healed", self)
         self.client._armed.pop(self.id, None)
 
@@ -224,6 +234,7 @@ class AgentClient:
             except (OSError, AgentError):
                 continue
         for f in list(self._armed.values()):
+            f.healed = True
             self._log("healed", f)
         self._armed.clear()
         return healed

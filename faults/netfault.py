@@ -11,6 +11,10 @@ the official ``toxiproxy-python`` client. With the embedded proxy each toxic als
 touched (``fired`` counters), so :meth:`NetFault.verify` proves it acted; against a real
 toxiproxy-server there are no counters and ``verify`` says so (the suite's measured effect is
 the evidence then).
+
+The cluster does not import this module: whoever launches the cluster hands it
+``NetworkFaults.open`` as its proxy factory (``faults.open_network_proxy``; see
+``kvchaos.cluster.hooks``), and the cluster keeps what it made as ``cluster.proxy``.
 """
 
 from __future__ import annotations
@@ -18,16 +22,21 @@ from __future__ import annotations
 import os
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import ClassVar
 
 import requests
 
-from .engine import FaultDidNotFire
+from .base import Fault, FaultDidNotFire
 from .proxy import ProxyServer, toxiproxy_client
+
+_ACT_ON_CONNECT = ("reset_peer", "timeout", "slow_close")  # act on a connection without its bytes
 
 
 @dataclass
-class NetFault:
+class NetFault(Fault):
+    """A toxic on one of the cluster's proxies (the :class:`faults.Fault` of the network proxy)."""
+
     owner: "NetworkFaults"
     proxy: str  # logical name: client / prefill / decode
     name: str
@@ -35,6 +44,29 @@ class NetFault:
     stream: str
     attributes: dict
     toxicity: float
+    healed: bool = field(default=False, init=False, compare=False)
+    last_stats: dict | None = field(default=None, init=False, compare=False)  # counters when healed
+    injector: ClassVar[str] = "proxy"
+
+    @property
+    def id(self) -> str:
+        return self.name
+
+    @property
+    def kind(self) -> str:
+        return self.type
+
+    def _touched(self, st: dict | None, min_bytes: int = 1) -> bool:
+        return st is not None and (st["bytes"] >= min_bytes or (self.type in _ACT_ON_CONNECT
+                                                                and st["connections"] > 0))
+
+    def fired_events(self) -> list[dict]:
+        """The toxic's counters as one record when it touched anything (live, or as they were when
+        it was healed); ``[]`` otherwise — also on a real toxiproxy-server, which has no counters."""
+        st = self.last_stats if self.healed else self.stats()
+        if not self._touched(st):
+            return []
+        return [{"fault": self.name, "kind": self.type, "proxy": self.proxy, "stream": self.stream, "fired": st}]
 
     def stats(self) -> dict | None:
         """The embedded proxy's counters for this toxic (None on a real toxiproxy-server)."""
@@ -50,20 +82,22 @@ class NetFault:
                 raise FaultDidNotFire(f"toxic {self.name} on {self.proxy} vanished before verify")
             ev = {"fired": None, "note": "real toxiproxy-server: no counters; judge by measured effect"}
         else:
-            touched = st["bytes"] >= min_bytes or (self.type in ("reset_peer", "timeout", "slow_close")
-                                                   and st["connections"] > 0)
-            if not touched:
+            if not self._touched(st, min_bytes):
                 raise FaultDidNotFire(f"toxic {self.type} on {self.proxy} ({self.stream}) touched nothing: {st}")
             ev = {"fired": st}
         self.owner._log("fired", self, evidence=ev)
         return ev
 
     def heal(self) -> None:
+        """Remove the toxic. Idempotent (also after ``NetworkFaults.heal_all``)."""
+        if self.healed:
+            return
         p = self.owner.tp.get_proxy(self.owner.full(self.proxy))
         if p is not None and p.get_toxic(self.name) is not None:
-            st = self.stats()
+            st = self.last_stats = self.stats()
             p.destroy_toxic(self.name)
             self.owner._log("healed", self, evidence={"fired": st})
+        self.healed = True
         self.owner._faults.pop(self.name, None)
 
 

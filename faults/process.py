@@ -5,8 +5,12 @@ subprocesses — found by session, process group and parent links, so a child th
 is still caught). Each action writes a ``fault`` event with the pids it signalled and the state
 it then observed in ``/proc`` (``T`` = stopped, gone = killed): that is its proof of firing.
 
-``heal_all`` resumes anything stopped and restarts anything killed, so the session cluster is
-whole again after a test — also when the test failed half-way.
+``kill(role)`` and ``stop(role)`` return a :class:`ProcessFault` — the same handle shape as every
+other injector's (:class:`faults.Fault`): ``verify()`` gives the evidence (the pids signalled and
+the states then observed), ``heal()`` restarts a killed role / SIGCONTs a stopped one, once.
+``cont(role)`` and ``restart(role)`` heal by role; ``heal_all`` resumes anything stopped and
+restarts anything killed, so the session cluster is whole again after a test — also when the test
+failed half-way.
 """
 
 from __future__ import annotations
@@ -14,11 +18,12 @@ from __future__ import annotations
 import os
 import signal
 import time
+import uuid
 from pathlib import Path
 
 from kvchaos.cluster.reaper import proc_table, related
 
-from .engine import FaultDidNotFire
+from .base import Fault, FaultDidNotFire
 
 
 def _state(pid: int) -> str | None:
@@ -28,14 +33,87 @@ def _state(pid: int) -> str | None:
         return None
 
 
+STOPPED = ("T", "t")
+
+
+class ProcessFault(Fault):
+    """SIGKILL (``kind="sigkill"``) or SIGSTOP (``kind="sigstop"``) of one role's process tree.
+
+    Truthy, and for older callers also a sequence of its ``pids`` (``len``, iteration, ``in``).
+    """
+
+    injector = "process"
+
+    def __init__(self, owner: "ProcessFaults", role: str, kind: str, pids: list[int], at: float,
+                 states: dict[int, str | None], record: dict):
+        self.owner, self.role, self.kind = owner, role, kind
+        self.pids = list(pids)
+        self.at = at
+        self.states = dict(states)  # pid -> /proc state observed right after the signal (None: gone)
+        self.record = record  # the ``fired`` event, as written to the log
+        self.id = f"{kind}-{role}-{uuid.uuid4().hex[:8]}"
+        self.healed = False
+        self.heal_record: dict | None = None  # the restart record (sigkill) / states after SIGCONT (sigstop)
+
+    # -- the common fault handle
+    def _acted(self) -> bool:
+        if not self.pids:
+            return False
+        seen = [s for s in self.states.values() if s is not None]
+        if self.kind == "sigkill":
+            return all(s == "Z" for s in seen)
+        return bool(seen) and all(s in STOPPED for s in seen)
+
+    def fired_events(self) -> list[dict]:
+        return [dict(self.record)] if self._acted() else []
+
+    def verify(self) -> dict:
+        """What was signalled and what ``/proc`` showed right after: every process gone (sigkill)
+        or stopped (sigstop); :class:`FaultDidNotFire` otherwise."""
+        if not self._acted():
+            raise FaultDidNotFire(f"{self.kind} {self.role}: pids {self.pids} observed {self.states}")
+        return {"id": self.id, "kind": self.kind, "role": self.role, "pids": list(self.pids), "at": self.at,
+                "states": dict(self.states), "now": {p: _state(p) for p in self.pids}}
+
+    def heal(self) -> dict | None:
+        """Restart the killed role (on its ports, rejoined to the router) / SIGCONT the stopped
+        processes. Idempotent; returns the heal record."""
+        if not self.healed:
+            if self.kind == "sigkill":
+                if self.role in self.owner.killed:
+                    self.owner.restart(self.role)  # marks this handle healed with the restart record
+                self.healed = True
+            else:
+                self.owner._resume(self)
+        return self.heal_record
+
+    # -- backward compatibility: kill()/stop() used to return the pid list
+    def __bool__(self) -> bool:
+        return True
+
+    def __len__(self) -> int:
+        return len(self.pids)
+
+    def __iter__(self):
+        return iter(self.pids)
+
+    def __contains__(self, pid) -> bool:
+        return pid in self.pids
+
+    def __repr__(self) -> str:
+        return (f"ProcessFault(id={self.id!r}, kind={self.kind!r}, role={self.role!r}, pids={self.pids}, "
+                f"healed={self.healed})")
+
+
 class ProcessFaults:
     def __init__(self, cluster, log=None):
         if not hasattr(cluster, "procs") or not hasattr(cluster, "restart"):
             raise TypeError("process faults need a launched cluster (not attach mode): "
                             "kvchaos cannot signal processes it did not start")
         self.cluster, self.log = cluster, log
-        self.stopped: dict[str, list[int]] = {}
-        self.killed: set[str] = set()
+        self.stopped: dict[str, list[int]] = {}  # role -> pids stopped and not yet resumed
+        self.killed: set[str] = set()  # roles killed and not yet restarted
+        self.faults: list[ProcessFault] = []  # every handle made, in order
 
     def pids(self, role: str) -> list[int]:
         if role not in self.cluster.procs:
@@ -43,11 +121,16 @@ class ProcessFaults:
         p = self.cluster.procs[role]
         return sorted(related({p.pgid}, [], proc_table()))
 
-    def _emit(self, **f):
+    def _emit(self, **f) -> dict:
+        rec = {"injector": "process", **f}
         if self.log is not None:
-            self.log.emit("fault", injector="process", **f)
+            self.log.emit("fault", **rec)
+        return rec
 
-    def kill(self, role: str) -> list[int]:
+    def _open(self, role: str, kind: str) -> list[ProcessFault]:
+        return [f for f in self.faults if f.role == role and f.kind == kind and not f.healed]
+
+    def kill(self, role: str) -> ProcessFault:
         """SIGKILL every process of ``role`` at once (no graceful shutdown, transfers cut mid-way)."""
         pids = self.pids(role)
         if not pids:
@@ -64,39 +147,73 @@ class ProcessFaults:
             time.sleep(0.05)
         left = [p for p in pids if _state(p) not in (None, "Z")]
         self.cluster.procs[role].popen.poll()
-        self._emit(action="fired", kind="sigkill", role=role, pids=pids, at=t, survivors=left)
+        states = {p: _state(p) for p in pids}
+        rec = self._emit(action="fired", kind="sigkill", role=role, pids=pids, at=t, survivors=left)
+        f = ProcessFault(self, role, "sigkill", pids, t, states, rec)
+        self.faults.append(f)
         if left:
             raise FaultDidNotFire(f"kill {role}: pids {left} survived SIGKILL")
-        return pids
+        return f
 
-    def stop(self, role: str) -> list[int]:
+    def stop(self, role: str) -> ProcessFault:
         """SIGSTOP the role's processes: alive, sockets open, answering nothing (a hung node)."""
         pids = self.pids(role)
+        if not pids:
+            raise FaultDidNotFire(f"stop {role}: no live process to stop")
+        t = time.time()
         for pid in pids:
-            os.kill(pid, signal.SIGSTOP)
-        self.stopped[role] = pids
+            try:
+                os.kill(pid, signal.SIGSTOP)
+            except ProcessLookupError:
+                pass
+        self.stopped[role] = sorted(set(self.stopped.get(role, [])) | set(pids))
         deadline = time.monotonic() + 5
-        while time.monotonic() < deadline and any(_state(p) not in ("T", "t", None) for p in pids):
+        while time.monotonic() < deadline and any(_state(p) not in (*STOPPED, None) for p in pids):
             time.sleep(0.02)
         states = {p: _state(p) for p in pids}
-        self._emit(action="fired", kind="sigstop", role=role, pids=pids, states=states)
-        if not all(s in ("T", "t") for s in states.values() if s is not None):
+        rec = self._emit(action="fired", kind="sigstop", role=role, pids=pids, states=states)
+        f = ProcessFault(self, role, "sigstop", pids, t, states, rec)
+        self.faults.append(f)
+        if not f._acted():
             raise FaultDidNotFire(f"stop {role}: not all processes stopped: {states}")
-        return pids
+        return f
+
+    def _resume(self, f: ProcessFault) -> None:
+        for pid in f.pids:
+            try:
+                os.kill(pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+        left = [p for p in self.stopped.get(f.role, []) if p not in f.pids]
+        if left:
+            self.stopped[f.role] = left
+        else:
+            self.stopped.pop(f.role, None)
+        states = {p: _state(p) for p in f.pids}
+        f.healed, f.heal_record = True, {"states": states}
+        self._emit(action="healed", kind="sigcont", role=f.role, pids=f.pids, states=states)
 
     def cont(self, role: str) -> None:
-        pids = self.stopped.pop(role, [])
+        """SIGCONT whatever of ``role`` is stopped (heals its sigstop faults)."""
+        open_ = self._open(role, "sigstop")
+        for f in open_:
+            self._resume(f)
+        pids = self.stopped.pop(role, [])  # stopped outside a handle (none today); resume them too
         for pid in pids:
             try:
                 os.kill(pid, signal.SIGCONT)
             except ProcessLookupError:
                 pass
-        self._emit(action="healed", kind="sigcont", role=role, pids=pids,
-                   states={p: _state(p) for p in pids})
+        if pids or not open_:
+            self._emit(action="healed", kind="sigcont", role=role, pids=pids,
+                       states={p: _state(p) for p in pids})
 
     def restart(self, role: str) -> dict:
+        """Start ``role`` again on its ports and wait until the router counts it (heals its sigkill faults)."""
         rec = self.cluster.restart(role)
         self.killed.discard(role)
+        for f in self._open(role, "sigkill"):
+            f.healed, f.heal_record = True, rec
         self._emit(action="healed", kind="restart", **rec)
         return rec
 

@@ -300,8 +300,27 @@ def test_sigstop_decode_then_resume(cluster, faults):
         proc.cont("decode")
         out = fut.result()
     assert pids and out["latency"] >= 2.0
+    assert pids.healed and set(pids.verify()["states"].values()) <= {"T", "t", None}  # cont healed the handle
     assert out["status"] != 200 or _own_echo(out)  # late, or an error; never someone else's data
     assert _own_echo(_req(cluster, "stop-after"))
+
+
+def test_sigstop_handle_proves_and_heals_itself(cluster, faults):
+    """The process fault is a faults.Fault like the others: verify() gives the evidence, heal() resumes, once."""
+    from faults import Fault
+
+    proc = faults.need("proc")
+    f = proc.stop("decode")
+    try:
+        assert isinstance(f, Fault) and (f.injector, f.kind, f.role) == ("process", "sigstop", "decode")
+        ev = f.verify()
+        assert ev["pids"] == f.pids and len(f.pids) >= 2  # the server and its scheduler/detokenizer
+        assert proc.armed() == ["stopped:decode"]
+    finally:
+        f.heal()
+    f.heal()
+    assert proc.armed() == [] and len([e for e in _fault_events(faults, "healed") if e["kind"] == "sigcont"]) == 1
+    assert _own_echo(_req(cluster, "stop-handle-after"))
 
 
 def test_sigkill_prefill_mid_transfer_then_restart_and_rejoin(cluster, faults):
@@ -312,9 +331,10 @@ def test_sigkill_prefill_mid_transfer_then_restart_and_rejoin(cluster, faults):
         faults.agent.wait_event("prefill", "fault_fired", fault=h.id, phase="held", timeout=30)
         killed = proc.kill("prefill")  # the transfer is in flight (held) when prefill dies
         out = fut.result()
-    assert killed
+    assert killed and killed.verify()["pids"] == killed.pids
     assert out["status"] != 200, out  # a dead prefill mid-transfer must not yield a 200
     rec = proc.restart("prefill")
     assert rec["rejoined_s"] > 0
+    assert killed.healed and killed.heal_record == rec
     faults.log.emit("observed", rid="kill-1", status=out["status"], restart=rec)
     _serves_again(cluster, "after-kill")

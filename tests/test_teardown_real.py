@@ -12,6 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from faults import open_network_proxy
 from kvchaos.cluster import Cluster, ClusterSpec, ProcessDied
 from kvchaos.cluster.reaper import proc_table, related
 
@@ -60,7 +61,7 @@ def test_no_leftover_processes_after_pytest_is_killed_mid_suite(tmp_path, sig):
 
 def test_server_that_dies_at_start_is_reported_with_its_log(tmp_path):
     spec = ClusterSpec.load("cpu", prefill_args=["--no-such-flag-kvchaos"], startup_timeout_s=240)
-    c = Cluster(spec, tmp_path)
+    c = Cluster(spec, tmp_path, proxy_factory=open_network_proxy)
     t0 = time.monotonic()
     with pytest.raises(ProcessDied) as e:
         c.start()

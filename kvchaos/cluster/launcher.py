@@ -6,6 +6,11 @@ alive, so a server that dies at start is reported with the tail of its log inste
 then starts the router and waits until it reports both workers healthy and one request has
 made the full round trip. ``stop()`` is idempotent and also runs from the reaper if the owner
 dies. ``AttachedCluster`` offers the same surface over URLs of servers someone else runs.
+
+With ``spec.network_proxy`` set, the router is started behind fault proxies made by a *proxy
+factory* handed in from the fault layer (``proxy_factory=``, or the process default set by
+``faults.install_network_proxy()``): this package launches and owns processes and ports and never
+imports the faults that act on them (see :mod:`kvchaos.cluster.hooks`).
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from pathlib import Path
 
 import httpx
 
+from .hooks import ProxyFactory, default_proxy_factory
 from .ports import release_ports, reserve_ports
 from .procs import ManagedProcess, ProcessDied, leftover, stop_all, tree_pids
 from .reaper import ENV_KEY, Reaper
@@ -78,6 +84,10 @@ def scan_engine_errors(logs: dict, offsets: dict) -> list[dict]:
 
 class ClusterStartError(RuntimeError):
     pass
+
+
+class ProxyFactoryMissing(ClusterStartError):
+    """The spec asks for a network proxy, and no proxy factory was given or installed."""
 
 
 # --------------------------------------------------------------------------- commands
@@ -221,8 +231,18 @@ class _ClusterAPI:
 
 # --------------------------------------------------------------------------- launched cluster
 class Cluster(_ClusterAPI):
-    def __init__(self, spec: ClusterSpec, workdir: str | os.PathLike, reaper: Reaper | None = None):
+    """A launched prefill + decode + router cluster.
+
+    ``proxy_factory(where, token) -> NetworkProxy`` makes the network proxies when
+    ``spec.network_proxy`` is set (e.g. ``faults.open_network_proxy``); None = the process default
+    (:func:`kvchaos.cluster.hooks.set_default_proxy_factory`), and with neither ``start()`` raises
+    :class:`ProxyFactoryMissing` before launching anything. The proxy object is ``self.proxy``.
+    """
+
+    def __init__(self, spec: ClusterSpec, workdir: str | os.PathLike, reaper: Reaper | None = None,
+                 proxy_factory: ProxyFactory | None = None):
         self.spec = spec
+        self.proxy_factory = proxy_factory
         self.workdir = Path(workdir)
         self.token = f"kvc-{os.getpid()}-{secrets.token_hex(4)}"
         self._own_reaper = reaper is None
@@ -233,7 +253,7 @@ class Cluster(_ClusterAPI):
         self.timings: dict[str, float] = {}
         self.model_path: str | None = None
         self.agent_dir: str | None = None
-        self.proxy = None  # faults.netfault.NetworkFaults when spec.network_proxy is set
+        self.proxy = None  # what proxy_factory made, when spec.network_proxy is set (hooks.NetworkProxy)
         self._launch: dict[str, tuple] = {}  # role -> (argv, env, log, health url) for restart()
         self.restarts: list[dict] = []
         self._log_offsets: dict[str, int] = {}
@@ -249,8 +269,23 @@ class Cluster(_ClusterAPI):
             raise
         return self
 
+    def _proxy_factory(self) -> ProxyFactory | None:
+        """The factory for this cluster's network proxies (None when the spec asks for none)."""
+        if not self.spec.network_proxy:
+            return None
+        factory = self.proxy_factory or default_proxy_factory()
+        if factory is None:
+            raise ProxyFactoryMissing(
+                f"profile {self.spec.name!r} sets network_proxy = {self.spec.network_proxy!r}, but no proxy "
+                "factory was given: the cluster layer launches processes and ports, the network fault proxy "
+                "comes from the fault layer. Pass Cluster(spec, workdir, proxy_factory=faults.open_network_proxy), "
+                "or call faults.install_network_proxy() once at start-up (the kvchaos pytest plugin and CLI "
+                "do), or set network_proxy = \"\" for a cluster without fault proxies.")
+        return factory
+
     def _start(self, t0: float) -> None:
         spec = self.spec
+        proxy_factory = self._proxy_factory()  # refuse before launching anything
         if self.reaper is None:
             self.reaper = Reaper(self.token)
         self.model_path = spec.resolve_model()
@@ -278,12 +313,10 @@ class Cluster(_ClusterAPI):
         wait_healthy(self.procs, {"prefill": f"{pre}/health", "decode": f"{dec}/health"}, deadline)
         self.timings["servers_healthy_s"] = time.monotonic() - t0
         r_pre, r_dec = pre, dec
-        if spec.network_proxy:
-            from faults.netfault import NetworkFaults
-
+        if proxy_factory is not None:
             extra = reserve_ports(3)
             self.ports += extra
-            self.proxy = NetworkFaults.open(spec.network_proxy, self.token)
+            self.proxy = proxy_factory(spec.network_proxy, self.token)
             r_pre = self.proxy.add("prefill", extra[0], p_port)
             r_dec = self.proxy.add("decode", extra[1], d_port)
             client = self.proxy.add("client", extra[2], r_port)
@@ -506,6 +539,7 @@ def dump_describe(obj, path: Path) -> None:
 
 
 if __name__ == "__main__":  # pragma: no cover
-    c = Cluster(ClusterSpec.load(sys.argv[1] if len(sys.argv) > 1 else "cpu"), "/tmp/kvchaos-manual")
+    # the cluster alone has no fault proxy to offer (``kvchaos up`` starts one with it)
+    c = Cluster(ClusterSpec.load(sys.argv[1] if len(sys.argv) > 1 else "cpu", network_proxy=""), "/tmp/kvchaos-manual")
     with c:
         print(json.dumps(c.describe(), indent=2))
