@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import random
 import re
+from dataclasses import dataclass
 
 ALPHABET = "ABCDEFGHIJKLMNOPQRSTUVWXYZ234567"
 START, END = "[", "]"
@@ -88,3 +89,51 @@ def find(text: str) -> list[tuple[int, str]]:
 
 def is_canary(s: str) -> bool:
     return bool(PATTERN.fullmatch(s))
+
+
+class Registry:
+    """Every canary minted in this process (the session), with the request it was minted for.
+
+    The isolation oracle scans replies against the whole registry, not only the canaries of the
+    event log it judges: a canary of an earlier test, another wave or the self-test turning up in a
+    reply is a leak too. Thread-safe; ``kvchaos.workload.Workload`` registers what it mints."""
+
+    def __init__(self):
+        import threading
+
+        self._lock = threading.Lock()
+        self._by_canary: dict[str, Minted] = {}
+
+    def add(self, c: str, rid: str, tenant: str | None, source: str) -> None:
+        if not is_canary(c):
+            raise ValueError(f"not a canary: {c!r} (expected [ + 10 of {ALPHABET} + ])")
+        with self._lock:
+            self._by_canary.setdefault(c, Minted(c, rid, tenant, source))
+
+    def add_plans(self, plans: dict, source: str) -> None:
+        """``plans``: rid -> plan record (the event log's ``plan`` events)."""
+        for rid, p in plans.items():
+            for c in p.get("canaries") or []:
+                self.add(c, rid, p.get("tenant"), source)
+
+    def entries(self) -> list["Minted"]:
+        with self._lock:
+            return list(self._by_canary.values())
+
+    def __len__(self) -> int:
+        return len(self._by_canary)
+
+    def __contains__(self, c: str) -> bool:
+        return c in self._by_canary
+
+
+@dataclass(frozen=True)
+class Minted:
+    canary: str
+    rid: str
+    tenant: str | None
+    source: str
+
+
+SESSION = Registry()
+"""The process-wide registry: what ``Workload`` minted in this session."""

@@ -1,9 +1,11 @@
 """Every oracle on hand-made event logs: one log where it must FAIL, one where it must PASS, and
 the UNKNOWN cases in between."""
 
+import random
+
 import pytest
 
-from kvchaos import oracles
+from kvchaos import canary, oracles
 from kvchaos.oracles import FAIL, PASS, UNKNOWN
 
 A = "[ABCDEFGHIJ]"   # minted for r1 (tenant ta)
@@ -22,15 +24,59 @@ def done(rid, text, status=200, latency=0.5, error=None, outcome=None):
             {"ev": "end", "rid": rid, "outcome": outcome or ("ok" if status == 200 else "http_error"), "latency_s": latency}]
 
 
+def echo(cs):
+    return "".join(c[1:-1] + "][" for c in cs)
+
+
+def crowd(n=30, k=2, seed=5, prefix="c"):
+    """``n`` clean requests of 4 tenants, ``k`` canaries each, every reply reciting its own."""
+    rng = random.Random(seed)
+    ev = []
+    for i in range(n):
+        cs = canary.mint(rng, k)
+        ev += [plan(f"{prefix}{i}", f"t{i % 4}", cs)] + done(f"{prefix}{i}", echo(cs))
+    return ev
+
+
 def clean_log():
+    """r1..r3 (A, B, C) plus enough clean echoing requests for the sensitivity floor."""
     ev = [plan("r1", "ta", [A]), plan("r2", "tb", [B]), plan("r3", "ta", [C])]
     ev += done("r1", A[1:] + "][") + done("r2", B[1:] + "][") + done("r3", C[1:] + "][")
-    return ev
+    return ev + crowd()
 
 
 def test_isolation_passes_on_clean_echoing_log():
     v = oracles.isolation(clean_log())
-    assert v.status == PASS and v.witnesses == [] and "3/3" in v.summary
+    assert v.status == PASS and v.witnesses == [] and "33/33 requests" in v.summary, v
+
+
+def test_sensitivity_floor_needs_enough_evidence():
+    # 30 requests x 2 canaries: 60/60 trials, 95 % lower bound 0.951 >= 0.95
+    assert oracles.sensitivity(crowd(30, 2)).status == PASS
+    # 30 requests x 1 canary: 30/30, lower bound 0.905: not enough evidence that a leak would show
+    v = oracles.sensitivity(crowd(30, 1))
+    assert v.status == UNKNOWN and v.stats["lower_bound"] < 0.95, v
+    # fewer than 20 requests: UNKNOWN however well they echo
+    v = oracles.sensitivity(crowd(19, 3))
+    assert v.status == UNKNOWN and "fewer than 20" in v.summary
+    assert oracles.isolation(crowd(19, 3)).status == UNKNOWN
+
+
+def test_one_echoing_reply_among_a_hundred_errors_is_not_evidence():
+    """CI path: min_samples was 1, so 99 HTTP 500s and one echo judged isolation PASS ("1/1 = 100 %")."""
+    ev = crowd(1, 2)
+    rng = random.Random(9)
+    for i in range(99):
+        ev += [plan(f"e{i}", "tx", canary.mint(rng, 2))] + done(f"e{i}", "", status=500, error="Internal Server Error")
+    v = oracles.isolation(ev)
+    assert v.status == UNKNOWN, v
+    assert v.stats["sensitivity"]["eligible"] == 1
+
+
+def test_binomial_lower_bound():
+    assert oracles.binomial_lower_bound(59, 59) > 0.95 > oracles.binomial_lower_bound(58, 58)
+    assert abs(oracles.binomial_lower_bound(99, 100) - 0.9534) < 1e-3
+    assert oracles.binomial_lower_bound(0, 10) == 0.0 and 0.99 < oracles.binomial_lower_bound(2000, 2000) < 1
 
 
 def test_isolation_fails_with_witness_naming_victim_and_owner():
@@ -79,9 +125,9 @@ def test_isolation_scans_error_bodies_too():
 def test_sensitivity_pass_and_unknown():
     assert oracles.sensitivity(clean_log()).status == PASS
     ev = clean_log()
-    ev[-2]["text"] = "nothing"  # r3 forgot its canary: 2/3 < 99 %
+    ev[7]["text"] = "nothing"  # r2 forgot its canary: 62/63 canaries < 99 %
     v = oracles.sensitivity(ev)
-    assert v.status == UNKNOWN and v.stats["eligible"] == 3 and v.stats["echoed"] == 2
+    assert v.status == UNKNOWN and v.stats["eligible"] == 33 and v.stats["echoed"] == 32, v
     assert oracles.sensitivity([]).status == UNKNOWN
 
 

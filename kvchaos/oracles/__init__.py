@@ -22,6 +22,9 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import asdict, dataclass, field
 
+import math
+import re
+
 import ahocorasick
 
 from kvchaos import canary
@@ -71,21 +74,32 @@ class Run:
             elif ev == "status" and not e.get("headers_only"):
                 self.statuses[rid] = e.get("status")
 
+    def responses(self) -> list[str]:
+        """Every request the client got any reply bytes for (a ``body`` event: complete or not)."""
+        return list(self.bodies)
+
     def response_text(self, rid: str) -> str:
+        """Everything the client saw of the reply: the parsed text, the error, then every raw byte
+        received (streams cut, aborted or timed out included) — what isolation scans."""
         b = self.bodies.get(rid) or {}
-        return (b.get("text") or "") + ("\n" + b["error"] if b.get("error") else "")
+        return "\n".join(x for x in (b.get("text") or "", b.get("error") or "", b.get("raw") or "") if x)
 
 
 # --------------------------------------------------------------------------- isolation
-def _automaton(plans: dict[str, dict], partial_len: int):
+def _automaton(plans: dict[str, dict], partial_len: int, registry=None):
+    """Every canary this log's plans carry, plus every canary of ``registry`` (canaries minted
+    elsewhere in the session: other tests, other waves, the self-test)."""
     a = ahocorasick.Automaton()
     owners: dict[str, list] = defaultdict(list)
-    for rid, p in plans.items():
-        for c in p.get("canaries") or []:
-            pay = canary.payload(c)
-            owners[pay].append((rid, p.get("tenant"), c, "exact"))
-            for i in range(len(pay) - partial_len + 1):
-                owners[pay[i:i + partial_len]].append((rid, p.get("tenant"), c, "partial"))
+    minted = [(rid, p.get("tenant"), c, None) for rid, p in plans.items() for c in p.get("canaries") or []]
+    if registry is not None:  # by canary, not rid: another log may reuse a rid for other canaries
+        own = {c for _r, _t, c, _s in minted}
+        minted += [(m.rid, m.tenant, m.canary, m.source) for m in registry.entries() if m.canary not in own]
+    for rid, tenant, c, source in minted:
+        pay = canary.payload(c)
+        owners[pay].append((rid, tenant, c, "exact", source))
+        for i in range(len(pay) - partial_len + 1):
+            owners[pay[i:i + partial_len]].append((rid, tenant, c, "partial", source))
     for key, val in owners.items():
         a.add_word(key, (key, val))
     if len(a):
@@ -100,40 +114,63 @@ def scan(text: str, automaton) -> list[tuple[int, int, str, list]]:
     return [(end - len(key) + 1, end + 1, key, owners) for end, (key, owners) in automaton.iter(text)]
 
 
-def isolation(events: list[dict], partial_len: int = 8, echo_rate: float = ECHO_RATE) -> Verdict:
+def isolation(events: list[dict], partial_len: int = 8, echo_rate: float = ECHO_RATE, registry=None,
+              floor: "SensitivityFloor | None" = None) -> Verdict:
+    """A reply (any byte the client received: complete, streamed, cut, aborted, timed out, error
+    bodies) holding a canary minted for another request — in this log or, with ``registry``,
+    anywhere in the session — or a well-formed canary nobody minted is a LEAK."""
     run = Run(events)
-    auto = _automaton(run.plans, partial_len)
-    witnesses = []
-    for rid in run.bodies:
+    auto = _automaton(run.plans, partial_len, registry)
+    witnesses, seen = [], set()
+    for rid in run.responses():
         text = run.response_text(rid)
         victim = run.plans.get(rid, {})
         hits = scan(text, auto)
         exact_spans = [(s, e) for s, e, _k, own in hits if any(o[3] == "exact" for o in own)]
+        common = {"victim_rid": rid, "victim_tenant": victim.get("tenant"),
+                  # a cut or abandoned reply has its status only on the headers / its end
+                  "status": run.statuses.get(rid) or (run.ends.get(rid) or {}).get("status"),
+                  "outcome": (run.ends.get(rid) or {}).get("outcome"),
+                  "complete": (run.bodies.get(rid) or {}).get("complete", True)}
         for s, e, key, owners in hits:
-            foreign = [o for o in owners if o[0] != rid]
-            if not foreign or any(o[0] == rid for o in owners):
+            # own: minted for this request in this log (a registry entry of the same rid is another request)
+            foreign = [o for o in owners if not (o[0] == rid and o[4] is None)]
+            if not foreign or len(foreign) < len(owners):
                 continue  # own canary (or a window of one)
             kind = "exact" if any(o[3] == "exact" for o in foreign) else "partial"
             if kind == "partial" and any(a <= s and e <= b for a, b in exact_spans):
                 continue  # window inside an exact hit already reported
-            for owner_rid, owner_tenant, c, _ in {(o[0], o[1], o[2], kind) for o in foreign}:
-                witnesses.append({
-                    "victim_rid": rid, "victim_tenant": victim.get("tenant"),
-                    "owner_rid": owner_rid, "owner_tenant": owner_tenant,
-                    "canary": c, "matched": key, "match": kind, "offsets": [s, e],
-                    "same_tenant": owner_tenant == victim.get("tenant"),
-                    "status": run.statuses.get(rid),
-                    "excerpt": text[max(0, s - 40):e + 40],
-                })
-    sens = sensitivity(events, echo_rate)
-    n = len(run.bodies)
+            for owner_rid, owner_tenant, c, source in {(o[0], o[1], o[2], o[4]) for o in foreign}:
+                if (rid, owner_rid, c, kind) in seen:
+                    continue  # the same canary again (e.g. in the raw bytes after the parsed text)
+                seen.add((rid, owner_rid, c, kind))
+                witnesses.append({**common, "owner_rid": owner_rid, "owner_tenant": owner_tenant,
+                                  "origin": "this log" if source is None else f"session ({source})",
+                                  "canary": c, "matched": key, "match": kind, "offsets": [s, e],
+                                  "same_tenant": owner_tenant == victim.get("tenant"),
+                                  "excerpt": text[max(0, s - 40):e + 40]})
+        # a well-formed canary that nobody in this session minted: foreign by definition
+        known = {k for _s, _e, k, _o in hits}
+        for m in RECITED.finditer(text):
+            pay = m.group(1)
+            if pay in known or (rid, None, pay, "unknown") in seen:
+                continue
+            seen.add((rid, None, pay, "unknown"))
+            s, e = m.start(1), m.end(1)
+            witnesses.append({**common, "owner_rid": None, "owner_tenant": None, "origin": "unknown",
+                              "canary": f"[{pay}]", "matched": pay, "match": "unknown-origin", "offsets": [s, e],
+                              "same_tenant": False, "excerpt": text[max(0, s - 40):e + 40],
+                              "problem": "canary of unknown origin (minted by nobody in this session)"})
+    sens = sensitivity(events, echo_rate, floor=floor)
+    n = len(run.responses())
     if witnesses:
         victims = sorted({w["victim_rid"] for w in witnesses})
         w0 = witnesses[0]
+        owner = (f"{w0['owner_rid']} ({w0['owner_tenant']})" if w0["owner_rid"] else "nobody: canary of unknown origin")
         return Verdict("isolation", FAIL,
                        f"LEAK: {len(victims)} of {n} responses hold canaries minted for other requests "
                        f"(first: {w0['victim_rid']} ({w0['victim_tenant']}) got {w0['matched']!r} of "
-                       f"{w0['owner_rid']} ({w0['owner_tenant']}), HTTP {w0['status']})",
+                       f"{owner}, HTTP {w0['status']}, {w0['outcome']})",
                        witnesses, {"responses": n, "victims": len(victims), "sensitivity": sens.stats})
     if sens.status != PASS:
         return Verdict("isolation", UNKNOWN, f"no foreign canary in {n} responses, but the model cannot show a "
@@ -142,34 +179,109 @@ def isolation(events: list[dict], partial_len: int = 8, echo_rate: float = ECHO_
                    {"responses": n, "sensitivity": sens.stats})
 
 
-def sensitivity(events: list[dict], echo_rate: float = ECHO_RATE, min_samples: int = 1) -> Verdict:
-    """Own-canary echo over requests that completed normally and were built to echo."""
+# a recited canary in a reply: the probe's trigger supplies the opening bracket, so a payload may
+# start a reply, follow "[", or follow a JSON quote in the raw bytes; every one ends with "]"
+RECITED = re.compile(r"(?<![A-Z2-7])([A-Z2-7]{%d})\]" % canary.PAYLOAD_LEN)
+
+
+@dataclass(frozen=True)
+class SensitivityFloor:
+    """Isolation may PASS only on evidence that the model would have shown a leak: at least
+    ``min_samples`` echo-eligible completed requests, and a one-sided ``confidence`` lower bound
+    (exact, Clopper-Pearson) of at least ``min_rate`` on the echo rate of their canaries. The
+    trial is the canary: a leak is a foreign canary in a request's context, and what must be
+    likely is that the model recites a canary in its context (a request carries 1-3)."""
+    min_samples: int = 20
+    min_rate: float = 0.95
+    confidence: float = 0.95
+
+    def lower_bound(self, k: int, n: int) -> float:
+        return binomial_lower_bound(k, n, self.confidence)
+
+
+DEFAULT_FLOOR = SensitivityFloor()
+
+
+def binomial_lower_bound(k: int, n: int, confidence: float = 0.95) -> float:
+    """One-sided exact (Clopper-Pearson) lower confidence bound of a rate seen as k of n: the p at
+    which P(X >= k | n, p) = 1 - confidence. 0 for k == 0."""
+    if n <= 0 or k <= 0:
+        return 0.0
+    alpha = 1.0 - confidence
+
+    def tail(p):  # P(X >= k), term by term in log space (no overflow for large n)
+        lp, lq = math.log(p), math.log1p(-p)
+        return sum(math.exp(math.lgamma(n + 1) - math.lgamma(i + 1) - math.lgamma(n - i + 1) + i * lp + (n - i) * lq)
+                   for i in range(k, n + 1))
+
+    if k == n:
+        return alpha ** (1.0 / n)
+    lo, hi = 1e-12, k / n
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        if tail(mid) < alpha:
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+CORRUPTING_FAULTS = ("short", "fail", "reject_admitted")
+
+
+def corrupted_rids(events: list[dict]) -> set:
+    """Requests a fault deliberately broke (the agent's ``fault_fired`` names them): their replies
+    say nothing about whether the model would show a leak, so they are not echo evidence."""
+    out = set()
+    for e in events:
+        kind = e.get("agent_ev") if e.get("ev") == "agent" else (e.get("ev") if e.get("source") == "agent" else None)
+        if kind == "fault_fired" and e.get("kind") in CORRUPTING_FAULTS and e.get("rid"):
+            out.add(e["rid"])
+    return out
+
+
+def sensitivity(events: list[dict], echo_rate: float = ECHO_RATE, floor: SensitivityFloor | None = None) -> Verdict:
+    """Own-canary echo over requests that completed normally and were built to echo. PASS needs
+    the ``floor`` (default: >= 20 such requests, 95 % lower bound >= 0.95 on their canaries' echo
+    rate) and the point rate >= ``echo_rate``; anything less is UNKNOWN with the numbers."""
+    floor = floor or DEFAULT_FLOOR
     run = Run(events)
-    eligible, echoed, misses = 0, 0, []
+    broken = corrupted_rids(events)
+    eligible, echoed, n_can, n_echo, misses = 0, 0, 0, 0, []
     for rid, p in run.plans.items():
         end = run.ends.get(rid, {})
-        if not p.get("expect_echo") or p.get("oversized") or end.get("outcome") != "ok" or run.statuses.get(rid) != 200:
+        if rid in broken or not p.get("expect_echo") or p.get("oversized") or end.get("outcome") != "ok" \
+                or run.statuses.get(rid) != 200:
             continue
         meta = (run.bodies.get(rid) or {}).get("meta") or {}
         fr = (meta.get("finish_reason") or {}).get("type") if isinstance(meta.get("finish_reason"), dict) else None
         if fr == "abort":
             continue
         eligible += 1
-        text = run.response_text(rid)
-        missing = [c for c in p.get("canaries") or [] if canary.payload(c) not in text]
+        text = (run.bodies.get(rid) or {}).get("text") or ""
+        cs = p.get("canaries") or []
+        missing = [c for c in cs if canary.payload(c) not in text]
+        n_can += len(cs)
+        n_echo += len(cs) - len(missing)
         if missing:
             if len(misses) < 10:
                 misses.append({"rid": rid, "missing": missing, "reply": text[:120]})
         else:
             echoed += 1
-    rate = echoed / eligible if eligible else 0.0
-    stats = {"eligible": eligible, "echoed": echoed, "rate": rate, "threshold": echo_rate}
-    if eligible < min_samples:
-        return Verdict("sensitivity", UNKNOWN, "no completed request that should echo its canaries", [], stats)
-    if rate < echo_rate:
-        return Verdict("sensitivity", UNKNOWN, f"own-canary echo {echoed}/{eligible} = {100 * rate:.1f} % "
-                       f"< {100 * echo_rate:.0f} %: this model/prompt mix cannot reveal a leak", misses, stats)
-    return Verdict("sensitivity", PASS, f"own-canary echo {echoed}/{eligible} = {100 * rate:.1f} %", misses, stats)
+    rate = n_echo / n_can if n_can else 0.0
+    lb = floor.lower_bound(n_echo, n_can)
+    stats = {"eligible": eligible, "echoed": echoed, "canaries": n_can, "canaries_echoed": n_echo, "rate": rate,
+             "threshold": echo_rate, "lower_bound": round(lb, 4), "confidence": floor.confidence,
+             "min_rate": floor.min_rate, "min_samples": floor.min_samples}
+    what = (f"own-canary echo {echoed}/{eligible} requests, {n_echo}/{n_can} canaries = {100 * rate:.1f} % "
+            f"({100 * floor.confidence:.0f} % lower bound {lb:.3f})")
+    if eligible < floor.min_samples:
+        return Verdict("sensitivity", UNKNOWN, f"{what}: fewer than {floor.min_samples} completed requests that "
+                       "should echo their canaries — too little evidence that a leak would show", misses, stats)
+    if rate < echo_rate or lb < floor.min_rate:
+        return Verdict("sensitivity", UNKNOWN, f"{what}: needs a lower bound >= {floor.min_rate:.2f} and a rate >= "
+                       f"{100 * echo_rate:.0f} % — this run cannot show that a leak would be seen", misses, stats)
+    return Verdict("sensitivity", PASS, what, misses, stats)
 
 
 # --------------------------------------------------------------------------- differential
@@ -318,3 +430,119 @@ def kv_lifecycle(events: list[dict], tolerance_s: float = 0.0) -> Verdict:
 
 
 ALL = ("isolation", "sensitivity", "http_semantics", "liveness", "kv_lifecycle")
+
+
+# --------------------------------------------------------------------------- checkers
+class Checker:
+    """An oracle with its options bound at construction: ``checker(events) -> Verdict``.
+
+    Build them once (``Liveness(bound_s=60)``), pass them to an experiment, and :func:`compose`
+    several into one. ``name`` is the verdict's oracle name."""
+
+    name = ""
+    leak = False  # a FAIL of this checker is a leak (or its evidence): never hidden by any finding
+
+    def __call__(self, events: list[dict]) -> Verdict:
+        return self.check(events)
+
+    def check(self, events: list[dict]) -> Verdict:
+        raise NotImplementedError
+
+    def __repr__(self):
+        opts = ", ".join(f"{k}={v!r}" for k, v in vars(self).items() if not k.startswith("_"))
+        return f"{type(self).__name__}({opts})"
+
+
+class Isolation(Checker):
+    name, leak = "isolation", True
+
+    def __init__(self, partial_len: int = 8, echo_rate: float = ECHO_RATE, registry="session",
+                 floor: SensitivityFloor = DEFAULT_FLOOR):
+        if partial_len < 4 or partial_len > canary.PAYLOAD_LEN:
+            raise ValueError(f"partial_len must be 4..{canary.PAYLOAD_LEN}, got {partial_len}")
+        self.partial_len, self.echo_rate, self.floor = partial_len, echo_rate, floor
+        self.registry = canary.SESSION if registry == "session" else registry
+
+    def check(self, events):
+        return isolation(events, self.partial_len, self.echo_rate, self.registry, self.floor)
+
+
+class Sensitivity(Checker):
+    name = "sensitivity"
+
+    def __init__(self, echo_rate: float = ECHO_RATE, floor: SensitivityFloor = DEFAULT_FLOOR):
+        self.echo_rate, self.floor = echo_rate, floor
+
+    def check(self, events):
+        return sensitivity(events, self.echo_rate, self.floor)
+
+
+class Differential(Checker):
+    """``reference``: rid -> {"output_ids", "text"}, or a callable of the event log returning that
+    (e.g. the same prompts served alone by a clean single server after the run)."""
+    name, leak = "differential", True
+
+    def __init__(self, reference):
+        self.reference = reference
+
+    def check(self, events):
+        ref = self.reference(events) if callable(self.reference) else self.reference
+        return differential(events, ref)
+
+
+class HttpSemantics(Checker):
+    name = "http_semantics"
+
+    def check(self, events):
+        return http_semantics(events)
+
+
+class Liveness(Checker):
+    name = "liveness"
+
+    def __init__(self, bound_s: float, pool_tolerance_tokens: int = 0):
+        if bound_s <= 0:
+            raise ValueError(f"liveness bound_s must be > 0, got {bound_s}")
+        self.bound_s, self.pool_tolerance_tokens = bound_s, pool_tolerance_tokens
+
+    def check(self, events):
+        return liveness(events, self.bound_s, self.pool_tolerance_tokens)
+
+
+class KVLifecycle(Checker):
+    name, leak = "kv_lifecycle", True
+
+    def __init__(self, tolerance_s: float = 0.0):
+        self.tolerance_s = tolerance_s
+
+    def check(self, events):
+        return kv_lifecycle(events, self.tolerance_s)
+
+
+class Composite(Checker):
+    """Several checkers as one: ``check`` returns one verdict per checker, in order."""
+
+    def __init__(self, checkers):
+        flat = []
+        for c in checkers:
+            flat += c.checkers if isinstance(c, Composite) else [c]
+        for c in flat:
+            if not isinstance(c, Checker):
+                raise TypeError(f"not a checker: {c!r} (build one, e.g. oracles.Liveness(bound_s=60))")
+        names = [c.name for c in flat]
+        dup = sorted({n for n in names if names.count(n) > 1})
+        if dup:
+            raise ValueError(f"checker(s) {dup} given twice: each oracle judges a history once")
+        self.checkers = flat
+
+    def check(self, events) -> list[Verdict]:
+        return [c.check(events) for c in self.checkers]
+
+
+def compose(*checkers) -> Composite:
+    return Composite(checkers)
+
+
+def default_checkers(bound_s: float = 60.0) -> Composite:
+    """What ``kvchaos judge`` applies to a log: every oracle that needs nothing but the log."""
+    return compose(Isolation(), Sensitivity(), HttpSemantics(), Liveness(bound_s=bound_s), KVLifecycle())

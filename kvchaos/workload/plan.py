@@ -74,6 +74,7 @@ class Workload:
         p = RequestPlan(rid=self._rid(t.name), tenant=t.name, kind=kind, endpoint=endpoint, prompt=prompt(t.rng, n, cs),
                         canaries=cs, n_tokens=n, max_new_tokens=max_new_tokens(k), abort_after_ms=abort_after_ms,
                         oversized=(kind == "oversized"))
+        canary.SESSION.add_plans({p.rid: {"canaries": cs, "tenant": t.name}}, f"workload seed {self.seed}")
         if kind == "abort_after" and abort_after_ms is None:
             p.abort_after_ms = t.rng.uniform(5, 200)
         return p
