@@ -7,6 +7,11 @@ Options
   --kvchaos-model   tiny:SEED|DIR   override the profile's model
   --kvchaos-reports DIR         where run directories go (default: ./reports)
   --kvchaos-backends A,B        run the cluster tests once per KV transfer backend (mooncake_tcp,nixl)
+  --kvchaos-accept-known        known engine findings matched for the running version are KNOWN, not red
+                                (default: the profile's [policy] accept_known)
+  --kvchaos-strict              fail the run when a listed finding did not reproduce ("fixed?")
+  --kvchaos-blind-model         declare a model that cannot echo canaries (isolation not claimed)
+  --kvchaos-findings PATH       known-findings registry [kvchaos/findings.toml]
 
 Fixtures
   kvchaos_spec      the ClusterSpec in force
@@ -16,9 +21,18 @@ Fixtures
   faults            per-test FaultKit (agent / net / proc injectors) writing
                     reports/<run-id>/events/<test>.jsonl; healed after the test even on failure,
                     and the test errors if anything is still armed afterwards
+  experiment        factory of kvchaos.experiment.Experiment bound to this test (id, run dir, policy,
+                    cluster, faults); every experiment a test runs must be judged
+  kvchaos_policy    the session's verdict policy (kvchaos.policy.Policy)
+
+Outcomes: a test whose only departures from its required verdicts are accepted known findings is
+KNOWN (terminal ``K``, JUnit skipped with the finding ids, progress ``known``), never passed; the
+session writes findings.json (known findings seen, listed findings that did not reproduce).
 
 The cluster fixture runs the planted-leak self-test (kvchaos.selftest) once per session: a
-cluster on which a planted leak goes unseen errors every test that uses it.
+cluster on which a planted leak goes unseen errors every test that uses it; one on which the model
+cannot show a leak (self-test ``unknown``) makes every isolation verdict UNKNOWN (red) unless a
+blind model is declared.
 
 Markers
   gpu   needs CUDA; skipped with the reason when no CUDA device is visible
@@ -53,6 +67,17 @@ def pytest_addoption(parser):
                 help="model override: tiny:SEED or a model directory")
     g.addoption("--kvchaos-reports", default=os.environ.get("KVCHAOS_REPORTS", "reports"),
                 help="directory for run reports [reports]")
+    g.addoption("--kvchaos-accept-known", action="store_true",
+                default=os.environ.get("KVCHAOS_ACCEPT_KNOWN", "") not in ("", "0"),
+                help="a verdict matching a known engine finding (kvchaos/findings.toml) for the running engine "
+                     "version is KNOWN, not red [the profile's [policy] accept_known]")
+    g.addoption("--kvchaos-strict", action="store_true", default=os.environ.get("KVCHAOS_STRICT", "") not in ("", "0"),
+                help="fail the run when a listed finding did not reproduce on the engine version it lists")
+    g.addoption("--kvchaos-findings", default=os.environ.get("KVCHAOS_FINDINGS"),
+                help="known-findings registry TOML [kvchaos/findings.toml]")
+    g.addoption("--kvchaos-blind-model", action="store_true",
+                default=os.environ.get("KVCHAOS_BLIND_MODEL", "") not in ("", "0"),
+                help="declare a model that cannot echo canaries: isolation is not claimed (UNKNOWN, reported, not red)")
     g.addoption("--kvchaos-backends", default=os.environ.get("KVCHAOS_BACKENDS"),
                 help="comma-separated KV transfer backends to run the suites over, one cluster each "
                      "(e.g. mooncake_tcp,nixl) [the profile's]")
@@ -66,6 +91,10 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "disruptive: leaves the engine busy on purpose; run at the end of the session")
     config.addinivalue_line("markers", "backends(*names): the KV transfer backends this test applies to "
                             "(default: every backend for suites/, the first one for the harness's own tests)")
+    # the cluster layer does not import the fault layer: the network fault proxy is wired in here
+    from faults import install_network_proxy
+
+    install_network_proxy()
     run_id = os.environ.get("KVCHAOS_RUN_ID") or time.strftime("%Y%m%d-%H%M%S") + f"-{os.getpid()}"
     worker = os.environ.get("PYTEST_XDIST_WORKER")
     if worker:
@@ -111,7 +140,10 @@ class Progress:
         st = self._open.setdefault(rep.nodeid, {"outcome": "passed", "message": "", "start": time.time()})
         if rep.when == "setup":
             st["start"] = time.time() - (rep.duration or 0)
-        if hasattr(rep, "wasxfail"):
+        if getattr(rep, "wasxfail", "").startswith("KNOWN ") and rep.skipped:
+            st["outcome"] = "known"
+            st["message"] = rep.wasxfail
+        elif hasattr(rep, "wasxfail"):
             st["outcome"] = "xfailed" if rep.skipped else "xpassed"
             st["message"] = rep.wasxfail
         elif rep.failed:
@@ -139,6 +171,18 @@ def pytest_sessionfinish(session, exitstatus):
     pr = getattr(session.config, "_kvchaos_progress", None)
     if pr is None:
         return
+    policy = getattr(session.config, "_kvchaos_policy", None)
+    if policy is not None:
+        try:
+            summ = findings_summary(pr.run_dir, policy.registry, policy.strict)
+            session.config._kvchaos_findings = summ
+            (pr.run_dir / "findings.json").write_text(json.dumps(summ, indent=2, default=str))
+            if policy.strict and summ["not_reproduced"] and session.exitstatus == 0:
+                session.exitstatus = pytest.ExitCode.TESTS_FAILED
+                exitstatus = session.exitstatus
+        except Exception as e:  # noqa: BLE001 - say it; a missing summary must not read as green
+            (pr.run_dir / "findings-error.txt").write_text(repr(e))
+            session.exitstatus = exitstatus = pytest.ExitCode.INTERNAL_ERROR
     pr.emit("finished", exitstatus=int(exitstatus))
     pr.close()
     tr = session.config.pluginmanager.get_plugin("terminalreporter")
@@ -146,13 +190,79 @@ def pytest_sessionfinish(session, exitstatus):
         from kvchaos.report import build
 
         r = build(pr.run_dir)
-        msg = f"kvchaos report: {r['html']} ({r['overall'].upper()})"
+        msg = "\n".join(r["lines"] + [f"kvchaos report: {r['html']} ({r['label']})"])
     except Exception as e:  # noqa: BLE001 - the run's result stands; say loudly that its report is missing
         (pr.run_dir / "report-error.txt").write_text(repr(e))
         msg = f"kvchaos report: NOT BUILT for {pr.run_dir}: {e!r}"
     if tr is not None:
         tr.ensure_newline()
-        tr.write_line(msg)
+        for line in msg.splitlines():
+            tr.write_line(line)
+
+
+# --------------------------------------------------------------------------- KNOWN outcome
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A test whose only departures from its required verdicts are accepted known engine findings
+    (``kvchaos.experiment.KnownFinding``) is KNOWN: its own outcome (terminal ``K``, JUnit skipped
+    with the finding ids as message and a ``kvchaos_known`` property), never passed."""
+    outcome = yield
+    rep = outcome.get_result()
+    from kvchaos.experiment import KnownFinding
+
+    if call.excinfo is not None and call.excinfo.errisinstance(KnownFinding):
+        exc = call.excinfo.value
+        rep.outcome = "skipped"
+        rep.wasxfail = f"KNOWN {', '.join(exc.findings)}: {str(exc)[:1500]}"
+        item.user_properties.append(("kvchaos_known", ",".join(exc.findings)))  # JUnit reads the teardown's
+
+
+def pytest_report_teststatus(report, config):
+    if getattr(report, "wasxfail", "").startswith("KNOWN ") and report.skipped:
+        return "known", "K", ("KNOWN", {"yellow": True})
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    run_dir = getattr(config, "_kvchaos_progress", None)
+    summ = getattr(config, "_kvchaos_findings", None)
+    if run_dir is None or not summ:
+        return
+    tr = terminalreporter
+    if summ["known"]:
+        tr.section("kvchaos: KNOWN engine findings (accepted: not red, never PASS)", sep="-", yellow=True)
+        for k in summ["known"]:
+            tr.write_line(f"KNOWN {k['id']} on {k['engine']} {k['version']}: {k['title']} — {k['test']} "
+                          f"[{k['oracle']} {k['status'].upper()}{'' if k['accepted'] else ', NOT accepted'}]")
+    for n in summ["not_reproduced"]:
+        tr.write_line(f"kvchaos: {n['message']}" + (" (--kvchaos-strict: run fails)" if summ["strict"] else ""),
+                      yellow=True)
+
+
+def findings_summary(run_dir: Path, registry, strict: bool) -> dict:
+    """Known findings seen in this run's experiments and listed findings that did not reproduce."""
+    from kvchaos.policy import not_reproduced
+
+    recs: dict[str, dict] = {}
+    p = run_dir / "experiments.jsonl"
+    if p.exists():
+        for line in p.read_text().splitlines():
+            if line.strip():
+                r = json.loads(line)
+                recs[r["id"]] = r  # the last judgement of each experiment stands
+    known = []
+    for r in recs.values():
+        for fid in r.get("known") or []:
+            f = registry.get(fid)
+            vf = run_dir / r["verdicts_file"]
+            items = json.loads(vf.read_text()) if vf.exists() else []
+            for it in items:
+                if (it.get("known") or {}).get("id") == fid:
+                    known.append({"id": fid, "title": f.title, "engine": r["engine"], "version": r["version"],
+                                  "test": r["test"], "experiment": r["name"], "oracle": it["oracle"],
+                                  "status": it["status"], "accepted": it["known"]["accepted"],
+                                  "upstream": f.upstream, "witnesses": it.get("witnesses", [])[:5],
+                                  "summary": it.get("summary")})
+    return {"known": known, "not_reproduced": not_reproduced(registry, list(recs.values())), "strict": strict}
 
 
 def cuda_available() -> tuple[bool, str]:
@@ -261,7 +371,55 @@ def kvchaos_reaper():
 
 
 @pytest.fixture(scope="session")
-def cluster(pytestconfig, kvchaos_base_spec, kvchaos_spec, kvchaos_run_dir, kvchaos_reaper):
+def kvchaos_policy(pytestconfig):
+    """The verdict policy of this session: the findings registry, what is accepted, strictness and a
+    declared blind model (flags, or the profile's [policy] table), and — once the cluster is up — the
+    planted-leak self-test's result."""
+    from kvchaos.cluster.spec import PROFILE_DIR
+    from kvchaos.policy import FINDINGS_FILE, Policy, PolicyError, Registry, load_policy_table
+
+    prof = pytestconfig.getoption("--kvchaos-profile")
+    path = Path(prof) if prof.endswith(".toml") else PROFILE_DIR / f"{prof}.toml"
+    try:
+        table = load_policy_table(path if path.exists() else None)
+        p = Policy(registry=Registry.load(pytestconfig.getoption("--kvchaos-findings") or FINDINGS_FILE),
+                   accept_known=pytestconfig.getoption("--kvchaos-accept-known") or table.get("accept_known", False),
+                   strict=pytestconfig.getoption("--kvchaos-strict") or table.get("strict", False),
+                   blind_model=pytestconfig.getoption("--kvchaos-blind-model") or table.get("blind_model", False))
+    except PolicyError as e:
+        raise pytest.UsageError(str(e)) from None
+    pytestconfig._kvchaos_policy = p
+    return p
+
+
+@pytest.fixture
+def experiment(request, kvchaos_run_dir, kvchaos_policy):
+    """Factory for :class:`kvchaos.experiment.Experiment` bound to this test (its id, the session's
+    run directory and policy; ``cluster`` and ``faults`` from their fixtures unless given). Every
+    experiment a test runs must be judged (``ex.require(...)`` or ``ex.judge(...)``)."""
+    from kvchaos.experiment import Experiment
+
+    made = []
+
+    def make(name, plans, checks, **kw):
+        if "cluster" not in kw:
+            kw["cluster"] = request.getfixturevalue("cluster")
+        if "faults" not in kw:
+            kw["faults"] = request.getfixturevalue("faults")
+        ex = Experiment(name, plans, checks, run_dir=kvchaos_run_dir, test_id=request.node.nodeid,
+                        policy=kvchaos_policy, **kw)
+        made.append(ex)
+        return ex
+
+    yield make
+    unjudged = [ex for ex in made if ex.verdicts and not ex.judged]
+    if unjudged:
+        raise RuntimeError("kvchaos: experiment(s) run but never judged (call ex.require(...)): "
+                           + "; ".join(f"{ex.name}: {ex.judgement.status}" for ex in unjudged))
+
+
+@pytest.fixture(scope="session")
+def cluster(pytestconfig, kvchaos_base_spec, kvchaos_spec, kvchaos_run_dir, kvchaos_reaper, kvchaos_policy):
     attach = pytestconfig.getoption("--kvchaos-attach")
     if attach:
         c = AttachedCluster.parse(attach, kvchaos_spec).start()
@@ -273,7 +431,9 @@ def cluster(pytestconfig, kvchaos_base_spec, kvchaos_spec, kvchaos_run_dir, kvch
         # every session proves the harness can see a leak on this cluster before trusting a PASS
         from kvchaos.selftest import planted_leak_selftest
 
-        c.selftest = planted_leak_selftest(c, kvchaos_run_dir)
+        kvchaos_policy.selftest = None  # the self-test itself is not gated by an earlier one
+        c.selftest = planted_leak_selftest(c, kvchaos_run_dir, kvchaos_policy)
+        kvchaos_policy.selftest = c.selftest  # not a clean catch: every isolation verdict is UNKNOWN
         c.leak_sensitive = c.selftest["status"] == "caught"
         yield c
     finally:

@@ -13,7 +13,7 @@ reply shows it) and liveness (every request ends, pools back to baseline).
 
 - ``test_abort_while_kv_write_in_flight``: deterministic. Three requests' writes are held inside
   prefill's transfer (the in-engine agent's ``hold``), each is aborted on prefill and decode while
-  held, then the write is released and lands late.
+  held, then the write is released and lands late (``kvchaos.suite.abort_in_flight``).
 - ``test_aborts_at_random_points_of_delayed_transfers``: two tenants' writes take 300 ms (``delay``)
   and each of their requests is aborted 0–400 ms after its transfer started: aborts land during and
   after the write; the test counts those that landed mid-transfer and needs at least one.
@@ -28,46 +28,44 @@ import time
 import httpx
 import pytest
 
-from kvchaos import oracles
-from kvchaos.suite import abort_in_flight, run_judged
+from kvchaos.experiment import PASS
+from kvchaos.oracles import Isolation, KVLifecycle, Liveness
+from kvchaos.suite import abort_in_flight
 from kvchaos.workload import Workload
 
 pytestmark = pytest.mark.cluster
 BOUND_S = 60
-JUDGES = [oracles.isolation, oracles.kv_lifecycle, lambda ev: oracles.liveness(ev, bound_s=BOUND_S)]
 
 
-def test_abort_while_kv_write_in_flight(cluster, faults, kvchaos_run_dir):
+def checks():
+    return [Isolation(), KVLifecycle(), Liveness(bound_s=BOUND_S)]
+
+
+def test_abort_while_kv_write_in_flight(experiment, faults, cluster):
     wl = Workload(201, n_tenants=8, prefix="ma")
-    plans = wl.mix(40, lengths=(150, 500))
+    plans = wl.mix(72, lengths=(150, 500))
     victims = [p for p in plans if p.tenant == "t002"][:3]
-    chor = abort_in_flight(cluster, faults, victims)
-    ev, (iso, life, live) = run_judged(cluster, faults, kvchaos_run_dir, "abort_in_flight", plans, JUDGES,
-                                       concurrency=6, timeout_s=BOUND_S)
-    chor.join(timeout=120)
-    assert not chor.is_alive(), "abort choreography did not finish"
+    with experiment("abort_in_flight", plans, checks(), seed=201, concurrency=6, timeout_s=BOUND_S) as ex:
+        chor = ex.during(abort_in_flight(cluster, faults, victims))
     faults.log.emit("observed", choreography=chor.result)
     assert [r.get("error") for r in chor.result] == [None] * len(victims), chor.result
     assert all(r["late_write_at"] > r["aborted_at"] for r in chor.result)  # the write landed after the abort
-    assert iso.status == oracles.PASS, iso
-    assert life.status == oracles.PASS, life  # decode waited for the late writes before reusing the pages
-    assert life.stats["released_with_writes"] >= 1, life.stats  # something was actually judged
-    assert live.status == oracles.PASS, live.witnesses[:3]
+    assert ex.by["kv_lifecycle"].stats["released_with_writes"] >= 1, ex.by["kv_lifecycle"].stats  # judged something
+    ex.require(isolation=PASS, kv_lifecycle=PASS, liveness=PASS)
 
 
-def test_aborts_at_random_points_of_delayed_transfers(cluster, faults, kvchaos_run_dir):
+def test_aborts_at_random_points_of_delayed_transfers(experiment, faults, cluster):
     wl = Workload(202, n_tenants=8, prefix="mr")
-    plans = wl.mix(48, lengths=(150, 500))
+    plans = wl.mix(96, lengths=(150, 500))
     targets = [p for p in plans if p.tenant in ("t001", "t004")]
-    # the two tenants' writes take 300 ms; each is aborted 0-400 ms after its transfer started
-    f = faults.agent.arm("prefill", "delay", target={"rid_regex": "-(t001|t004)$"}, params={"ms": 300})
     rng = random.Random(202)
     done = threading.Event()
     aborted: dict[str, float] = {}
 
     def aborter():
         pending = {p.rid for p in targets}
-        while pending and not done.is_set():
+        t_end = time.monotonic() + 240  # bounded even if transfers never start
+        while pending and not done.is_set() and time.monotonic() < t_end:
             for e in faults.agent.events("prefill"):
                 if e["ev"] == "transfer_start" and e.get("rid") in pending:
                     pending.discard(e["rid"])
@@ -80,17 +78,19 @@ def test_aborts_at_random_points_of_delayed_transfers(cluster, faults, kvchaos_r
                             pass
             time.sleep(0.02)
 
-    t = threading.Thread(target=aborter, name="kvchaos-aborter", daemon=True)
-    t.start()
-    try:
-        ev, (iso, life, live) = run_judged(cluster, faults, kvchaos_run_dir, "abort_random", plans, JUDGES,
-                                           concurrency=8, timeout_s=BOUND_S)
-    finally:
-        done.set()
-        t.join(timeout=30)
+    def drive(ex):
+        try:
+            ex.send(ex.plans)
+        finally:
+            done.set()  # the workload is over: the aborter stops looking
+
+    with experiment("abort_random", plans, checks(), seed=202, drive=drive, timeout_s=BOUND_S) as ex:
+        # the two tenants' writes take 300 ms; each is aborted 0-400 ms after its transfer started
+        f = faults.agent.arm("prefill", "delay", target={"rid_regex": "-(t001|t004)$"}, params={"ms": 300})
+        ex.during(aborter)
     f.verify(at_least=len(targets))
     first_start, last_end = {}, {}
-    for e in ev:
+    for e in ex.events:
         kind = e.get("agent_ev")
         if kind == "transfer_start" and e.get("rid"):
             first_start.setdefault(e["rid"], e["wall"])
@@ -100,6 +100,4 @@ def test_aborts_at_random_points_of_delayed_transfers(cluster, faults, kvchaos_r
     faults.log.emit("observed", aborts=len(aborted), mid_transfer=len(mid), mid_rids=mid)
     print(f"{len(aborted)} aborts, {len(mid)} landed mid-transfer")
     assert mid, f"no abort landed mid-transfer ({len(aborted)} aborts): the test exercised nothing"
-    assert iso.status == oracles.PASS, iso
-    assert life.status == oracles.PASS, life
-    assert live.status == oracles.PASS, live.witnesses[:3]
+    ex.require(isolation=PASS, kv_lifecycle=PASS, liveness=PASS)

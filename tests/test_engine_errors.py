@@ -1,16 +1,14 @@
 """Known silent engine failures: found in the server logs (the prefill log excerpt is the real one from
 a CI run on sglang 0.5.23, tests/data/prefill-transfer-worker-died.log), healed by restarting the role,
-and turned into an xfail with the engine's witness only when liveness caught it and nothing leaked."""
+and KNOWN (the registry's sglang-mooncake-transfer-worker-dies) only when liveness caught it: never
+hiding an isolation, kv_lifecycle or differential FAIL or an isolation UNKNOWN."""
 
 from pathlib import Path
-
-import pytest
 
 from kvchaos import oracles
 from kvchaos.cluster import ClusterSpec
 from kvchaos.cluster.launcher import Cluster, scan_engine_errors
 from kvchaos.oracles import Verdict
-from kvchaos.suite import xfail_on_known_engine_failure
 
 REAL = (Path(__file__).parent / "data" / "prefill-transfer-worker-died.log").read_text()
 
@@ -52,17 +50,31 @@ def test_heal_restarts_the_role_once_and_records_it(tmp_path, monkeypatch):
     assert c.heal_engine_errors() == [] and restarts == ["prefill"]   # healed once
 
 
-def V(oracle, status):
-    return Verdict(oracle, status, f"{oracle} {status}")
+def V(oracle, status, witnesses=()):
+    return Verdict(oracle, status, f"{oracle} {status}", list(witnesses))
 
 
 FOUND = [{"role": "prefill", "signature": "mooncake_transfer_worker_died", "line": "RuntimeError: ...", "cause": "1"}]
+HUNG = [{"rid": "r1", "problem": "no answer within 60 s", "outcome": "timeout"}]
 
 
-def test_xfail_only_when_liveness_caught_it_and_nothing_leaked():
-    with pytest.raises(pytest.xfail.Exception, match="known engine bug.*#27162.*Witness: prefill"):
-        xfail_on_known_engine_failure(FOUND, [V("isolation", oracles.PASS), V("liveness", oracles.FAIL)])
-    # a leak is never excused, nor a run the failure did not hurt, nor a liveness FAIL without it
-    xfail_on_known_engine_failure(FOUND, [V("isolation", oracles.FAIL), V("liveness", oracles.FAIL)])
-    xfail_on_known_engine_failure(FOUND, [V("isolation", oracles.PASS), V("liveness", oracles.PASS)])
-    xfail_on_known_engine_failure([], [V("isolation", oracles.PASS), V("liveness", oracles.FAIL)])
+def _judge(verdicts, found):
+    from kvchaos.policy import Context, Policy
+
+    ctx = Context([{"ev": "experiment", "engine": {"name": "sglang", "version": "0.5.23"}}], "sglang", "0.5.23", found)
+    return Policy(accept_known=True).judge(verdicts, ctx, {"liveness": oracles.PASS})
+
+
+def test_known_only_when_liveness_caught_it_and_nothing_else_is_wrong():
+    j = _judge([V("isolation", oracles.PASS), V("liveness", oracles.FAIL, HUNG)], FOUND)
+    assert j.status == "known" and j.known[0].finding.id == "sglang-mooncake-transfer-worker-dies"
+    # a leak, leak evidence or a blind isolation is never excused by it (CI: a liveness finding used to
+    # turn those into an xfail), nor is a liveness FAIL without the engine's witness
+    for other in (V("isolation", oracles.FAIL), V("isolation", oracles.UNKNOWN), V("kv_lifecycle", oracles.FAIL),
+                  V("differential", oracles.FAIL)):
+        rest = [V("isolation", oracles.PASS)] if other.oracle != "isolation" else []
+        j = _judge(rest + [other, V("liveness", oracles.FAIL, HUNG)], FOUND)
+        assert j.status in ("fail", "unknown") and j.red, (other, j.status)
+        assert any(i.verdict.oracle == other.oracle and i.outcome == "red" for i in j.items)
+    assert _judge([V("isolation", oracles.PASS), V("liveness", oracles.FAIL, HUNG)], []).status == "fail"
+    assert _judge([V("isolation", oracles.PASS), V("liveness", oracles.PASS)], FOUND).status == "pass"

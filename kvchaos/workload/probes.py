@@ -83,3 +83,18 @@ def wait_quiet(cluster, timeout_s: float = 120.0, stable_s: float = 10.0) -> dic
             return {"quiet": True, "waited_s": round(time.monotonic() - t0, 2)}
         time.sleep(0.5)
     return {"quiet": False, "waited_s": round(time.monotonic() - t0, 2)}
+
+
+def server_field(info, key):
+    """First value of ``key`` anywhere in a nested ``/server_info`` answer (its layout moves between
+    releases: 0.5.19 and 0.5.23 keep pool sizes in different places)."""
+    if isinstance(info, dict):
+        if key in info:
+            return info[key]
+        info = list(info.values())
+    if isinstance(info, list):
+        for x in info:
+            v = server_field(x, key)
+            if v is not None:
+                return v
+    return None

@@ -7,7 +7,7 @@ let it through, decode reserved pages for the full prompt, received one page, an
 pages holding other tenants' prompts: HTTP 200, fluent, with other tenants' data.
 
 Traffic (all modes): one tenant sends only oversized prompts (600–1400 tokens: over prefill's limit,
-under decode's 1536-token admission edge) among 15 other tenants' 48 requests.
+under decode's 1536-token admission edge) among 15 other tenants' requests.
 
 - ``prefix``: the pinned pre-fix release **SGLang 0.5.19** — the newest on PyPI without PR #36988
   (merged 2026-08-29, first shipped in 0.5.20; #38935's ``is_unadmitted_reject`` arrives in 0.5.21) —
@@ -18,9 +18,13 @@ under decode's 1536-token admission edge) among 15 other tenants' 48 requests.
   input limit lowered to 512 at run time. Expected: the same leak.
 - ``fixed``: the same deployment and traffic on the unmodified 0.5.23 (``input_limit`` only).
   Expected: no leak. Observed besides: the oversized prompts are never answered and requests queued
-  behind them time out (liveness FAIL) — kept visible as an xfail with the witness, not tuned away.
+  behind them time out (liveness FAIL): the registry's ``sglang-intake-reject-hang``, KNOWN only
+  with its witness signature, never hiding isolation.
 
-Each run writes ``<run dir>/incidents/glm53-<mode>/`` (events, verdicts.json, summary.json).
+Traffic (all modes): 80 background requests of 15 tenants, the victim tenant's 4 oversized prompts
+mixed in after the first 72 (enough echoing replies for the sensitivity floor). Each run is one
+experiment writing ``<run dir>/incidents/glm53-<mode>/`` (events.jsonl with the engines' events,
+verdicts.json, summary.json).
 """
 
 from __future__ import annotations
@@ -33,11 +37,12 @@ from pathlib import Path
 import pytest
 
 from faults import FaultKit
-from kvchaos import oracles
 from kvchaos.cluster import Cluster, ClusterSpec
+from kvchaos.experiment import FAIL, PASS
+from kvchaos.oracles import HttpSemantics, Isolation, Liveness
 from kvchaos.suite import server_field
-from kvchaos.workload import EventLog, Workload, run_plans
-from kvchaos.workload.probes import snapshot, wait_quiet
+from kvchaos.workload import EventLog, Workload
+from kvchaos.workload.probes import wait_quiet
 
 pytestmark = pytest.mark.cluster
 SEED = 53
@@ -53,54 +58,42 @@ def _plans():
     victim = wl.tenants[-1]
     others = wl.tenants[:-1]  # the victim sends only the oversized prompts: every leak is cross-tenant
     background = [wl.request(others[i % len(others)], "plain", n_tokens=others[i % len(others)].rng.randrange(200, 480))
-                  for i in range(48)]
+                  for i in range(80)]
     big = [wl.request(victim, "oversized", n_tokens=n, n_canaries=3) for n in OVERSIZED]
-    # other tenants go first so decode's free pages hold their KV, then the oversized ones mixed in
-    plans = background[:24] + [x for pair in zip(big, background[24:28]) for x in pair] + background[28:]
+    # other tenants go first so decode's free pages hold their KV, then the oversized ones mixed in;
+    # late, so that a hang they cause (fixed engine) leaves the run its echo evidence
+    plans = background[:72] + [x for pair in zip(big, background[72:76]) for x in pair] + background[76:]
     return plans, victim.name
 
 
-def _run(cluster, faults, kvchaos_run_dir, mode: str):
+def _run(experiment, faults, kvchaos_run_dir, mode: str, **kw):
     plans, victim = _plans()
     out = kvchaos_run_dir / "incidents" / f"glm53-{mode}"
-    out.mkdir(parents=True, exist_ok=True)
-    f = None
-    if mode == "replay":
-        f = faults.agent.arm("prefill", "reject_admitted", target={"tenant": victim},
-                             params={"prefill_max_input_len": PREFILL_LIMIT}, count=len(OVERSIZED))
-    elif mode == "fixed":
-        f = faults.agent.arm("prefill", "input_limit", params={"max_input_len": PREFILL_LIMIT})
+    checks = [Isolation(), HttpSemantics(), Liveness(bound_s=30)]
     t0 = time.monotonic()
-    with EventLog(out / "events.jsonl") as log:
-        info = {r: _version(cluster, r) for r in ("prefill", "decode")}
-        log.emit("run", name=f"glm53-{mode}", seed=SEED, victim=victim, oversized=list(OVERSIZED),
-                 fault=f.id if f else None, engines=info)
-        snapshot(cluster, log, "before", answer=False)
-        run_plans(cluster.endpoints.router, plans, log, concurrency=8, timeout_s=30)
-        if f:
-            f.heal()
-        snapshot(cluster, log, "after")
-    with EventLog(out / "agent-events.jsonl") as alog:  # the engines' side: transfers, faults fired
-        agent_ev = faults.copy_agent_events(alog)
-    ev = log.records + agent_ev
+    with experiment(f"glm53-{mode}", plans, checks, faults=faults, path=out / "events.jsonl", seed=SEED,
+                    concurrency=8, timeout_s=30, settle_s=0, **kw) as ex:
+        if mode == "replay":
+            faults.agent.arm("prefill", "reject_admitted", target={"tenant": victim},
+                             params={"prefill_max_input_len": PREFILL_LIMIT}, count=len(OVERSIZED))
+        elif mode == "fixed":
+            faults.agent.arm("prefill", "input_limit", params={"max_input_len": PREFILL_LIMIT})
+    ev = ex.events
     sizes = {p.rid: p.n_tokens for p in plans if p.oversized}
-    sent = {e["rid"]: e["pages"] for e in agent_ev if e["ev"] == "transfer_start" and e.get("rid") in sizes}
-    verdicts = [oracles.isolation(ev), oracles.http_semantics(ev), oracles.liveness(ev, bound_s=30)]
+    sent = {e["rid"]: e["pages"] for e in ev if e.get("agent_ev") == "transfer_start" and e.get("rid") in sizes}
+    leaks = ex.by["isolation"].witnesses
     first_leak = None
-    leaks = verdicts[0].witnesses
     if leaks:
-        ends = {e["rid"]: e["t"] for e in log.records if e["ev"] == "end"}
+        ends = {e["rid"]: e["t"] for e in ev if e["ev"] == "end"}
         first_leak = min(ends.get(w["victim_rid"], float("inf")) for w in leaks) - t0
-    summary = {"mode": mode, "engines": info, "victim_tenant": victim, "requests": len(plans),
-               "oversized": len(OVERSIZED),
+    head = next(e for e in ev if e["ev"] == "experiment")
+    summary = {"mode": mode, "experiment": ex.id, "engines": {r: _version(ex.cluster, r) for r in ("prefill", "decode")},
+               "engine": head["engine"], "victim_tenant": victim, "requests": len(plans), "oversized": len(OVERSIZED),
                "oversized_kv_pages_sent": {rid: {"prompt_tokens": sizes[rid], "pages_sent": sent.get(rid)} for rid in sizes},
-               "verdicts": {v.oracle: v.status for v in verdicts},
+               "verdicts": {v.oracle: v.status for v in ex.verdicts},
                "time_to_first_detection_s": first_leak, "wall_s": round(time.monotonic() - t0, 2)}
-    (out / "verdicts.json").write_text(json.dumps([v.to_dict() for v in verdicts], indent=2, default=str))
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
-    for v in verdicts:
-        print(v)
-    return verdicts, summary, victim, plans
+    return ex, summary, victim, plans
 
 
 def _assert_one_page_handoff(summary):
@@ -115,17 +108,24 @@ def _version(cluster, role):
     return {k: server_field(si, k) for k in ("version", "max_total_num_tokens", "max_req_input_len", "context_length")}
 
 
-def _assert_leak(iso, http, victim, plans):
-    assert iso.status == oracles.FAIL, iso
-    assert all(w["victim_tenant"] == victim and w["owner_tenant"] != victim and w["status"] == 200
+PLANTED = {"prefix": f"pre-fix release sglang {PREFIX_VERSION} deployed like the incident (prefill pool < context)",
+           "replay": "reject_admitted mutation replays the pre-fix reject path in sglang 0.5.23"}
+
+
+def _assert_leak(ex, mode, victim, plans):
+    """The leak reproduced: every witness is the victim tenant getting another tenant's canaries with
+    HTTP 200, only oversized requests are victims, and the first oversized request is one."""
+    iso = ex.by["isolation"]
+    assert iso.status == FAIL, iso
+    assert all(w["victim_tenant"] == victim and w["owner_tenant"] not in (victim, None) and w["status"] == 200
                for w in iso.witnesses), iso.witnesses[:3]
-    assert http.status == oracles.FAIL  # oversized prompts answered 200
     big = {p.rid for p in plans if p.oversized}
     victims = {x["victim_rid"] for x in iso.witnesses}
     assert victims <= big
-    # the class is caught on the first oversized request
-    first_big = next(p.rid for p in plans if p.oversized)
+    first_big = next(p.rid for p in plans if p.oversized)  # the class is caught on the first oversized request
     assert first_big in victims, (first_big, sorted(victims))
+    # a reproduction: the bug is there on purpose, and the leak and the 200s are what is required
+    ex.require(planted=PLANTED[mode], isolation=FAIL, http_semantics=FAIL)
 
 
 @pytest.fixture  # one test uses it: stop its engines before the rest of the session runs
@@ -150,7 +150,7 @@ def prefix_cluster(kvchaos_spec, kvchaos_run_dir, kvchaos_reaper):
 
 
 @pytest.mark.backends("mooncake_tcp")  # the incident's transport; 0.5.19's NIXL path is not checked on CPU
-def test_prefix_release_leaks_another_tenants_data_with_http_200(prefix_cluster, kvchaos_run_dir):
+def test_prefix_release_leaks_another_tenants_data_with_http_200(experiment, prefix_cluster, kvchaos_run_dir):
     c = prefix_cluster
     pf, dc = _version(c, "prefill"), _version(c, "decode")
     assert pf["version"] == dc["version"] == PREFIX_VERSION, (pf, dc)
@@ -160,11 +160,10 @@ def test_prefix_release_leaks_another_tenants_data_with_http_200(prefix_cluster,
     with EventLog(kvchaos_run_dir / "events" / "glm53-prefix-faults.jsonl") as flog:
         kit = FaultKit(c, flog)
         try:
-            (iso, http, live), summary, victim, plans = _run(c, kit, kvchaos_run_dir, "prefix")
+            ex, summary, victim, plans = _run(experiment, kit, kvchaos_run_dir, "prefix", cluster=c)
         finally:
             problems = kit.heal_all()
     assert not problems, problems
-    _assert_leak(iso, http, victim, plans)
     _assert_one_page_handoff(summary)
     # the operator checklist would have flagged this deployment before it served anyone
     from kvchaos.audit import audit
@@ -179,34 +178,23 @@ def test_prefix_release_leaks_another_tenants_data_with_http_200(prefix_cluster,
     for role in ("prefill", "decode"):  # off by default in 0.5.19, read from the live processes
         assert st[("deferred_kv_release", role)]["status"] == "fail", st[("deferred_kv_release", role)]
         assert st[("mooncake_batch_bound", role)]["status"] == "fail"
+    _assert_leak(ex, "prefix", victim, plans)
 
 
-def test_replay_leaks_another_tenants_data_with_http_200(cluster, faults, kvchaos_run_dir):
-    (iso, http, live), summary, victim, plans = _run(cluster, faults, kvchaos_run_dir, "replay")
-    _assert_leak(iso, http, victim, plans)
+def test_replay_leaks_another_tenants_data_with_http_200(experiment, faults, kvchaos_run_dir):
+    ex, summary, victim, plans = _run(experiment, faults, kvchaos_run_dir, "replay")
     _assert_one_page_handoff(summary)
-
-
-KNOWN_HANG = (
-    "known engine finding (sglang 0.5.23, PD, prefill input limit < decode's): a prompt prefill rejects at "
-    "intake while decode admits it is never answered — decode waits for KV that will not come, the router "
-    "retries the request, and other tenants' requests queued behind it time out as well. The leak fixes "
-    "(PRs #36988/#38935) hold: no foreign data is served. See README 'What the faults showed' and "
-    "shared/notes/sglang-on-cpu.md (same class as the 1537-2042-token hang).")
+    _assert_leak(ex, "replay", victim, plans)
 
 
 @pytest.mark.disruptive
-def test_fixed_engine_does_not_leak(cluster, faults, kvchaos_run_dir):
-    (iso, http, live), summary, victim, plans = _run(cluster, faults, kvchaos_run_dir, "fixed")
+def test_fixed_engine_does_not_leak(experiment, cluster, faults, kvchaos_run_dir):
+    """The fix holds: no foreign canary anywhere, and (once fixed) each oversized prompt gets a 400.
+    On 0.5.23 they hang instead: the registry's ``sglang-intake-reject-hang`` (KNOWN with its
+    witness signature; it covers liveness and http_semantics, never isolation)."""
+    ex, summary, victim, plans = _run(experiment, faults, kvchaos_run_dir, "fixed")
     # the router keeps retrying the hung requests after their clients gave up: wait until the
     # engines are quiet so the next test does not see stray work (bounded)
     q = wait_quiet(cluster, timeout_s=120, stable_s=10)
     faults.log.emit("observed", quiesce=q)
-    assert iso.status == oracles.PASS, iso  # the fix holds: no foreign canary anywhere
-    if live.status == oracles.FAIL:
-        hung = {w["rid"] for w in live.witnesses}
-        big = {p.rid for p in plans if p.oversized}
-        assert big <= hung, (sorted(big - hung), live.witnesses[:3])  # it is the oversized ones that hang
-        pytest.xfail(f"{KNOWN_HANG} Witness: {live.summary}")
-    assert http.status == oracles.PASS, http  # once fixed: 400 with an error
-    assert live.status == oracles.PASS, live.witnesses[:3]
+    ex.require(isolation=PASS, http_semantics=PASS, liveness=PASS)

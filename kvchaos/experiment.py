@@ -1,0 +1,275 @@
+"""The experiment runner: the one path from a workload under faults to verdicts.
+
+Every suite, the incident reproductions, the detection matrix, the clean control and the planted-leak
+self-test run through it. Its steps (Chaos Toolkit's shape):
+
+1. header — the event log opens with an ``experiment`` record: id, name, test id, seed, engine name
+   and version (read from the servers), cluster layout;
+2. steady state before — KV pools probed (settled, see ``SETTLE_S``);
+3. method — the body of the ``with`` block arms faults (recorded with ids), then the workload runs
+   (``drive``; default: every plan through the router), with one declared ``during`` action beside
+   it (abort choreography, kills);
+4. rollback — every fault healed;
+5. steady state after — pools drained back to baseline, the cluster answers;
+6. checkers — the engines' own events join the log; each checker (options bound at construction,
+   ``kvchaos.oracles``) judges it;
+7. policy — ``kvchaos.policy`` decides what the verdicts mean (required statuses, known findings).
+
+    with experiment("transfer_delay", plans, [Isolation(), Sensitivity(), Liveness(bound_s=60)]) as ex:
+        f = faults.agent.arm("prefill", "delay", target={"tenant": "t001"}, params={"ms": 250})
+    f.verify()
+    ex.require(isolation=PASS, liveness=PASS)
+
+Writes ``<run dir>/suites/<name>.events.jsonl`` and ``<name>.verdicts.json`` (each verdict with what
+was required of it, its outcome and any known finding) and a line in ``<run dir>/experiments.jsonl``.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import uuid
+from pathlib import Path
+
+from kvchaos import oracles
+from kvchaos.oracles import FAIL, PASS, UNKNOWN  # noqa: F401 - re-exported for suites
+from kvchaos.policy import KNOWN, Context, Judgement, Policy
+from kvchaos.workload import EventLog, run_plans
+from kvchaos.workload.probes import server_field, snapshot
+
+SETTLE_S = 45.0  # SGLang holds a failed/aborted transfer's decode pages up to 30 s (deferred release)
+DURING_JOIN_S = 180.0
+
+
+class VerdictsNotMet(AssertionError):
+    """The experiment's verdicts are red under the policy (a FAIL or UNKNOWN that is not an accepted
+    known finding)."""
+
+
+class KnownFinding(Exception):
+    """Every verdict that is not what was required matches an accepted known engine finding: the
+    test's outcome is KNOWN (the pytest plugin shows it as such), never PASS."""
+
+    def __init__(self, judgement: Judgement, message: str):
+        super().__init__(message)
+        self.judgement = judgement
+        self.findings = sorted({i.finding.id for i in judgement.known})
+
+
+class During:
+    """The action run beside the workload; ``result`` is what it returned, ``error`` what it raised."""
+
+    def __init__(self, fn):
+        self.fn, self.result, self.error = fn, None, None
+        self.thread = threading.Thread(target=self._run, name="kvchaos-during", daemon=True)
+
+    def _run(self):
+        try:
+            self.result = self.fn()
+        except BaseException as e:  # noqa: BLE001 - re-raised in the test's thread
+            self.error = e
+
+
+class Experiment:
+    def __init__(self, name: str, plans, checks, *, cluster, run_dir, faults=None, test_id: str | None = None,
+                 seed=None, concurrency: int = 8, timeout_s: float = 60.0, settle_s: float = SETTLE_S,
+                 drive=None, path: str | Path | None = None, model_name: str | None = None,
+                 policy: Policy | None = None, probe_before: bool = True):
+        if not isinstance(checks, oracles.Composite):
+            checks = oracles.compose(*checks)
+        if not name or any(c in name for c in "/\\"):
+            raise ValueError(f"experiment name {name!r}: non-empty, no path separators")
+        self.name, self.plans, self.checks = name, list(plans), checks
+        self.cluster, self.faults, self.run_dir = cluster, faults, Path(run_dir)
+        self.test_id, self.seed = test_id, seed
+        self.concurrency, self.timeout_s, self.settle_s = concurrency, timeout_s, settle_s
+        self.drive_fn, self.model_name, self.probe_before = drive, model_name, probe_before
+        self.policy = policy or Policy()
+        self.path = _fresh(Path(path) if path else self.run_dir / "suites" / f"{name}.events.jsonl")
+        self.verdicts_path = self.path.with_name(self.path.name.replace("events.jsonl", "verdicts.json")
+                                                 if "events.jsonl" in self.path.name else self.path.stem + ".verdicts.json")
+        self.id = f"{name}-{uuid.uuid4().hex[:8]}"
+        self.log: EventLog | None = None
+        self.verdicts: list[oracles.Verdict] = []
+        self.judgement: Judgement | None = None
+        self.engine_errors: list[dict] = []
+        self.judged = False
+        self._during: During | None = None
+        self.t_start = None
+
+    # ------------------------------------------------------------------ the with block
+    def __enter__(self) -> "Experiment":
+        self.t_start = time.time()
+        _engine_errors(self.cluster)  # what happened before this experiment is not its own
+        self.log = EventLog(self.path)
+        self.log.emit("experiment", id=self.id, name=self.name, test=self.test_id, seed=self.seed,
+                      n=len(self.plans), engine=_engine(self.cluster), layout=_layout(self.cluster),
+                      checkers=[repr(c) for c in self.checks.checkers])
+        if self.probe_before:
+            snapshot(self.cluster, self.log, "before", answer=False, settle_s=self.settle_s)
+        return self
+
+    def during(self, fn) -> During:
+        """Declare the one action that runs beside the workload (started with it, joined after)."""
+        if self._during is not None:
+            raise RuntimeError(f"experiment {self.name}: one during action only (compose them in one function)")
+        self._during = During(fn)
+        return self._during
+
+    def send(self, plans, concurrency: int | None = None, timeout_s: float | None = None) -> list[dict]:
+        """Drive ``plans`` through the router into this experiment's log (for custom ``drive``)."""
+        ep = self.cluster.endpoints
+        kw = {"model_name": self.model_name} if self.model_name else {}
+        return run_plans(ep.router, plans, self.log, concurrency=concurrency or self.concurrency,
+                         timeout_s=timeout_s or self.timeout_s, abort_urls=(ep.prefill, ep.decode), **kw)
+
+    def __exit__(self, exc_type, exc, tb):
+        if exc_type is not None:  # the method itself failed: nothing ran to judge
+            self.log.emit("aborted", error=repr(exc))
+            self.log.close()
+            return False
+        try:
+            self.log.emit("method", faults=self._fault_ids(), during=self._during is not None)
+            if self._during:
+                self._during.thread.start()
+            try:
+                (self.drive_fn or (lambda ex: ex.send(ex.plans)))(self)
+            finally:
+                if self._during:
+                    self._during.thread.join(timeout=DURING_JOIN_S)
+            if self.faults is not None:
+                self.faults.heal_all()  # rollback before the steady-state probe: pools must drain
+            snapshot(self.cluster, self.log, "after", settle_s=self.settle_s)
+            if self.faults is not None:
+                self._copy_fault_records()
+            self.engine_errors = _engine_errors(self.cluster)
+            for e in self.engine_errors:
+                self.log.emit("engine_error", **{k: v for k, v in e.items() if k != "healed"})
+        finally:
+            self.log.close()
+        self.verdicts = self.policy.gate(self.checks.check(self.log.records))
+        self._record(self.policy.judge(self.verdicts, self.context()))
+        for v in self.verdicts:
+            print(v)
+        if self._during and self._during.thread.is_alive():
+            raise RuntimeError(f"experiment {self.name}: the during action did not finish in {DURING_JOIN_S} s")
+        if self._during and self._during.error is not None:
+            raise self._during.error
+        return False
+
+    # ------------------------------------------------------------------ results
+    @property
+    def events(self) -> list[dict]:
+        return self.log.records
+
+    @property
+    def run(self) -> oracles.Run:
+        return oracles.Run(self.log.records)
+
+    @property
+    def by(self) -> dict[str, oracles.Verdict]:
+        return {v.oracle: v for v in self.verdicts}
+
+    def context(self) -> Context:
+        return Context.of(self.log.records, self.engine_errors)
+
+    def judge(self, planted: str | None = None, **wanted) -> Judgement:
+        """The policy's judgement with these required statuses (``isolation=PASS``, or ``FAIL`` for
+        a bug planted on purpose — say what with ``planted``); recorded, never raises."""
+        self._check_ran()
+        j = self.policy.judge(self.verdicts, self.context(), wanted, planted=planted)
+        self._record(j)
+        self.judged = True
+        return j
+
+    def require(self, planted: str | None = None, **wanted) -> Judgement:
+        """Raise :class:`VerdictsNotMet` unless every verdict is as required (leak checkers are held
+        to not-FAIL even when not named, unless a bug was ``planted`` on purpose and its FAIL is what
+        is required); :class:`KnownFinding` when what differs is all accepted known findings."""
+        j = self.judge(planted, **wanted)
+        msg = f"experiment {self.name} ({self.id}): {j.status.upper()}\n{j.message()}\nevents: {self.path}"
+        if j.red:
+            raise VerdictsNotMet(msg)
+        if j.status == KNOWN:
+            raise KnownFinding(j, msg)
+        return j
+
+    def _check_ran(self):
+        if not self.verdicts:
+            raise RuntimeError(f"experiment {self.name}: judge after the with block has run it")
+
+    def _record(self, j: Judgement) -> None:
+        self.judgement = j
+        self.verdicts_path.parent.mkdir(parents=True, exist_ok=True)
+        self.verdicts_path.write_text(json.dumps([i.to_dict() for i in j.items], indent=2, default=str))
+        ctx = j.ctx
+        rec = {"id": self.id, "name": self.name, "test": self.test_id, "engine": ctx.engine, "version": ctx.version,
+               "status": j.status, "planted": j.planted, "known": [i.finding.id for i in j.known],
+               "accepted": [i.finding.id for i in j.known if i.accepted],
+               "verdicts": {i.verdict.oracle: i.verdict.status for i in j.items},
+               "required": {i.verdict.oracle: i.wanted for i in j.items if i.wanted},
+               "events": _rel(self.path, self.run_dir), "verdicts_file": _rel(self.verdicts_path, self.run_dir),
+               "wall": time.time()}
+        with open(self.run_dir / "experiments.jsonl", "a") as f:
+            f.write(json.dumps(rec, default=str) + "\n")
+
+    def _fault_ids(self) -> list[str]:
+        if self.faults is None or self.faults.log is None:
+            return []
+        return sorted({e.get("fault") for e in self.faults.log.records
+                       if e.get("ev") == "fault" and e.get("action") == "armed" and e["wall"] >= self.t_start
+                       and e.get("fault")})
+
+    def _copy_fault_records(self) -> None:
+        """The faults' own records (armed/fired/healed, process kills) and the engines' events
+        (transfers, writes, releases, faults fired) join the experiment's log."""
+        for e in self.faults.log.records:
+            if e.get("ev") == "fault" and e["wall"] >= self.t_start:
+                self.log.emit("fault", **{k: v for k, v in e.items() if k not in ("t", "wall", "ev")}, at=e["wall"])
+        self.faults.copy_agent_events(self.log, since=self.t_start)
+
+
+def _fresh(path: Path) -> Path:
+    """``path``, or ``<stem>-2<suffix>``, ``-3``, ... when an earlier experiment of this run wrote it
+    (the same test once per transfer backend): one experiment, one log, one verdicts file."""
+    base = path.name[: -len(".events.jsonl")] if path.name.endswith(".events.jsonl") else path.stem
+    suffix = path.name[len(base):]
+    n = 1
+    while path.exists() or path.with_name(path.name.replace("events.jsonl", "verdicts.json")).exists():
+        n += 1
+        path = path.with_name(f"{base}-{n}{suffix}")
+    return path
+
+
+def _rel(p: Path, base: Path) -> str:
+    try:
+        return str(p.relative_to(base))
+    except ValueError:
+        return str(p)
+
+
+def _engine_errors(cluster) -> list[dict]:
+    return cluster.engine_errors() if hasattr(cluster, "engine_errors") else []
+
+
+def _engine(cluster) -> dict:
+    """Engine name and version, read from the servers (not assumed from the profile)."""
+    out = {"name": getattr(getattr(cluster, "spec", None), "engine", "sglang"), "version": None, "roles": {}}
+    for role in ("prefill", "decode"):
+        try:
+            out["roles"][role] = server_field(cluster.server_info(role), "version")
+        except Exception as e:  # noqa: BLE001 - an unreachable server is recorded, judged by liveness
+            out["roles"][role] = f"unreachable: {e!r}"[:200]
+    vs = {v for v in out["roles"].values() if v and not str(v).startswith("unreachable")}
+    out["version"] = vs.pop() if len(vs) == 1 else (sorted(vs)[0] if vs else None)
+    return out
+
+
+def _layout(cluster) -> dict:
+    spec = getattr(cluster, "spec", None)
+    ep = getattr(cluster, "endpoints", None)
+    keep = ("name", "model", "device", "dtype", "pool_tokens", "context_length", "page_size", "transfer_backend",
+            "router", "network_proxy", "agent")
+    return {"spec": {k: getattr(spec, k) for k in keep if spec is not None and hasattr(spec, k)},
+            "endpoints": ep.as_dict() if ep is not None and hasattr(ep, "as_dict") else None}

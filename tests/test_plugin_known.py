@@ -1,0 +1,68 @@
+"""The plugin's KNOWN outcome, acceptance, strictness and judged-experiment check, end to end: a child
+pytest runs experiments through the real runner and policy against tests/fake_engine.py."""
+
+import json
+import re
+import subprocess
+import sys
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+from tests.util import child_env
+
+REPO = Path(__file__).resolve().parents[1]
+INNER = REPO / "tests" / "data" / "known_suite" / "test_known_inner.py"
+SHORT = "sglang-short-transfer-unchecked"
+
+
+def inner(tmp_path, *args, k=None):
+    cmd = [sys.executable, "-m", "pytest", str(INNER), "-p", "no:cacheprovider", "-o", "testpaths=", "-q",
+           "--kvchaos-reports", str(tmp_path / "reports"), *args] + (["-k", k] if k else [])
+    r = subprocess.run(cmd, cwd=REPO, env=child_env(), capture_output=True, text=True, timeout=300)
+    (run_dir,) = (tmp_path / "reports").iterdir()
+    return r, run_dir
+
+
+def test_accepted_known_finding_is_its_own_outcome_never_passed(tmp_path):
+    r, run_dir = inner(tmp_path, "--kvchaos-accept-known", k="shorted or clean")
+    assert r.returncode == 0, r.stdout[-3000:]
+    assert re.search(r"1 passed, .*1 known", r.stdout), r.stdout[-1500:]
+    assert f"KNOWN {SHORT}" in r.stdout  # the terminal lists it with its id
+    case = next(c for c in ET.parse(run_dir / "junit.xml").iter("testcase") if c.get("name") == "test_shorted_leak")
+    sk = case.find("skipped")
+    assert sk is not None and sk.get("message").startswith(f"KNOWN {SHORT}")
+    props = {p.get("name"): p.get("value") for p in case.iter("property")}
+    assert props.get("kvchaos_known") == SHORT
+    ends = [json.loads(x) for x in (run_dir / "progress.jsonl").read_text().splitlines() if '"end"' in x]
+    assert {e["nodeid"].split("::")[1]: e["outcome"] for e in ends if e["ev"] == "end"} == \
+        {"test_shorted_leak": "known", "test_clean": "passed"}
+    summ = json.loads((run_dir / "findings.json").read_text())
+    assert [k["id"] for k in summ["known"]] == [SHORT] and summ["known"][0]["accepted"] is True
+
+
+def test_known_finding_not_accepted_is_red(tmp_path):
+    r, _ = inner(tmp_path, "--kvchaos-profile", "gpu", k="shorted")  # the gpu profile accepts nothing
+    assert r.returncode == 1 and "1 failed" in r.stdout, r.stdout[-1500:]
+    assert "not accepted" in r.stdout
+
+
+def test_a_leak_no_finding_explains_is_red_whatever_is_accepted(tmp_path):
+    r, _ = inner(tmp_path, "--kvchaos-accept-known", k="unexplained")
+    assert r.returncode == 1 and "1 failed" in r.stdout, r.stdout[-1500:]
+    assert "isolation: FAIL (required PASS)" in r.stdout
+
+
+def test_an_experiment_never_judged_errors(tmp_path):
+    r, _ = inner(tmp_path, k="never_judged")
+    assert r.returncode == 1 and "never judged" in r.stdout, r.stdout[-1500:]
+
+
+def test_finding_that_did_not_reproduce_is_reported_and_fails_under_strict(tmp_path):
+    reg = tmp_path / "findings.toml"
+    reg.write_text((REPO / "kvchaos" / "findings.toml").read_text().replace(
+        'tests = ["suites/test_transfer_delay.py::test_short_transfer_is_not_served_as_a_clean_reply*"]',
+        'tests = ["*test_known_inner.py::test_clean"]'))
+    r, run_dir = inner(tmp_path, "--kvchaos-findings", str(reg), k="clean")
+    assert r.returncode == 0 and "did not reproduce on sglang 0.5.23" in r.stdout, r.stdout[-1500:]
+    r, _ = inner(tmp_path / "strict", "--kvchaos-findings", str(reg), "--kvchaos-strict", k="clean")
+    assert r.returncode == 1 and "did not reproduce" in r.stdout, r.stdout[-1500:]

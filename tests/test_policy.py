@@ -1,0 +1,230 @@
+"""Verdict integrity: every path by which an observed leak, or a blind run, used to end green — each a
+planted event log through the real oracles and policy, one where it must be red and, where it
+applies, one where it may pass."""
+
+import random
+from pathlib import Path
+
+import pytest
+
+from kvchaos import canary, oracles
+from kvchaos.cluster.spec import ClusterSpec
+from kvchaos.oracles import FAIL, PASS, UNKNOWN, Verdict
+from kvchaos.policy import Context, Policy, PolicyError, Registry, not_reproduced, version_matches
+
+REPO = Path(__file__).resolve().parents[1]
+HEADER = {"ev": "experiment", "engine": {"name": "sglang", "version": "0.5.23"}}
+
+
+def plan(rid, tenant, cs, **kw):
+    return {"ev": "plan", "rid": rid, "tenant": tenant, "canaries": cs, "expect_echo": True, "oversized": False,
+            "kind": "plain", **kw}
+
+
+def reply(rid, text, status=200, outcome=None, complete=True, raw=None, error=None):
+    return [{"ev": "status", "rid": rid, "status": status},
+            {"ev": "body", "rid": rid, "text": text, "error": error, "raw": raw, "complete": complete,
+             "meta": {"finish_reason": {"type": "stop"}}},
+            {"ev": "end", "rid": rid, "outcome": outcome or ("ok" if status == 200 else "http_error"), "latency_s": 0.3}]
+
+
+def echo(cs):
+    return "".join(c[1:-1] + "][" for c in cs)
+
+
+def crowd(n=30, seed=1, prefix="c"):
+    rng = random.Random(seed)
+    ev = []
+    for i in range(n):
+        cs = canary.mint(rng, 2)
+        ev += [plan(f"{prefix}{i}", f"t{i % 4}", cs)] + reply(f"{prefix}{i}", echo(cs))
+    return ev
+
+
+def judge(ev, required=None, **policy):
+    checks = oracles.compose(oracles.Isolation(registry=policy.pop("registry", None)), oracles.Sensitivity(),
+                             oracles.Liveness(bound_s=60))
+    p = Policy(**policy)
+    return p.judge(p.gate(checks.check(ev)), Context.of(ev), required or {})
+
+
+# 1 — a short transfer's leak was an xfail whatever isolation said; now KNOWN only with its signature
+def _short_log(victim_targeted=True):
+    rng = random.Random(2)
+    ev = [HEADER] + crowd()
+    own, foreign = canary.mint(rng, 2), ev[1]["canaries"]
+    ev += [plan("s1", "t5", own)] + reply("s1", foreign[0][1:-1] + "][")  # decoded over c0's pages
+    fired = {"ev": "agent", "agent_ev": "fault_fired", "kind": "short", "rid": "s1" if victim_targeted else "c9"}
+    return ev + [fired]
+
+
+def test_short_transfer_leak_is_known_only_with_its_witness_and_red_unless_accepted():
+    j = judge(_short_log(), {"isolation": PASS})
+    assert j.status == "known" and j.red, "a known finding is red unless accepted"
+    assert j.known[0].finding.id == "sglang-short-transfer-unchecked"
+    j = judge(_short_log(), {"isolation": PASS}, accept_known=True)
+    assert j.status == "known" and not j.red
+    # the victim was not a request the fault shorted: a leak, plain and simple
+    j = judge(_short_log(victim_targeted=False), {"isolation": PASS}, accept_known=True)
+    assert j.status == FAIL and j.red and not j.known
+    # another engine version: the entry does not apply
+    ev = _short_log()
+    ev[0] = {**HEADER, "engine": {"name": "sglang", "version": "0.5.24"}}
+    assert judge(ev, {"isolation": PASS}, accept_known=True).status == FAIL
+
+
+def test_no_test_or_harness_module_xfails_imperatively():
+    hits = [f"{p}:{i}" for d in ("suites", "kvchaos", "faults") for p in (REPO / d).rglob("*.py")
+            for i, line in enumerate(p.read_text().splitlines(), 1) if "pytest.xfail(" in line]
+    assert not hits, f"known findings belong in kvchaos/findings.toml, not in code: {hits}"
+
+
+# 2 — a liveness finding never hides isolation UNKNOWN, kv_lifecycle or differential FAIL
+def test_liveness_finding_never_hides_a_leak_or_a_blind_isolation():
+    hung = [{"rid": "r", "problem": "no answer within 60 s", "outcome": "timeout"}]
+    found = [{"signature": "mooncake_transfer_worker_died", "role": "prefill"}]
+    ctx = Context([HEADER], "sglang", "0.5.23", found)
+    p = Policy(accept_known=True)
+    for other in (Verdict("isolation", UNKNOWN, "blind"), Verdict("kv_lifecycle", FAIL, "late write"),
+                  Verdict("differential", FAIL, "differs")):
+        vs = [other, Verdict("liveness", FAIL, "hung", hung)]
+        if other.oracle != "isolation":
+            vs.append(Verdict("isolation", PASS, "ok"))
+        j = p.judge(vs, ctx, {"liveness": PASS})
+        assert j.red and j.status in (FAIL, UNKNOWN), other
+        # even when the test did not ask for the leak checker: it is held to not-FAIL / not-UNKNOWN
+        assert any(i.verdict is other and i.outcome == "red" for i in j.items)
+
+
+# 3 — canaries from elsewhere in the session, and canaries nobody minted
+def test_canary_of_unknown_origin_fails():
+    ev = crowd() + [plan("x", "t9", canary.mint(random.Random(3), 1))] + reply("x", "QZ7XK2MBNW][")
+    v = oracles.isolation(ev)
+    assert v.status == FAIL and v.witnesses[0]["origin"] == "unknown" and v.witnesses[0]["matched"] == "QZ7XK2MBNW"
+    assert "unknown origin" in v.summary
+
+
+def test_canary_of_another_test_in_the_session_fails():
+    reg = canary.Registry()
+    other = canary.mint(random.Random(4), 1)[0]
+    reg.add(other, "old-7", "t1", "workload seed 7")
+    ev = crowd() + [plan("x", "t2", canary.mint(random.Random(3), 1))] + reply("x", other[1:-1] + "][")
+    v = oracles.Isolation(registry=reg).check(ev)
+    w = v.witnesses[0]
+    assert v.status == FAIL and (w["owner_rid"], w["origin"]) == ("old-7", "session (workload seed 7)")
+    # the same canary in its own request is no leak
+    ev = crowd() + [plan("old-7", "t1", [other])] + reply("old-7", other[1:-1] + "][")
+    assert oracles.Isolation(registry=reg).check(ev).status == PASS
+
+
+def test_workloads_register_their_canaries_in_the_session():
+    from kvchaos.workload import Workload
+
+    p = Workload(31337, n_tenants=2, prefix="reg").request()
+    assert all(c in canary.SESSION for c in p.canaries)
+
+
+# 4 — what a cut, aborted or timed-out client received is scanned
+@pytest.mark.parametrize("outcome", ["cut", "aborted", "timeout", "disconnected"])
+def test_bytes_of_an_unfinished_reply_are_scanned(outcome):
+    ev = crowd()
+    foreign = ev[0]["canaries"][0]
+    raw = 'data: {"text": "' + foreign[1:-1] + '][AB'  # the line the connection was cut in
+    ev += [plan("v", "t7", canary.mint(random.Random(5), 1))] + reply("v", "", outcome=outcome, complete=False, raw=raw)
+    v = oracles.isolation(ev)
+    assert v.status == FAIL, v
+    w = v.witnesses[0]
+    assert (w["victim_rid"], w["owner_rid"], w["complete"], w["outcome"]) == ("v", "c0", False, outcome)
+    assert judge(ev).red
+
+
+# 5 — one echo is not evidence
+def test_one_echo_among_errors_is_unknown_and_red():
+    rng = random.Random(6)
+    ev = crowd(1)
+    for i in range(99):
+        ev += [plan(f"e{i}", "t1", canary.mint(rng, 2))] + reply(f"e{i}", "", status=500, error="boom")
+    j = judge(ev)
+    assert j.status == UNKNOWN and j.red
+
+
+# 6 — a self-test that is not a clean catch makes isolation UNKNOWN (red) unless a blind model is declared
+@pytest.mark.parametrize("st", ["unknown", "missed"])
+def test_selftest_not_caught_makes_isolation_unknown(st):
+    ev = crowd()
+    assert judge(ev).status == PASS
+    j = judge(ev, selftest={"status": st})
+    iso = next(i for i in j.items if i.verdict.oracle == "isolation")
+    assert iso.verdict.status == UNKNOWN and "self-test" in iso.verdict.summary and j.red
+    assert judge(ev, selftest={"status": "caught"}).status == PASS
+    blind = judge(crowd(5), selftest={"status": st}, blind_model=True)
+    assert not blind.red  # declared blind: isolation not claimed (reported UNKNOWN, not red)
+    assert next(i for i in blind.items if i.verdict.oracle == "isolation").verdict.status == UNKNOWN
+
+
+# 7 — the GPU profile serves the probe model unless told otherwise
+def test_gpu_profile_defaults_to_the_probe_model():
+    assert ClusterSpec.load("gpu").model == "probe"
+
+
+# 8 — the detection matrix's defaults
+def test_detection_matrix_defaults_cover_every_class_with_five_trials(monkeypatch):
+    import importlib.util
+
+    monkeypatch.delenv("KVCHAOS_MATRIX_TRIALS", raising=False)
+    spec = importlib.util.spec_from_file_location("dm", REPO / "suites" / "test_detection_matrix.py")
+    dm = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(dm)
+    assert dm.TRIALS >= 5 and dm.CLEAN_TRIALS >= 1
+    assert {"reject_admitted", "early_free", "double_alloc", "short_transfer"} <= set(dm.CLASSES)
+
+
+# 10 — findings are version-scoped data; one that did not reproduce is reported
+def test_registry_is_data_scoped_to_versions():
+    reg = Registry.load()
+    assert reg.findings and all(f.versions and f.matches for f in reg.findings)
+    assert version_matches("0.5.23", ["0.5.23"]) and not version_matches("0.5.22", ["0.5.23"])
+    assert version_matches("0.5.21", [">=0.5.20,<0.5.22"]) and not version_matches("0.5.22", [">=0.5.20,<0.5.22"])
+    assert not version_matches(None, ["0.5.23"])
+
+
+def test_finding_that_did_not_reproduce_is_reported():
+    reg = Registry.load()
+    t = "suites/test_transfer_delay.py::test_short_transfer_is_not_served_as_a_clean_reply"
+    ran = [{"test": t, "engine": "sglang", "version": "0.5.23", "known": []}]
+    (n,) = not_reproduced(reg, ran)
+    assert n["id"] == "sglang-short-transfer-unchecked" and "did not reproduce on sglang 0.5.23" in n["message"]
+    assert not_reproduced(reg, [{**ran[0], "known": ["sglang-short-transfer-unchecked"]}]) == []
+    assert not_reproduced(reg, [{**ran[0], "version": "0.5.19"}]) == []  # not listed for that version
+
+
+@pytest.mark.parametrize("bad,msg", [
+    ({"finding": [{"id": "x", "title": "t", "engine": "sglang", "versions": ["0.5.23"],
+                   "match": [{"checker": "liveness", "signature": {"nope": 1}}]}]}, "unknown signature predicate"),
+    ({"finding": [{"id": "x", "title": "t", "engine": "sglang", "versions": ["0.5.23"],
+                   "match": [{"checker": "liveness", "signature": {}}]}]}, "needs a witness signature"),
+    ({"finding": [{"id": "x", "title": "t", "engine": "sglang", "versions": ["0.5.23"], "colour": 1,
+                   "match": [{"checker": "liveness", "signature": {"witnesses_are_timeouts": True}}]}]}, "unknown key"),
+    ({"finding": [{"id": "x", "title": "t", "engine": "sglang", "versions": ["0.5.23"],
+                   "match": [{"checker": "liveness", "statuses": ["pass"],
+                              "signature": {"witnesses_are_timeouts": True}}]}]}, "only 'fail' and 'unknown'"),
+])
+def test_bad_registry_is_named(bad, msg):
+    with pytest.raises(PolicyError, match=msg):
+        Registry.from_dict(bad)
+
+
+def test_unknown_accepted_finding_id_is_named():
+    with pytest.raises(PolicyError, match="unknown finding id 'nope'"):
+        Policy(accept_known=["nope"])
+
+
+def test_checkers_bind_options_and_compose():
+    c = oracles.compose(oracles.Isolation(), oracles.Liveness(bound_s=5))
+    assert [v.oracle for v in c.check(crowd())] == ["isolation", "liveness"]
+    with pytest.raises(ValueError, match="given twice"):
+        oracles.compose(oracles.Liveness(bound_s=1), oracles.Liveness(bound_s=2))
+    with pytest.raises(TypeError, match="not a checker"):
+        oracles.compose(lambda ev: None)
+    with pytest.raises(ValueError, match="bound_s"):
+        oracles.Liveness(bound_s=0)
