@@ -1,7 +1,10 @@
-"""kvchaos.report on run directories made by the real driver against tests/fake_engine.py (loopback):
-a planted leak must come out as a FAIL naming victim and owner with the leaked text highlighted; a
-clean run must show no leak; the committed incident report must rebuild; bad input gets an error
-naming the file. The HTML is opened in a browser by tests/test_report_html.py."""
+"""kvchaos.report on run directories made by the real driver against tests/fake_engine.py (loopback),
+judged by the real verdict policy and recorded by the real experiment runner's record writer
+(``experiments.jsonl`` + the verdicts file + the event log opening with its header): a leak must come
+out as a FAIL naming victim and owner with the leaked text highlighted; a clean run must show no
+leak; the committed incident reports (an older layout) must rebuild; bad input gets an error naming
+the file. The run's status and the findings sections are tested in tests/test_report_findings.py;
+the HTML is opened in a browser by tests/test_report_html.py."""
 
 import json
 import re
@@ -14,6 +17,8 @@ from pathlib import Path
 import pytest
 
 from kvchaos import canary, oracles
+from kvchaos.experiment import Experiment
+from kvchaos.policy import Policy
 from kvchaos.report import ReportError, build, collect
 from kvchaos.report.html import highlight
 from kvchaos.workload import EventLog, Workload, run_plans
@@ -21,43 +26,90 @@ from tests.fake_engine import FakeEngine
 from tests.util import child_env
 
 REPO = Path(__file__).resolve().parents[1]
+ENGINE = {"name": "sglang", "version": "0.5.23", "roles": {"prefill": "0.5.23", "decode": "0.5.23"}}
+N_REQUESTS = 40  # enough echoing replies for the sensitivity floor: isolation may PASS
 
 
-def make_run(run_dir: Path, leak: bool, test_outcome: str | None = None) -> dict:
-    """A run directory as run_judged leaves it: suites/<name>.events.jsonl + .verdicts.json, with a
-    fault window; with ``leak`` the engine appends another tenant's canary to every reply."""
+def write_experiment(run_dir: Path, name: str, plans, log_fill, verdicts_of, *, test: str | None = None,
+                     planted: str | None = None, required: dict | None = None, policy: Policy | None = None,
+                     path: Path | None = None, engine: dict = ENGINE) -> Experiment:
+    """One experiment as kvchaos.experiment leaves it: the event log opens with the ``experiment``
+    header, ``log_fill(log)`` writes the method's events, ``verdicts_of(records)`` checks them, and the
+    real policy's judgement is recorded (verdicts file + a line in experiments.jsonl)."""
+    ex = Experiment(name, plans, [oracles.Isolation(), oracles.Sensitivity()], cluster=None, run_dir=run_dir,
+                    test_id=test, policy=policy or Policy(), path=path)
+    ex.log = EventLog(ex.path)
+    ex.log.emit("experiment", id=ex.id, name=name, test=test, seed=7, n=len(plans), engine=engine,
+                layout={"spec": {"name": "fake"}}, checkers=["Isolation()", "Sensitivity()"])
+    try:
+        log_fill(ex.log)
+    finally:
+        ex.log.close()
+    ex.verdicts = verdicts_of(ex.log.records)
+    ex.judge(planted=planted, **(required or {}))
+    return ex
+
+
+def make_run(run_dir: Path, leak: bool, test_outcome: str | None = None, *, name: str | None = None,
+             test: str | None = None, n: int = N_REQUESTS, planted: str | None = None, required: dict | None = None,
+             legacy: bool = False, path: Path | None = None, policy: Policy | None = None,
+             window: tuple | None = None) -> dict:
+    """A run directory with one experiment against the fake engine, with a fault window; with ``leak``
+    the engine appends another tenant's canary to every reply. ``legacy``: as older runs left it (no
+    header, a plain verdict list, no experiments.jsonl). ``test_outcome``: a progress.jsonl line for
+    the experiment's test (wall window ``window``, default: around the experiment)."""
     wl = Workload(seed=7, n_tenants=3, prefix="rep-")
-    plans = [wl.request(wl.tenants[i % 3], n_tokens=120 + 10 * i) for i in range(6)]
+    plans = [wl.request(wl.tenants[i % 3], n_tokens=120 + 10 * i) for i in range(n)]
     donor = plans[0]
     leak_text = canary.payload(donor.canaries[0]) + "][" if leak else ""
-    name = "leaky" if leak else "clean"
+    name = name or ("leaky" if leak else "clean")
+    test = test or f"suites/test_x.py::test_{name}"
     t_start = time.time()
-    with FakeEngine("echo", leak_text=leak_text) as eng, EventLog(run_dir / "suites" / f"{name}.events.jsonl") as log:
-        log.emit("fault", action="armed", fault="delay-abc123", kind="delay", role="prefill", injector="agent")
-        run_plans(eng.url, plans, log, concurrency=3, timeout_s=10)
-        log.emit("fault", action="fired", fault="delay-abc123", kind="delay", role="prefill", injector="agent")
-        log.emit("fault", action="healed", fault="delay-abc123", kind="delay", role="prefill", injector="agent")
-    verdicts = [oracles.isolation(log.records), oracles.sensitivity(log.records)]
-    (run_dir / "suites" / f"{name}.verdicts.json").write_text(json.dumps([v.to_dict() for v in verdicts], default=str))
+
+    def fill(log):
+        with FakeEngine("echo", leak_text=leak_text) as eng:
+            log.emit("fault", action="armed", fault="delay-abc123", kind="delay", role="prefill", injector="agent")
+            run_plans(eng.url, plans, log, concurrency=4, timeout_s=10)
+            log.emit("fault", action="fired", fault="delay-abc123", kind="delay", role="prefill", injector="agent")
+            log.emit("fault", action="healed", fault="delay-abc123", kind="delay", role="prefill", injector="agent")
+
+    def check(records):
+        return [oracles.isolation(records), oracles.sensitivity(records)]
+
+    if legacy:
+        with EventLog(run_dir / "suites" / f"{name}.events.jsonl") as log:
+            fill(log)
+        verdicts = check(log.records)
+        (run_dir / "suites" / f"{name}.verdicts.json").write_text(json.dumps([v.to_dict() for v in verdicts],
+                                                                             default=str))
+        ex = None
+    else:
+        ex = write_experiment(run_dir, name, plans, fill, check, test=test, planted=planted, required=required,
+                              policy=policy, path=path)
+        verdicts = ex.verdicts
     if test_outcome:
+        a, b = window or (t_start - 0.5, time.time() + 0.5)
         with open(run_dir / "progress.jsonl", "a") as f:
-            f.write(json.dumps({"ev": "end", "nodeid": f"suites/test_x.py::test_{name}", "outcome": test_outcome,
-                                "wall_start": t_start - 0.5, "wall_end": time.time() + 0.5, "duration": 1}) + "\n")
-    return {"plans": plans, "donor": donor, "verdicts": verdicts, "name": name}
+            f.write(json.dumps({"ev": "end", "nodeid": test, "outcome": test_outcome, "wall_start": a,
+                                "wall_end": b, "duration": 1}) + "\n")
+    return {"plans": plans, "donor": donor, "verdicts": verdicts, "name": name, "test": test, "experiment": ex}
 
 
-def test_planted_leak_is_a_fail_naming_victim_and_owner_with_the_leaked_text_marked(tmp_path):
+def test_leak_is_a_fail_naming_victim_and_owner_with_the_leaked_text_marked(tmp_path):
     run = make_run(tmp_path, leak=True)
     r = build(tmp_path)
-    assert r["overall"] == "fail"
+    assert r["overall"] == "fail" and r["chaos"] == "fail"
     v = json.loads((tmp_path / "verdicts.json").read_text())
     (scn,) = v["scenarios"]
-    assert scn["status"] == "fail" and scn["name"] == "leaky"
+    assert scn["status"] == "fail" and scn["name"] == "leaky" and scn["id"] == run["experiment"].id
+    assert scn["test"] == "suites/test_x.py::test_leaky" and scn["planted"] is None
     iso = next(x for x in scn["verdicts"] if x["oracle"] == "isolation")
+    assert iso["outcome"] == "red"
     victims = {w["victim_rid"] for w in iso["witnesses"]}
     donor = run["donor"]
     assert victims == {p.rid for p in run["plans"] if p is not donor}      # every other request got it
     assert {w["owner_rid"] for w in iso["witnesses"]} == {donor.rid}
+    assert {x["witness"]["victim_rid"] for x in v["leaks"]} == victims     # the run's leak list names them
     for rid, req in scn["requests"].items():                                 # per request: who flagged it
         assert ("isolation" in req["flagged_by"]) == (rid in victims), rid
         assert req["status"] == 200 and req["outcome"] == "ok"
@@ -68,6 +120,36 @@ def test_planted_leak_is_a_fail_naming_victim_and_owner_with_the_leaked_text_mar
     assert len(marks) == len(victims) and all(text == leaked for _, text in marks)
     assert all(donor.rid in title for title, _ in marks)
     assert page.count('<div class="witness leak"') == len(victims)
+    # the leaks come first: before the experiments and the tests
+    assert page.index('id="leaks"') < page.index('class="scenario"')
+    assert 'id="verdict"><span class="badge fail big">FAIL</span>' in page
+
+
+def test_reply_shown_is_the_text_the_checker_scanned(tmp_path):
+    """The page builds each reply with oracles.Run.response_text (text, error, raw bytes), so the
+    witness offsets index it: a leak only in the raw bytes of a cut stream is marked where it is."""
+    wl = Workload(seed=3, n_tenants=2, prefix="cut-")
+    plans = [wl.request(wl.tenants[i % 2], kind="stream", n_tokens=100) for i in range(4)]
+    donor_pay = canary.payload(plans[0].canaries[0])
+
+    def fill(log):
+        with FakeEngine("cut", leak_text=donor_pay + "][" + "x" * 40) as eng:
+            run_plans(eng.url, plans, log, concurrency=2, timeout_s=10)
+
+    write_experiment(tmp_path, "cut", plans, fill, lambda rec: [oracles.isolation(rec)],
+                     test="suites/test_x.py::test_cut")
+    r = build(tmp_path)
+    (s,) = r["model"].scenarios
+    iso = s.verdicts[0]
+    assert iso["status"] == "fail" and iso["witnesses"]
+    run = oracles.Run(s.events)
+    for w in iso["witnesses"]:
+        a, b = w["offsets"]
+        text = s.response_text(w["victim_rid"])
+        assert text == run.response_text(w["victim_rid"]) and text[a:b] == w["matched"]
+    page = r["html"].read_text()
+    cut = [w for w in iso["witnesses"] if w.get("complete") is False]
+    assert cut and "cut (partial reply)" in page
 
 
 def test_clean_run_has_no_leak_and_passes(tmp_path):
@@ -75,33 +157,63 @@ def test_clean_run_has_no_leak_and_passes(tmp_path):
     r = build(tmp_path)
     assert r["overall"] == "pass"
     page = r["html"].read_text()
-    assert 'class="leak"' not in page and "<h3>Leaks</h3>" not in page
+    assert 'class="witness leak"' not in page and "<mark class=\"leak\"" not in page
+    assert '<section id="leaks" data-count="0">' in page and "No leak" in page
     assert "<mark" not in page                      # replies are shown (and marked) only for witnesses
-    assert len(set(re.findall(r'id="(req-rep-[^"]+)"', page))) == 6   # one timeline bar per request
+    assert len(set(re.findall(r'id="(req-rep-[^"]+)"', page))) == N_REQUESTS   # one timeline bar per request
     v = json.loads((tmp_path / "verdicts.json").read_text())
     assert all(not q["flagged_by"] for q in v["scenarios"][0]["requests"].values())
+    assert v["leaks"] == [] and v["known"] == []
 
 
-def test_scenario_is_linked_to_its_test_and_a_required_fail_does_not_redden_the_run(tmp_path):
-    make_run(tmp_path, leak=True, test_outcome="passed")      # a detection test that asserted the FAIL
+def test_a_required_fail_of_an_experiment_not_planted_still_reddens_the_run(tmp_path):
+    """A test may require isolation=FAIL, but unless the bug was planted on purpose that FAIL is a
+    leak of the engine: the run is red and the leak is listed, whatever the test asserted."""
+    make_run(tmp_path, leak=True, test_outcome="passed", required={"isolation": "fail"})
     r = build(tmp_path)
     (s,) = r["model"].scenarios
-    assert s.test == "suites/test_x.py::test_leaky" and s.test_outcome == "passed"
-    assert r["overall"] == "pass" and "detection the test required" in s.context
-    (tmp_path / "progress.jsonl").unlink()
-    make_run(tmp_path, leak=False, test_outcome="failed")
-    assert build(tmp_path)["overall"] == "fail"
+    assert s.status == "pass" and s.run_status == "fail"           # the policy's record vs the run
+    assert r["overall"] == "fail" and len(json.loads(r["verdicts"].read_text())["leaks"]) == N_REQUESTS - 1
 
 
-def test_committed_incident_report_rebuilds_with_the_victims_named(tmp_path):
-    d = tmp_path / "glm53-replay"
-    shutil.copytree(REPO / "reports" / "incidents" / "glm53-replay", d)
+def test_old_layout_without_experiment_records_is_judged_by_its_verdicts(tmp_path):
+    make_run(tmp_path, leak=True, legacy=True, test_outcome="passed")
+    r = build(tmp_path)
+    (s,) = r["model"].scenarios
+    assert s.id is None and s.test is None        # no id to link by: never linked by wall clock
+    assert r["overall"] == "fail" and s.status == "fail"
+    clean = tmp_path / "clean"
+    clean.mkdir()
+    make_run(clean, leak=False, legacy=True)
+    assert build(clean)["overall"] == "pass"
+
+
+@pytest.mark.parametrize("name", ["glm53-replay", "glm53-prefix", "glm53-fixed"])
+def test_committed_incident_dirs_rebuild(tmp_path, name):
+    d = tmp_path / name
+    shutil.copytree(REPO / "reports" / "incidents" / name, d)
     for f in ("report.html", "run-verdicts.json"):
         (d / f).unlink(missing_ok=True)
     before = (d / "verdicts.json").read_text()
     r = build(d)
     assert (d / "verdicts.json").read_text() == before           # the scenario's own verdicts are kept
     assert r["verdicts"].name == "run-verdicts.json" and r["overall"] == "fail"
+    (s,) = r["model"].scenarios
+    v = json.loads(r["verdicts"].read_text())
+    iso = next(x for x in s.verdicts if x["oracle"] == "isolation")
+    page = r["html"].read_text()
+    if iso["status"] == "fail":
+        victims = {w["victim_rid"] for w in iso["witnesses"]}
+        assert page.count('<div class="witness leak"') == len(victims)
+        assert {x["witness"]["victim_rid"] for x in v["leaks"]} == victims
+    else:
+        assert v["leaks"] == [] and 'class="witness leak"' not in page
+
+
+def test_committed_incident_report_rebuilds_with_the_victims_named(tmp_path):
+    d = tmp_path / "glm53-replay"
+    shutil.copytree(REPO / "reports" / "incidents" / "glm53-replay", d)
+    r = build(d)
     (s,) = r["model"].scenarios
     iso = next(v for v in s.verdicts if v["oracle"] == "isolation")
     assert {w["victim_tenant"] for w in iso["witnesses"]} == {"t015"}
@@ -137,6 +249,13 @@ def test_bad_input_names_the_problem(tmp_path):
     (tmp_path / "suites" / "x.verdicts.json").write_text('[{"no": "oracle"}]')
     with pytest.raises(ReportError, match="expected a list of verdicts"):
         collect(tmp_path)
+    (tmp_path / "experiments.jsonl").write_text(json.dumps({"id": "e1", "verdicts_file": "suites/gone.verdicts.json",
+                                                            "events": "suites/gone.events.jsonl"}) + "\n")
+    with pytest.raises(ReportError, match=r"e1 names suites/gone\.verdicts\.json"):
+        collect(tmp_path)
+    (tmp_path / "experiments.jsonl").write_text("{half\n")
+    with pytest.raises(ReportError, match=r"experiments\.jsonl:1: not JSON"):
+        collect(tmp_path)
 
 
 def test_every_pytest_session_leaves_junit_progress_and_report(tmp_path):
@@ -156,10 +275,14 @@ def test_every_pytest_session_leaves_junit_progress_and_report(tmp_path):
     assert {"junit.xml", "progress.jsonl", "report.html", "verdicts.json"} <= {x.name for x in d.iterdir()}
     assert "kvchaos report: " in p.stdout and "(FAIL)" in p.stdout
     v = json.loads((d / "verdicts.json").read_text())
-    assert v["overall"] == "fail"
+    assert v["overall"] == "fail" and v["chaos"] == "none"      # a failed test; no experiment ran
     assert v["tests"]["counts"] == {"passed": 1, "xfailed": 1, "failed": 1}
+    assert v["tests"]["harness"] == v["tests"]["counts"] and v["tests"]["chaos"] == {}
     bad = next(c for c in v["tests"]["cases"] if c["outcome"] == "failed")
     assert bad["nodeid"].endswith("::test_bad") and "assert 1 == 2" in bad["message"]
+    page = (d / "report.html").read_text()
+    assert 'id="tests"' not in page and "harness tests:</b> 1 passed, 1 failed, 1 xfailed" in page
+    assert "test_inner.py::test_bad" in page.split('id="harness-failures"')[1]
 
 
 def test_process_faults_without_ids_become_one_window_per_kill_and_restart():
@@ -173,6 +296,9 @@ def test_process_faults_without_ids_become_one_window_per_kill_and_restart():
           {"ev": "fault", "action": "healed", "fault": "delay-1", "kind": "delay", "role": "prefill", "wall": 60.0}]
     w = sorted(((x.kind, x.start, x.end) for x in fault_windows(ev)), key=lambda t: t[1])
     assert w == [("sigkill", 10.0, 40.0), ("delay", 50.0, 60.0), ("sigstop", 100.0, 104.0)]
+    # fault records copied into an experiment's log keep their own time in "at"
+    copied = [{**e, "at": e["wall"], "wall": 999.0} for e in ev]
+    assert sorted(((x.kind, x.start, x.end) for x in fault_windows(copied)), key=lambda t: t[1]) == w
 
 
 def test_engine_failures_of_the_run_are_shown(tmp_path):
