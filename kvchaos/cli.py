@@ -6,6 +6,8 @@
   kvchaos audit  --prefill URL --decode URL [--router URL] [--json] [--strict]
                                                         the incident's operator checklist on a deployment
   kvchaos report DIR                                    (re)build verdicts.json + report.html of a run dir
+  kvchaos judge  LOG [LOG ...] [--bound-s S] [--accept-known] [--checkers A,B] [--json]
+                                                        judge event logs on disk with the default checkers
 
 Configuration: ``--config FILE`` (a TOML file with a ``[kvchaos]`` or ``[tool.kvchaos]`` table, or the
 keys at top level); without it ``[tool.kvchaos]`` of ./pyproject.toml. Flags override the file. Every
@@ -13,7 +15,18 @@ key has a flag: profile model reports suites markers k attach backends verbose p
 strict timeout. An unknown key is an error naming it.
 
 Exit status: ``run``/``repro`` pytest's; ``audit`` 0 no FAIL, 1 FAIL (``--strict``: or UNKNOWN);
-``report`` 0 pass, 1 fail, 3 unknown; 2 for bad input everywhere.
+``report`` 0 pass or accepted KNOWN only, 1 fail, 3 unknown or no chaos verdict; ``judge`` 0 every log PASS (or KNOWN accepted), 1 any log FAIL,
+3 otherwise (UNKNOWN, or KNOWN not accepted); 2 for bad input everywhere.
+
+``judge``: each log is judged on its own by the policy (leak checkers held to not-FAIL, isolation to
+not-UNKNOWN, the rest informational; ``--checkers`` names the ones to run and each must then PASS), but
+the canaries minted in any of the given logs are known to all of them: another log's canary in a reply
+is a leak with origin ``session (<file>)``, a well-formed canary minted in none is of unknown origin.
+Known findings apply only when the log's ``experiment`` header names the engine version. A log that
+cannot be read, a line that is not a JSON object (``file:line``), a record without ``ev``, a plan
+without a rid or with a malformed canary, a rid planned twice, or a log without plans is bad input
+(exit 2, nothing judged). A truncated LAST line (a crash mid-write) is a warning on stderr and the
+rest of the log is judged: it is at most one lost record.
 """
 
 from __future__ import annotations
@@ -31,7 +44,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 CONFIG_KEYS = {"profile": str, "model": str, "reports": str, "suites": list, "markers": str, "k": str, "attach": str,
                "backends": str, "verbose": bool, "prefill": str, "decode": str, "router": str, "strict": bool,
-               "timeout": (int, float)}
+               "timeout": (int, float), "accept_known": bool, "blind_model": bool}
 
 
 class UsageError(SystemExit):
@@ -69,11 +82,12 @@ def load_config(path: str | None) -> dict:
 
 # --------------------------------------------------------------------------- up
 def cmd_up(args) -> int:
+    from faults import open_network_proxy
     from kvchaos.cluster import Cluster, ClusterSpec
 
     spec = ClusterSpec.load(args.profile, model=args.model)
     run_dir = Path(args.reports) / ("up-" + time.strftime("%Y%m%d-%H%M%S"))
-    c = Cluster(spec, run_dir)
+    c = Cluster(spec, run_dir, proxy_factory=open_network_proxy)
     print(f"kvchaos: starting {spec.name} cluster (logs in {run_dir}/logs) ...", flush=True)
     stop = {"now": False}
 
@@ -113,6 +127,10 @@ def _pytest_cmd(args, run_dir: Path, suites: list[str]) -> list[str]:
                      ("--kvchaos-backends", args.backends), ("-k", args.k)):
         if val:
             cmd += [opt, val]
+    for flag, on in (("--kvchaos-accept-known", args.accept_known), ("--kvchaos-strict", args.strict),
+                     ("--kvchaos-blind-model", args.blind_model)):
+        if on:
+            cmd.append(flag)
     return cmd
 
 
@@ -183,6 +201,8 @@ def _run_pytest(cmd, env, run_dir: Path, verbose: bool) -> int:
                 for e in w.poll():
                     if e["ev"] == "end" and e["outcome"] in ("failed", "error"):
                         bar.console.print(f"[red]{e['outcome'].upper()}[/] {e['nodeid']}")
+                    elif e["ev"] == "end" and e["outcome"] == "known":  # an accepted known engine finding
+                        bar.console.print(f"[yellow]KNOWN[/] {e['nodeid']} — {str(e.get('message'))[6:126]}")
                     elif e["ev"] == "end" and e["outcome"] == "xfailed":
                         bar.console.print(f"[yellow]XFAIL[/] {e['nodeid']} — {str(e.get('message'))[:120]}")
                 counts = " ".join(f"{k} {v}" for k, v in sorted(w.counts.items()))
@@ -338,8 +358,218 @@ def cmd_report(args) -> int:
     m = r["model"]
     for s in m.scenarios:
         print(f"  {s.status.upper():8s} {s.name}" + (f"  [{s.context}]" if s.context else ""))
-    print(f"kvchaos report: {r['html']} and {r['verdicts']}: {r['overall'].upper()}")
-    return {"pass": 0, "fail": 1}.get(r["overall"], 3)
+    for line in r["lines"]:
+        print(line)
+    print(f"kvchaos report: {r['html']} and {r['verdicts']}: {r['label']}")
+    # accepted known findings only: not red (KNOWN, never PASS); no chaos verdict at all: 3
+    return {"pass": 0, "known": 0, "fail": 1}.get(r["overall"], 3)
+
+
+# --------------------------------------------------------------------------- judge
+JUDGE_WITNESSES = 3  # witnesses printed per verdict (--json has them all)
+
+
+def _load_log(path: str) -> tuple[list[dict], list[str]]:
+    """The records of one event log, checked; (events, warnings). Bad input raises UsageError."""
+    p = Path(path)
+    if not p.exists():
+        raise UsageError(f"judge: {path}: no such file")
+    if p.is_dir():
+        raise UsageError(f"judge: {path}: is a directory, not an event log")
+    try:
+        text = p.read_bytes().decode("utf-8")
+    except OSError as e:
+        raise UsageError(f"judge: {path}: cannot read: {e.strerror or e}")
+    except UnicodeDecodeError as e:
+        raise UsageError(f"judge: {path}: not a UTF-8 text file (byte {e.start}): not an event log")
+    lines = text.splitlines()
+    last = max((i for i, x in enumerate(lines) if x.strip()), default=-1)
+    events, warnings, planned = [], [], {}
+    for i, line in enumerate(lines):
+        if not line.strip():
+            continue
+        where = f"{path}:{i + 1}"
+        try:
+            e = json.loads(line)
+        except json.JSONDecodeError as err:
+            if i == last:  # a crash mid-write loses at most this line (EventLog writes whole lines)
+                warnings.append(f"{where}: truncated last line ignored ({err.msg}): a crash mid-write? "
+                                "the rest of the log is judged")
+                continue
+            raise UsageError(f"judge: {where}: not JSON: {err.msg} (column {err.colno})")
+        if not isinstance(e, dict):
+            raise UsageError(f"judge: {where}: not a JSON object but {type(e).__name__}: not an event record")
+        if not isinstance(e.get("ev"), str) or not e["ev"]:
+            raise UsageError(f"judge: {where}: record without \"ev\" (every event record names its type)")
+        _check_record(e, where, planned)
+        events.append(e)
+    if not events:
+        raise UsageError(f"judge: {path}: empty log: no event records")
+    if not planned:
+        raise UsageError(f"judge: {path}: no requests to judge (no \"plan\" events among {len(events)} records)")
+    if not any(e["ev"] == "experiment" for e in events):
+        warnings.append(f"{path}: no \"experiment\" header: engine version unknown, known findings not applied")
+    return events, warnings
+
+
+def _check_record(e: dict, where: str, planned: dict) -> None:
+    """The fields the oracles read, with the types they need (a clear message, never a traceback)."""
+    from kvchaos import canary
+
+    ev = e["ev"]
+    if ev == "plan":
+        rid = e.get("rid")
+        if not isinstance(rid, str) or not rid:
+            raise UsageError(f"judge: {where}: plan without a rid" + ("" if rid is None else f" (rid = {rid!r})"))
+        if rid in planned:
+            raise UsageError(f"judge: {where}: rid {rid!r} planned twice (first at line {planned[rid]})")
+        planned[rid] = where.rsplit(":", 1)[1]
+        cs = e.get("canaries")
+        well_formed = isinstance(cs, list) and all(isinstance(c, str) and canary.is_canary(c) for c in cs)
+        if cs is not None and not well_formed:
+            raise UsageError(f"judge: {where}: plan {rid}: canaries must be a list of canaries "
+                             f"([ + 10 of {canary.ALPHABET} + ]), got {cs!r}"[:300])
+    elif ev == "body":
+        for k in ("text", "error", "raw"):
+            if e.get(k) is not None and not isinstance(e[k], str):
+                raise UsageError(f"judge: {where}: body of {e.get('rid')}: {k!r} must be a string, "
+                                 f"got {type(e[k]).__name__}")
+    elif ev == "status":
+        st = e.get("status")
+        if st is not None and (not isinstance(st, int) or isinstance(st, bool)):
+            raise UsageError(f"judge: {where}: status of {e.get('rid')}: not an HTTP status: {st!r}")
+    elif ev == "end":
+        lat = e.get("latency_s")
+        if lat is not None and (not isinstance(lat, (int, float)) or isinstance(lat, bool)):
+            raise UsageError(f"judge: {where}: end of {e.get('rid')}: latency_s must be a number, got {lat!r}")
+
+
+def _witness_line(w: dict) -> str:
+    if "victim_rid" in w:
+        s = f"victim {w['victim_rid']} ({w.get('victim_tenant')}) holds {w.get('matched')!r} ({w.get('match')})"
+        if w.get("owner_rid"):
+            s += f" of owner {w['owner_rid']} ({w.get('owner_tenant')}), origin {w.get('origin')}"
+        else:
+            s += ": canary of unknown origin (minted in none of the judged logs)"
+        s += f"; HTTP {w.get('status')}, {w.get('outcome')}"
+        s += "" if w.get("complete", True) else ", stream incomplete"
+        return s
+    keep = ("rid", "tenant", "problem", "outcome", "status", "latency_s", "missing", "room", "pages",
+            "after_release_ms", "kv_used_before", "kv_used_after", "error")
+    s = ", ".join(f"{k}={w[k]}" for k in keep if w.get(k) is not None)
+    return (s or json.dumps(w, default=str))[:240]
+
+
+def _judge_checkers(names: list[str] | None, bound_s: float, registry):
+    from kvchaos import oracles
+
+    checks = [oracles.Isolation(registry=registry) if c.name == "isolation" else c
+              for c in oracles.default_checkers(bound_s=bound_s).checkers]
+    if names is None:
+        return oracles.compose(*checks)
+    by = {c.name: c for c in checks}
+    return oracles.compose(*(by[n] for n in names))
+
+
+def _parse_checkers(spec: str | None) -> list[str] | None:
+    from kvchaos import oracles
+
+    if spec is None:
+        return None
+    allowed = [c.name for c in oracles.default_checkers().checkers]
+    names = [x.strip() for x in spec.split(",") if x.strip()]
+    if not names:
+        raise UsageError(f"judge: --checkers: name at least one of {', '.join(allowed)}")
+    bad = [n for n in names if n not in allowed]
+    if bad:
+        raise UsageError(f"judge: --checkers: unknown checker(s) {', '.join(bad)}; allowed: {', '.join(allowed)}")
+    dup = sorted({n for n in names if names.count(n) > 1})
+    if dup:
+        raise UsageError(f"judge: --checkers: {', '.join(dup)} given twice")
+    return names
+
+
+def cmd_judge(args) -> int:
+    from kvchaos import oracles
+    from kvchaos.policy import KNOWN, Context, Policy, PolicyError
+
+    if not args.bound_s > 0:
+        raise UsageError(f"judge: --bound-s must be > 0, got {args.bound_s}")
+    names = _parse_checkers(args.checkers)
+    seen = {}
+    for path in args.logs:
+        key = os.path.realpath(path)
+        if key in seen:
+            raise UsageError(f"judge: {path}: given twice (as {seen[key]})")
+        seen[key] = path
+    logs, warnings = {}, {}
+    for path in args.logs:  # every log is read and checked before any is judged
+        logs[path], warnings[path] = _load_log(path)
+    # every canary minted in any given log: a canary of another log in a reply is a leak naming that log
+    from kvchaos import canary
+
+    reg = canary.Registry()
+    for path, evs in logs.items():
+        reg.add_plans({e["rid"]: e for e in evs if e["ev"] == "plan"}, path)
+    try:
+        policy = Policy(accept_known=bool(args.accept_known))
+    except PolicyError as e:
+        raise UsageError(f"judge: {e}")
+
+    results = []
+    for path, events in logs.items():
+        run = oracles.Run(events)
+        for w in warnings[path]:
+            print(f"kvchaos: warning: {w}", file=sys.stderr)
+        required = {n: oracles.PASS for n in names} if names else {}
+        try:
+            verdicts = _judge_checkers(names, args.bound_s, reg).check(events)
+            engine_errors = [e for e in events if e["ev"] == "engine_error"]
+            j = policy.judge(verdicts, Context.of(events, engine_errors), required=required)
+        except Exception as e:  # noqa: BLE001 - a record the checks above let through: bad input, no traceback
+            raise UsageError(f"judge: {path}: cannot judge this log: {type(e).__name__}: {e}")
+        results.append((path, events, j, len(run.plans)))
+
+    def code(j) -> int:
+        return 1 if j.status == oracles.FAIL else (3 if j.red else 0)
+
+    rc = max((code(j) for _p, _e, j, _n in results), key=lambda c: (c == 1, c == 3))
+    if args.json:
+        out = {"logs": [], "exit_code": rc,
+               "status": {0: "pass", 1: "fail", 3: "unknown"}[rc], "accept_known": bool(args.accept_known),
+               "checkers": names or [c.name for c in oracles.default_checkers().checkers], "bound_s": args.bound_s}
+        for path, events, j, n in results:
+            out["logs"].append({"file": path, "engine": j.ctx.engine, "version": j.ctx.version, "requests": n,
+                                "status": j.status, "red": bool(j.red), "exit_code": code(j),
+                                "warnings": warnings[path], **{k: v for k, v in j.to_dict().items() if k != "status"}})
+        print(json.dumps(out, indent=2, default=str))
+        return rc
+    for path, events, j, n in results:
+        eng = f"{j.ctx.engine} {j.ctx.version}" if j.ctx.version else f"{j.ctx.engine}, version unknown"
+        print(f"== {path} ({n} requests; {eng})")
+        for i in j.items:
+            v = i.verdict
+            print(f"  {v}")
+            if i.finding:
+                print(f"    KNOWN {i.finding.id}: {i.finding.title} "
+                      f"({'accepted' if i.accepted else 'not accepted: --accept-known'})")
+            elif i.outcome == "ok" and v.status != oracles.PASS:
+                print("    (informational: does not decide this log's status)")
+            for w in v.witnesses[:JUDGE_WITNESSES]:
+                print(f"    witness: {_witness_line(w)}")
+            if len(v.witnesses) > JUDGE_WITNESSES:
+                print(f"    ... and {len(v.witnesses) - JUDGE_WITNESSES} more (--json has every witness)")
+        st = j.status.upper()
+        if j.status == KNOWN:
+            st += " " + ", ".join(f"{i.finding.id} ({'accepted' if i.accepted else 'not accepted: --accept-known'})"
+                                  for i in j.known)
+        print(f"  status: {st}")
+    counts = {}
+    for _p, _e, j, _n in results:
+        counts[j.status] = counts.get(j.status, 0) + 1
+    print(f"kvchaos judge: {len(results)} log{'s' if len(results) != 1 else ''}: "
+          + ", ".join(f"{k} {n}" for k, n in sorted(counts.items())) + f" (exit {rc})")
+    return rc
 
 
 # --------------------------------------------------------------------------- parser
@@ -357,6 +587,13 @@ def build_parser(cfg: dict) -> argparse.ArgumentParser:
         sp.add_argument("--backends", default=cfg.get("backends"), help="KV transfer backends, e.g. mooncake_tcp,nixl")
         sp.add_argument("--verbose", action=argparse.BooleanOptionalAction, default=cfg.get("verbose", False),
                         help="stream pytest's output instead of the progress bar")
+        sp.add_argument("--accept-known", action="store_true", default=cfg.get("accept_known", False),
+                        help="known engine findings (kvchaos/findings.toml) matched for the running version are "
+                             "KNOWN, not red [the profile's [policy] accept_known]")
+        sp.add_argument("--strict", action="store_true", default=cfg.get("strict", False),
+                        help="fail when a listed finding did not reproduce on a version it lists")
+        sp.add_argument("--blind-model", action="store_true", default=cfg.get("blind_model", False),
+                        help="declare a model that cannot echo canaries: isolation is not claimed (not red)")
 
     _add = sub.add_parser
 
@@ -396,6 +633,22 @@ def build_parser(cfg: dict) -> argparse.ArgumentParser:
     rep = sub.add_parser("report", help="(re)build verdicts.json and report.html of a run directory")
     rep.add_argument("dir", help="a run directory, e.g. reports/20261201-101500-1234 or reports/incidents/glm53-replay")
     rep.set_defaults(fn=cmd_report)
+    ju = sub.add_parser("judge", help="judge event logs on disk with the default checkers and print the verdicts",
+                        description="Judge each event log (JSONL) on its own with the default checkers; the "
+                                    "canaries minted in any of the logs are known to all of them. Exit 0 every log "
+                                    "PASS (or KNOWN accepted), 1 any FAIL, 3 UNKNOWN or KNOWN not accepted, 2 bad "
+                                    "input. A truncated last line is a warning; the rest of that log is judged.")
+    ju.add_argument("logs", nargs="+", metavar="LOG", help="event log(s), e.g. reports/<run-id>/events/<test>.jsonl")
+    ju.add_argument("--bound-s", type=float, default=60.0, metavar="SECONDS",
+                    help="liveness bound: a request must end within it (default 60)")
+    ju.add_argument("--accept-known", action="store_true",
+                    help="accept known findings (kvchaos/findings.toml) for the engine version the log's header names")
+    ju.add_argument("--checkers", metavar="A,B",
+                    help="judge only these checkers, each required to PASS (default: all of isolation, sensitivity, "
+                         "http_semantics, liveness, kv_lifecycle; leak checkers held to not-FAIL, isolation to "
+                         "not-UNKNOWN, the rest informational)")
+    ju.add_argument("--json", action="store_true", help="print per log the verdicts and the policy status as JSON")
+    ju.set_defaults(fn=cmd_judge)
     return p
 
 
