@@ -249,11 +249,15 @@ def _print_summary(run_dir: Path) -> None:
         err = run_dir / "report-error.txt"
         console.print(f"kvchaos: no report for {run_dir}" + (f": {err.read_text()}" if err.exists() else ""))
         return
+    from kvchaos.report import summary_lines
+
     v = json.loads(vfile.read_text())
+    for line in summary_lines(v):  # the verdict and the findings first, as the report leads with them
+        console.print(line, markup=False, highlight=False)
     t = Table(title=f"run {v['run_id']}: {v['overall'].upper()}")
     for col in ("scenario", "status", "test", "oracles"):
         t.add_column(col)
-    style = {"pass": "green", "fail": "red", "unknown": "yellow"}
+    style = {"pass": "green", "fail": "red", "unknown": "yellow", "known": "yellow"}
     for s in v["scenarios"]:
         ors = " ".join(f"{x['oracle']}={x['status']}" for x in s["verdicts"])
         t.add_row(s["name"], f"[{style.get(s['status'], '')}]{s['status']}[/]",

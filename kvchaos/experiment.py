@@ -205,8 +205,8 @@ class Experiment:
         self.verdicts_path.write_text(json.dumps([i.to_dict() for i in j.items], indent=2, default=str))
         ctx = j.ctx
         rec = {"id": self.id, "name": self.name, "test": self.test_id, "engine": ctx.engine, "version": ctx.version,
-               "status": j.status, "planted": j.planted, "known": [i.finding.id for i in j.known],
-               "accepted": [i.finding.id for i in j.known if i.accepted],
+               "status": j.status, "planted": j.planted, "known": sorted({i.finding.id for i in j.known}),
+               "accepted": sorted({i.finding.id for i in j.known if i.accepted}),
                "verdicts": {i.verdict.oracle: i.verdict.status for i in j.items},
                "required": {i.verdict.oracle: i.wanted for i in j.items if i.wanted},
                "events": _rel(self.path, self.run_dir), "verdicts_file": _rel(self.verdicts_path, self.run_dir),
@@ -226,7 +226,9 @@ class Experiment:
         (transfers, writes, releases, faults fired) join the experiment's log."""
         for e in self.faults.log.records:
             if e.get("ev") == "fault" and e["wall"] >= self.t_start:
-                self.log.emit("fault", **{k: v for k, v in e.items() if k not in ("t", "wall", "ev")}, at=e["wall"])
+                # "at": when it happened (the injector's own time if it gives one, else when it logged it)
+                self.log.emit("fault", **{**{k: v for k, v in e.items() if k not in ("t", "wall", "ev")},
+                                          "at": e.get("at", e["wall"])})
         self.faults.copy_agent_events(self.log, since=self.t_start)
 
 

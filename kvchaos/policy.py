@@ -101,10 +101,23 @@ def _tagged(ctx: Context, tag: str) -> set:
     return {rid for rid, p in ctx.plans().items() if (p.get("extra") or {}).get("probe") == tag}
 
 
-def _sig_hung_are_tagged(v, ctx, tag):
-    tagged = _tagged(ctx, tag)
-    bad = [w["rid"] for w in _rid_witnesses(v) if w["rid"] not in tagged]
-    return bool(tagged) and not bad, f"hung requests not tagged {tag!r}: {bad[:5]}"
+def _culprits(ctx: Context, what: str) -> set:
+    """``what``: a plan tag, or "oversized" for the oversized requests."""
+    if what == "oversized":
+        return {rid for rid, p in ctx.plans().items() if p.get("oversized")}
+    return _tagged(ctx, what)
+
+
+def _sig_hung_behind(v, ctx, what):
+    """Every hung request is one of the culprits or was sent after the first of them (queued behind
+    a request that hangs the engine) — never one that was in flight before the culprits came."""
+    culprits = _culprits(ctx, what)
+    sends = {e["rid"]: e["wall"] for e in ctx.events if e.get("ev") == "send" and e.get("rid")}
+    first = min((sends[r] for r in culprits if r in sends), default=None)
+    bad = [w["rid"] for w in _rid_witnesses(v)
+           if w["rid"] not in culprits and (first is None or sends.get(w["rid"], 0) < first)]
+    return bool(culprits) and first is not None and not bad, \
+        f"hung requests neither {what!r} nor sent after the first of them: {bad[:5]}"
 
 
 def _sig_all_tagged_hung(v, ctx, tag):
@@ -143,7 +156,7 @@ SIGNATURES = {
     "victims_targeted_by_fault": _sig_victims_targeted_by_fault,
     "owners_minted": _sig_owners_minted,
     "witnesses_are_timeouts": _sig_witnesses_are_timeouts,
-    "hung_are_tagged": _sig_hung_are_tagged,
+    "hung_behind": _sig_hung_behind,
     "all_tagged_hung": _sig_all_tagged_hung,
     "oversized_all_hung": _sig_oversized_all_hung,
     "fault_armed": _sig_fault_armed,

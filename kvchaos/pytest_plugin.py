@@ -251,7 +251,7 @@ def findings_summary(run_dir: Path, registry, strict: bool) -> dict:
                 recs[r["id"]] = r  # the last judgement of each experiment stands
     known = []
     for r in recs.values():
-        for fid in r.get("known") or []:
+        for fid in sorted(set(r.get("known") or [])):
             f = registry.get(fid)
             vf = run_dir / r["verdicts_file"]
             items = json.loads(vf.read_text()) if vf.exists() else []

@@ -14,11 +14,15 @@ detection rate, time to first detection and the per-trial results are printed an
 class            scenario (suite)                   oracle         witness / clean arm
 =============== ================================== ============== ==================================
 reject_admitted  oversized prompts among 8 tenants  isolation      the oversized request got another
-(GLM-5.3 class)  (test_oversized_prompt, glm53)                    request's canary, HTTP 200 — the
-                                                                   FIRST oversized request in every
-                                                                   trial (canaries of the whole
-                                                                   session count, so stale pages of
-                                                                   earlier tests are seen too). Clean:
+(GLM-5.3 class)  (test_oversized_prompt, glm53)                    request's canary, HTTP 200. The
+                                                                   FIRST oversized request is caught in
+                                                                   every trial — answered 200 from pages
+                                                                   it never had (http_semantics names
+                                                                   it); whether its reply also shows
+                                                                   foreign canaries depends on what its
+                                                                   stale pages held (CI: 4 of 5 trials;
+                                                                   once they held none and the reply was
+                                                                   "["), so that is a measured rate. Clean:
                                                                    prompts over the engine's own input
                                                                    limit take the same reject path
                                                                    (``is_unadmitted_reject``) and
@@ -94,13 +98,17 @@ def scenario_oversized(experiment, faults, cluster, trial, mutate):
         if mutate:
             faults.agent.arm("prefill", "reject_admitted", target={"tenant": victim.name},
                              params={"prefill_max_input_len": PREFILL_LIMIT}, count=len(big))
-    iso = ex.by["isolation"]
+    iso, http = ex.by["isolation"], ex.by["http_semantics"]
     vrids = {p.rid for p in big}
     wit = iso.witnesses
     ok_witness = bool(wit) and all(w["victim_rid"] in vrids and w["owner_rid"] not in vrids and w["status"] == 200
                                    for w in wit)
+    served = {w["rid"] for w in http.witnesses if w.get("status") == 200}
     return {"detected": iso.status == FAIL, "oracle": "isolation", "witness_ok": ok_witness,
-            "first_request_caught": big[0].rid in {w["victim_rid"] for w in wit},
+            # the bug on the first oversized request: answered 200 from pages it never had (http_semantics
+            # names it); whether its reply also SHOWS foreign data depends on what the stale pages held
+            "first_request_caught": big[0].rid in served | {w["victim_rid"] for w in wit},
+            "first_request_leak_shown": big[0].rid in {w["victim_rid"] for w in wit},
             "time_to_detection_s": _first_end(ex, {w["victim_rid"] for w in wit}),
             "rejected_4xx": sum(400 <= (ex.run.statuses.get(p.rid) or 0) < 500 for p in big),
             "judgement": _judge(ex, "reject_admitted", mutate, "isolation").status,
@@ -237,6 +245,7 @@ def _write(run_dir):
                "per_trial": [t["detected"] for t in trials], "judgements": [t["judgement"] for t in trials]}
         if cls == "reject_admitted" and arm == "mutated":
             row["first_request_caught"] = sum(bool(t["first_request_caught"]) for t in trials)
+            row["first_request_leak_shown"] = sum(bool(t["first_request_leak_shown"]) for t in trials)
         rows.append(row)
     (run_dir / "detection_matrix.json").write_text(json.dumps(rows, indent=2, default=str))
     print("\nclass            arm      detected  rate   witness  first detection")
@@ -254,6 +263,10 @@ def test_mutation_is_detected(request, experiment, faults, cluster, kvchaos_run_
         assert t["witness_ok"], f"{cls}: detected, but the witness does not name the bug's victim: {t['witness']}"
         if cls == "reject_admitted":  # the GLM-5.3 class: caught on the first oversized request
             assert t["first_request_caught"], f"first oversized request not caught: {t}"
+    if cls == "reject_admitted":
+        rate = sum(t["first_request_leak_shown"] for t in trials) / len(trials)
+        faults.log.emit("observed", first_request_leak_shown_rate=rate)
+        print(f"reject_admitted: the first oversized reply showed foreign canaries in {rate:.0%} of trials")
 
 
 @pytest.mark.parametrize("cls", list(CLASSES))

@@ -104,6 +104,18 @@ def test_canary_of_unknown_origin_fails():
     assert "unknown origin" in v.summary
 
 
+def test_a_mixed_recital_is_attributed_to_the_canary_it_copies_not_to_an_unknown_origin():
+    """CI: decode attending over another request's pages recited the victim's first character and
+    then the owner's payload ('J24YGBC6PV' for '[F24YGBC6PV]'): a partial hit of a minted canary."""
+    ev = crowd()
+    owner = ev[0]["canaries"][0]
+    mixed = "J" + owner[2:-1]
+    ev += [plan("v", "t7", canary.mint(random.Random(8), 1))] + reply("v", mixed + "][")
+    v = oracles.isolation(ev)
+    assert v.status == FAIL and {w["origin"] for w in v.witnesses} == {"this log"}, v.witnesses
+    assert v.witnesses[0]["owner_rid"] == "c0" and v.witnesses[0]["match"] == "partial"
+
+
 def test_canary_of_another_test_in_the_session_fails():
     reg = canary.Registry()
     other = canary.mint(random.Random(4), 1)[0]
@@ -228,3 +240,27 @@ def test_checkers_bind_options_and_compose():
         oracles.compose(lambda ev: None)
     with pytest.raises(ValueError, match="bound_s"):
         oracles.Liveness(bound_s=0)
+
+
+def _band_log(early_victim: bool):
+    """Two band prompts hang decode; a request queued behind them times out too (and, planted, one
+    that was in flight before them)."""
+    ev = [HEADER] + crowd()
+    hung = []
+    for i, rid in enumerate(["b1", "b2", "q1"] + (["early"] if early_victim else [])):
+        tag = {"probe": "hang_band"} if rid.startswith("b") else {}
+        ev.append(plan(rid, "t8", canary.mint(random.Random(20 + i), 2), extra=tag))
+        wall = {"early": 5.0, "b1": 10.0, "b2": 11.0, "q1": 12.0}[rid]
+        ev += [{"ev": "send", "rid": rid, "wall": wall}, {"ev": "end", "rid": rid, "outcome": "timeout", "latency_s": 30}]
+        hung.append({"rid": rid, "problem": "no answer within 30 s", "outcome": "timeout"})
+    return ev, Verdict("liveness", FAIL, "hung", hung)
+
+
+def test_hang_band_is_known_only_when_every_hung_request_is_a_band_prompt_or_queued_behind_one():
+    for early, want in ((False, "known"), (True, FAIL)):
+        ev, live = _band_log(early)
+        j = Policy(accept_known=True).judge([Verdict("isolation", PASS, "ok"), live], Context.of(ev),
+                                            {"liveness": PASS})
+        assert j.status == want, (early, j.message())
+        if want == "known":
+            assert j.known[0].finding.id == "sglang-pd-hang-band"

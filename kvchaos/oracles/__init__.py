@@ -149,11 +149,12 @@ def isolation(events: list[dict], partial_len: int = 8, echo_rate: float = ECHO_
                                   "canary": c, "matched": key, "match": kind, "offsets": [s, e],
                                   "same_tenant": owner_tenant == victim.get("tenant"),
                                   "excerpt": text[max(0, s - 40):e + 40]})
-        # a well-formed canary that nobody in this session minted: foreign by definition
-        known = {k for _s, _e, k, _o in hits}
+        # a well-formed canary that nobody in this session minted: foreign by definition (one that
+        # overlaps a hit is a recital of a minted canary, already judged above)
+        spans = [(s, e) for s, e, _k, _o in hits]
         for m in RECITED.finditer(text):
             pay = m.group(1)
-            if pay in known or (rid, None, pay, "unknown") in seen:
+            if any(a < m.end(1) and m.start(1) < b for a, b in spans) or (rid, None, pay, "unknown") in seen:
                 continue
             seen.add((rid, None, pay, "unknown"))
             s, e = m.start(1), m.end(1)

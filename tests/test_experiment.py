@@ -1,0 +1,103 @@
+"""The experiment runner on its own, against tests/fake_engine.py: the log's header, the method record
+with the armed fault ids, the faults' own records copied in, one log per experiment, the during
+action's error, and judging before running."""
+
+import json
+
+import httpx
+import pytest
+
+from kvchaos.experiment import Experiment, VerdictsNotMet
+from kvchaos.oracles import PASS, Isolation, Liveness
+from kvchaos.policy import Policy
+from kvchaos.workload import EventLog, Workload
+from tests.fake_engine import FakeEngine
+
+
+class StandIn:
+    def __init__(self, url):
+        self.endpoints = type("E", (), {"router": url, "prefill": url, "decode": url, "as_dict": lambda s: {"router": url}})()
+
+    def server_info(self, role="decode"):
+        return {"version": "0.5.23"}
+
+    def generate(self, text=None, max_new_tokens=1, timeout=30, **kw):
+        return httpx.post(self.endpoints.router + "/generate", json={"text": text}, timeout=timeout)
+
+
+class Kit:
+    """What the runner needs of a FaultKit: its log, heal_all, copy_agent_events."""
+
+    def __init__(self, log):
+        self.log, self.healed = log, 0
+
+    def heal_all(self):
+        self.healed += 1
+        return []
+
+    def copy_agent_events(self, log, since=0.0):
+        return []
+
+
+@pytest.fixture
+def fake():
+    with FakeEngine() as eng:
+        yield StandIn(eng.url)
+
+
+def _ex(tmp_path, fake, name="exp", faults=None, **kw):
+    plans = Workload(3, n_tenants=4, prefix=name[:3]).mix(24)
+    return Experiment(name, plans, [Isolation(), Liveness(bound_s=30)], cluster=fake, run_dir=tmp_path,
+                      faults=faults, settle_s=0, timeout_s=10, test_id="t::x", seed=3, policy=Policy(), **kw)
+
+
+def test_header_method_and_fault_records(tmp_path, fake):
+    flog = EventLog()
+    kit = Kit(flog)
+    with _ex(tmp_path, fake, faults=kit) as ex:
+        # an injector's record carrying its own time ("at", as the proxy and process faults write)
+        flog.emit("fault", action="armed", fault="limit_data-1", kind="limit_data", injector="proxy", at=123.0)
+        flog.emit("fault", action="armed", fault="delay-2", kind="delay", injector="agent")
+    ev = [json.loads(x) for x in ex.path.read_text().splitlines()]
+    head = ev[0]
+    assert head["ev"] == "experiment" and head["test"] == "t::x" and head["seed"] == 3
+    assert head["engine"]["version"] == "0.5.23" and head["id"] == ex.id
+    (method,) = [e for e in ev if e["ev"] == "method"]
+    assert method["faults"] == ["delay-2", "limit_data-1"]
+    copied = {e["fault"]: e for e in ev if e["ev"] == "fault"}
+    assert copied["limit_data-1"]["at"] == 123.0 and isinstance(copied["delay-2"]["at"], float)
+    assert kit.healed == 1  # rolled back before the steady-state probe
+    rec = [json.loads(x) for x in (tmp_path / "experiments.jsonl").read_text().splitlines()]
+    assert rec[-1]["id"] == ex.id and rec[-1]["test"] == "t::x" and rec[-1]["version"] == "0.5.23"
+
+
+def test_each_experiment_gets_its_own_files(tmp_path, fake):
+    with _ex(tmp_path, fake) as a:
+        pass
+    with _ex(tmp_path, fake) as b:
+        pass
+    assert a.path.name == "exp.events.jsonl" and b.path.name == "exp-2.events.jsonl"
+    assert b.verdicts_path.name == "exp-2.verdicts.json" and a.verdicts_path.exists() and b.verdicts_path.exists()
+
+
+def test_during_error_is_raised_after_the_verdicts_are_recorded(tmp_path, fake):
+    ex = _ex(tmp_path, fake)
+    with pytest.raises(RuntimeError, match="kill failed"):
+        with ex:
+            ex.during(lambda: (_ for _ in ()).throw(RuntimeError("kill failed")))
+    assert ex.verdicts and ex.verdicts_path.exists()
+    with pytest.raises(RuntimeError, match="one during action only"):
+        ex.during(lambda: None)
+
+
+def test_judging_before_running_and_unmet_requirements(tmp_path, fake):
+    ex = _ex(tmp_path, fake)
+    with pytest.raises(RuntimeError, match="judge after"):
+        ex.require(isolation=PASS)
+    with ex:
+        pass
+    # 24 replies of the fake engine: no leak, but too little evidence for isolation to PASS
+    with pytest.raises(VerdictsNotMet, match="isolation: UNKNOWN"):
+        ex.require(isolation=PASS)
+    with pytest.raises(ValueError, match="no path separators"):
+        _ex(tmp_path, fake, name="a/b")
