@@ -76,7 +76,9 @@ class NetFault(Fault):
         return r.json().get("fired")
 
     def verify(self, min_bytes: int = 1) -> dict:
-        st = self.stats()
+        """The toxic's counters as evidence that it touched traffic (also after it was healed: an
+        experiment heals its faults before the test verifies them)."""
+        st = self.last_stats if self.healed else self.stats()
         if st is None:
             if self.owner.embedded:
                 raise FaultDidNotFire(f"toxic {self.name} on {self.proxy} vanished before verify")
