@@ -18,8 +18,8 @@ Exit status: ``run``/``repro`` pytest's; ``audit`` 0 no FAIL, 1 FAIL (``--strict
 ``report`` 0 pass or accepted KNOWN only, 1 fail, 3 unknown or no chaos verdict; ``judge`` 0 every log PASS (or KNOWN accepted), 1 any log FAIL,
 3 otherwise (UNKNOWN, or KNOWN not accepted); 2 for bad input everywhere.
 
-``judge``: each log is judged on its own by the policy (leak checkers held to not-FAIL, isolation to
-not-UNKNOWN, the rest informational; ``--checkers`` names the ones to run and each must then PASS), but
+``judge``: each log is judged on its own by the policy (every checker held to not-FAIL, isolation also
+to not-UNKNOWN, other UNKNOWNs informational — nothing to judge; ``--checkers`` names the ones to run and each must then PASS), but
 the canaries minted in any of the given logs are known to all of them: another log's canary in a reply
 is a leak with origin ``session (<file>)``, a well-formed canary minted in none is of unknown origin.
 Known findings apply only when the log's ``experiment`` header names the engine version. A log that
@@ -529,7 +529,7 @@ def cmd_judge(args) -> int:
         try:
             verdicts = _judge_checkers(names, args.bound_s, reg).check(events)
             engine_errors = [e for e in events if e["ev"] == "engine_error"]
-            j = policy.judge(verdicts, Context.of(events, engine_errors), required=required)
+            j = policy.judge(verdicts, Context.of(events, engine_errors), required=required, every_fail_counts=True)
         except Exception as e:  # noqa: BLE001 - a record the checks above let through: bad input, no traceback
             raise UsageError(f"judge: {path}: cannot judge this log: {type(e).__name__}: {e}")
         results.append((path, events, j, len(run.plans)))
@@ -649,8 +649,8 @@ def build_parser(cfg: dict) -> argparse.ArgumentParser:
                     help="accept known findings (kvchaos/findings.toml) for the engine version the log's header names")
     ju.add_argument("--checkers", metavar="A,B",
                     help="judge only these checkers, each required to PASS (default: all of isolation, sensitivity, "
-                         "http_semantics, liveness, kv_lifecycle; leak checkers held to not-FAIL, isolation to "
-                         "not-UNKNOWN, the rest informational)")
+                         "http_semantics, liveness, kv_lifecycle; each held to not-FAIL, isolation also to "
+                         "not-UNKNOWN, other UNKNOWNs informational)")
     ju.add_argument("--json", action="store_true", help="print per log the verdicts and the policy status as JSON")
     ju.set_defaults(fn=cmd_judge)
     return p

@@ -340,11 +340,13 @@ class Policy:
         return out
 
     def judge(self, verdicts: list[Verdict], ctx: Context, required: dict | None = None,
-              planted: str | None = None) -> "Judgement":
+              planted: str | None = None, every_fail_counts: bool = False) -> "Judgement":
         """Each verdict against what is required of it (``required``: oracle -> wanted status;
         leak checkers are always held to 'not FAIL', isolation to 'not UNKNOWN'). ``planted``: the
         experiment carries a bug on purpose (a self-test's planted leak, a detection-matrix
-        mutation) — then only ``required`` counts, and the record says what was planted."""
+        mutation) — then only ``required`` counts, and the record says what was planted.
+        ``every_fail_counts``: with nobody to declare requirements (``kvchaos judge``), a FAIL of any
+        checker is red, not only a leak checker's."""
         required = dict(required or {})
         by = {v.oracle: v for v in verdicts}
         missing = sorted(set(required) - set(by))
@@ -360,7 +362,7 @@ class Policy:
             elif v.oracle in LEAK_CHECKERS and not planted:
                 ok = v.status != FAIL and not (v.oracle == "isolation" and v.status == UNKNOWN)
             else:
-                ok = True  # informational: the test did not ask for it
+                ok = not (every_fail_counts and v.status == FAIL)  # else informational: not asked for
             if v.oracle == "isolation" and v.status == UNKNOWN and self.blind_model and want in (None, PASS):
                 ok = True  # declared blind: isolation is not claimed (the report says so)
             finding = None if ok or (want is not None and want != PASS) else self.registry.classify(v, ctx)

@@ -305,8 +305,10 @@ def test_checkers_subset_and_bound(tmp_path):
     slow_rid, _ = log.request(2)
     next(r for r in log.records if r["ev"] == "end" and r["rid"] == slow_rid)["latency_s"] = 90.0
     path = log.write(tmp_path / "slow.jsonl")
-    p = kvchaos("judge", str(path))                                  # liveness is informational
-    assert p.returncode == 0 and "liveness: FAIL" in p.stdout and slow_rid in p.stdout, p.stdout
+    p = kvchaos("judge", str(path))                                  # any checker's FAIL counts
+    assert p.returncode == 1 and "liveness: FAIL" in p.stdout and slow_rid in p.stdout, p.stdout
+    p = kvchaos("judge", "--bound-s", "120", str(path))
+    assert p.returncode == 0 and "liveness: PASS" in p.stdout, p.stdout
     p = kvchaos("judge", "--checkers", "isolation,liveness", str(path))  # named: each must PASS
     assert p.returncode == 1 and "liveness: FAIL" in p.stdout and "sensitivity:" not in p.stdout, p.stdout
     p = kvchaos("judge", "--checkers", "isolation,liveness", "--bound-s", "120", str(path))
