@@ -68,6 +68,12 @@ def test_cut_stream_that_delivered_a_foreign_canary_is_red(experiment, faults, c
     assert iso.status == FAIL, iso
     w = iso.witnesses[0]
     assert (w["victim_rid"], w["owner_rid"], w["complete"]) == (victim.rid, donor.rid, False), w
+    # what a user's run sees: red
     with pytest.raises(VerdictsNotMet, match="isolation: FAIL"):
         ex.require(isolation=PASS)
     assert ex.judgement.status == FAIL and ex.judgement.red
+    # the leak was planted by this test: its record for the run report says so (the last judgement of
+    # an experiment stands), so the harness's own check does not redden a green session's report
+    j = ex.require(planted="plant_leak: the donor's canary in the victim's prompt; the stream cut by "
+                           "limit_data after the donor's canary", isolation=FAIL)
+    assert j.status == PASS and j.planted

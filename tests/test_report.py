@@ -197,7 +197,9 @@ def test_committed_incident_dirs_rebuild(tmp_path, name):
     before = (d / "verdicts.json").read_text()
     r = build(d)
     assert (d / "verdicts.json").read_text() == before           # the scenario's own verdicts are kept
-    assert r["verdicts"].name == "run-verdicts.json" and r["overall"] == "fail"
+    # the reproductions show the leak; the fixed engine only its accepted known hang, never PASS
+    want = {"glm53-replay": "fail", "glm53-prefix": "fail", "glm53-fixed": "known"}[name]
+    assert r["verdicts"].name == "run-verdicts.json" and r["overall"] == want
     (s,) = r["model"].scenarios
     v = json.loads(r["verdicts"].read_text())
     iso = next(x for x in s.verdicts if x["oracle"] == "isolation")
@@ -219,7 +221,8 @@ def test_committed_incident_report_rebuilds_with_the_victims_named(tmp_path):
     assert {w["victim_tenant"] for w in iso["witnesses"]} == {"t015"}
     assert all(w["owner_tenant"] != "t015" and w["status"] == 200 for w in iso["witnesses"])
     assert [w.kind for w in s.faults] == ["reject_admitted"]
-    assert r["html"].read_text().count('<div class="witness leak"') == 4
+    victims = {w["victim_rid"] for w in iso["witnesses"]}  # one witness block per victim's reply
+    assert r["html"].read_text().count('<div class="witness leak"') == len(victims) >= 3
     p = tmp_path / "glm53-prefix"
     shutil.copytree(REPO / "reports" / "incidents" / "glm53-prefix", p)
     audit = json.loads((p / "audit.json").read_text())

@@ -342,6 +342,11 @@ def _scenario(name: str, source: str, verdicts: list, events: list, summary: dic
     walls = [w for w in walls if w is not None]
     walls += [t for r in reqs.values() for t in (r.send, r.end) if t]
     t0, t1 = (min(walls), max(walls)) if walls else (None, None)
+    head = next((e for e in events if e.get("ev") == "experiment"), None)
+    if head and not kw.get("version"):  # no experiments.jsonl (a committed incident dir): the log's header
+        eng = head.get("engine") or {}
+        kw = {**kw, "engine": kw.get("engine") or eng.get("name"), "version": eng.get("version"),
+              "test": kw.get("test") or head.get("test"), "id": kw.get("id") or head.get("id")}
     s = Scenario(name, source, verdicts, events, reqs, t0, t1, summary=summary, **kw)
     # fault windows: the fault records of this scenario's own log, never other logs by wall clock
     s.faults = fault_windows(events)
@@ -614,7 +619,8 @@ def judge(m: RunModel) -> dict:
     elif chaos == "pass":
         head = f"{exps}: every verdict as required, no leak" + ("; planted bugs caught" if n_planted else "")
     elif chaos == "known":
-        ids = sorted({k for s in real for k in s.known})
+        ids = sorted({k for s in real for k in s.known}
+                     | {(v.get("known") or {}).get("id") for s in real for v in s.verdicts if v.get("known")})
         head = f"{exps}: nothing red but accepted known engine finding(s) {', '.join(ids)} — never PASS"
     else:
         head = f"{exps}: " + "; ".join(red[:3]) + (f" (+{len(red) - 3} more)" if len(red) > 3 else "")

@@ -1,0 +1,122 @@
+"""README figures come from committed artifacts: this script renders each one between its markers
+
+    <!-- figure:NAME -->
+    ...generated...
+    <!-- /figure:NAME -->
+
+from the files named in FIGURES, and with ``--check`` exits 1 (printing the difference) when README.md
+does not say what the artifacts say. tests/test_readme_figures.py runs the check.
+
+    python scripts/readme_figures.py           # rewrite README.md's figures
+    python scripts/readme_figures.py --check   # verify them
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import json
+import re
+import sys
+import tomllib
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+README = REPO / "README.md"
+PREFIX = REPO / "reports" / "incidents" / "glm53-prefix" / "verdicts.json"
+REPLAY = REPO / "reports" / "incidents" / "glm53-replay" / "verdicts.json"
+MATRIX = REPO / "reports" / "matrix" / "detection_matrix.json"
+FINDINGS = REPO / "kvchaos" / "findings.toml"
+
+
+def _load(p: Path):
+    try:
+        return json.loads(p.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise SystemExit(f"readme_figures: cannot read {p.relative_to(REPO)}: {e}") from None
+
+
+def glm53_witness() -> str:
+    iso = next(v for v in _load(PREFIX) if v["oracle"] == "isolation")
+    w = iso["witnesses"][0]
+    keep = ("victim_rid", "victim_tenant", "owner_rid", "owner_tenant", "canary", "matched", "status", "excerpt")
+    body = json.dumps({k: (w[k].splitlines()[0] if k == "excerpt" else w[k]) for k in keep if k in w})
+    return f"```json\n{body}\n```\n(first isolation witness in `{PREFIX.relative_to(REPO)}`; excerpt: its first line)"
+
+
+def replay_verdicts() -> str:
+    rows = [f"{v['oracle']:15s} {v['status'].upper():5s} {v['summary']}" for v in _load(REPLAY)]
+    return "```\n" + "\n".join(rows) + f"\n```\n(from `{REPLAY.relative_to(REPO)}`)"
+
+
+def replay_witness() -> str:
+    iso = next(v for v in _load(REPLAY) if v["oracle"] == "isolation")
+    w = iso["witnesses"][0]
+    plans = {}
+    for line in REPLAY.with_name("events.jsonl").read_text().splitlines():
+        e = json.loads(line)
+        if e.get("ev") == "plan":
+            plans[e["rid"]] = e
+    own = plans.get(w["victim_rid"], {}).get("canaries", [])
+    return (f"```\n{w['victim_rid']} (tenant {w['victim_tenant']}, HTTP {w['status']}) received "
+            f"{w['matched']} of {w['owner_rid']} ({w['owner_tenant']})\n"
+            f"reply:  {w['excerpt'].splitlines()[0]}\n"
+            f"own canaries (none recited): {' '.join(own)}\n```\n"
+            f"(first isolation witness in `{REPLAY.relative_to(REPO)}`, canaries from its `events.jsonl`)")
+
+
+def detection_matrix() -> str:
+    rows = _load(MATRIX)
+    out = ["| class | arm | detected | witness names the victim | first oversized request caught (leak shown) | "
+           "time to first detection | policy per trial |", "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        t = f"{r['time_to_first_detection_s']:.1f} s" if r.get("time_to_first_detection_s") is not None else "—"
+        first = (f"{r['first_request_caught']}/{r['trials']} ({r['first_request_leak_shown']}/{r['trials']})"
+                 if "first_request_caught" in r else "—")
+        wit = f"{r['witness_ok']}/{r['detected']}" if r["arm"] == "mutated" else "—"
+        out.append(f"| `{r['class']}` | {r['arm']} | {r['detected']}/{r['trials']} | {wit} | {first} | {t} | "
+                   f"{', '.join(r.get('judgements', []))} |")
+    return "\n".join(out) + f"\n\n(from `{MATRIX.relative_to(REPO)}`)"
+
+
+def findings() -> str:
+    data = tomllib.loads(FINDINGS.read_text())
+    out = ["| finding | engine versions | checker (status) | title |", "|---|---|---|---|"]
+    for f in data["finding"]:
+        checks = ", ".join(f"{m['checker']} ({'/'.join(m.get('statuses', ['fail']))})" for m in f["match"])
+        out.append(f"| `{f['id']}` | {f['engine']} {', '.join(f['versions'])} | {checks} | {f['title']} |")
+    return "\n".join(out) + f"\n\n(from `{FINDINGS.relative_to(REPO)}`)"
+
+
+FIGURES = {"glm53-witness": glm53_witness, "replay-verdicts": replay_verdicts, "replay-witness": replay_witness,
+           "detection-matrix": detection_matrix, "findings": findings}
+
+
+def render(text: str) -> str:
+    for name, fn in FIGURES.items():
+        rx = re.compile(rf"(<!-- figure:{name} -->\n)(?:.*?\n)?(<!-- /figure:{name} -->)", re.S)
+        if not rx.search(text):
+            raise SystemExit(f"readme_figures: README.md has no <!-- figure:{name} --> ... <!-- /figure:{name} --> block")
+        body = fn()
+        text = rx.sub(lambda m: m.group(1) + body + "\n" + m.group(2), text)
+    return text
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--check", action="store_true", help="exit 1 if README.md's figures differ from the artifacts")
+    args = ap.parse_args(argv)
+    old = README.read_text()
+    new = render(old)
+    if args.check:
+        if new != old:
+            sys.stdout.writelines(difflib.unified_diff(old.splitlines(True), new.splitlines(True), "README.md",
+                                                       "README.md (from artifacts)"))
+            return 1
+        return 0
+    README.write_text(new)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
