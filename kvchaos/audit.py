@@ -70,7 +70,7 @@ def version_tuple(v: str) -> tuple:
 
 def field_of(info, key):
     """First value of ``key`` anywhere in a nested ``/server_info`` answer."""
-    from kvchaos.suite import server_field
+    from kvchaos.workload.probes import server_field
 
     return server_field(info, key)
 

@@ -26,7 +26,7 @@ import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvchaos.oracles import FAIL, PASS, UNKNOWN, Verdict
+from kvchaos.oracles import FAIL, PASS, UNKNOWN, Verdict, agent_kind
 
 KNOWN = "known"
 FINDINGS_FILE = Path(__file__).resolve().parent / "findings.toml"
@@ -62,10 +62,9 @@ class Context:
         ``fault_fired`` (raw or copied into the log as ``agent``)."""
         out = []
         for e in self.events:
-            kind = e.get("agent_ev") if e.get("ev") == "agent" else e.get("ev")
             if e.get("ev") == "fault" and (action is None or e.get("action") == action):
                 out.append(e)
-            elif kind == "fault_fired" and action in (None, "fired"):
+            elif agent_kind(e) == "fault_fired" and action in (None, "fired"):
                 out.append({**e, "action": "fired"})
         return out
 

@@ -243,16 +243,11 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
 def findings_summary(run_dir: Path, registry, strict: bool) -> dict:
     """Known findings seen in this run's experiments and listed findings that did not reproduce."""
     from kvchaos.policy import not_reproduced
+    from kvchaos.report.collect import experiment_records
 
-    recs: dict[str, dict] = {}
-    p = run_dir / "experiments.jsonl"
-    if p.exists():
-        for line in p.read_text().splitlines():
-            if line.strip():
-                r = json.loads(line)
-                recs[r["id"]] = r  # the last judgement of each experiment stands
+    recs = experiment_records(run_dir)  # the last judgement of each experiment stands
     known = []
-    for r in recs.values():
+    for r in recs:
         for fid in sorted(set(r.get("known") or [])):
             f = registry.get(fid)
             vf = run_dir / r["verdicts_file"]
@@ -264,7 +259,7 @@ def findings_summary(run_dir: Path, registry, strict: bool) -> dict:
                                   "status": it["status"], "accepted": it["known"]["accepted"],
                                   "upstream": f.upstream, "witnesses": it.get("witnesses", [])[:5],
                                   "summary": it.get("summary")})
-    return {"known": known, "not_reproduced": not_reproduced(registry, list(recs.values())), "strict": strict}
+    return {"known": known, "not_reproduced": not_reproduced(registry, recs), "strict": strict}
 
 
 def cuda_available() -> tuple[bool, str]:

@@ -235,8 +235,7 @@ def corrupted_rids(events: list[dict]) -> set:
     say nothing about whether the model would show a leak, so they are not echo evidence."""
     out = set()
     for e in events:
-        kind = e.get("agent_ev") if e.get("ev") == "agent" else (e.get("ev") if e.get("source") == "agent" else None)
-        if kind == "fault_fired" and e.get("kind") in CORRUPTING_FAULTS and e.get("rid"):
+        if agent_kind(e) == "fault_fired" and e.get("kind") in CORRUPTING_FAULTS and e.get("rid"):
             out.add(e["rid"])
     return out
 
@@ -382,7 +381,7 @@ def liveness(events: list[dict], bound_s: float, pool_tolerance_tokens: int = 0)
 
 
 # --------------------------------------------------------------------------- kv lifecycle
-def _agent_kind(e: dict) -> str | None:
+def agent_kind(e: dict) -> str | None:
     """Agent events appear raw (``ev``) or copied into a test log (``ev == "agent"``, ``agent_ev``)."""
     if e.get("ev") == "agent":
         return e.get("agent_ev")
@@ -395,7 +394,7 @@ def kv_lifecycle(events: list[dict], tolerance_s: float = 0.0) -> Verdict:
     writes = defaultdict(list)
     n_writes = 0
     for e in events:
-        kind = _agent_kind(e)
+        kind = agent_kind(e)
         room = e.get("room")
         if room is None:
             continue
