@@ -467,19 +467,26 @@ def _kvchaos_cluster_still_alive(request):
     yield
     if "cluster" in request.fixturenames:
         c = request.getfixturevalue("cluster")
-        healed = c.heal_engine_errors() if hasattr(c, "heal_engine_errors") else []
-        if healed:
-            import warnings
-
-            run_dir = request.getfixturevalue("kvchaos_run_dir")
-            with open(run_dir / "engine_errors.jsonl", "a") as f:
-                for e in healed:
-                    f.write(json.dumps({**e, "test": request.node.nodeid}, default=str) + "\n")
-            warnings.warn(pytest.PytestWarning(
-                f"kvchaos: known engine failure during {request.node.nodeid}: "
-                + "; ".join(f"{e['role']} {e['signature']} ({e.get('cause')}), restarted in "
-                            f"{e['healed']['rejoined_s']} s" for e in healed)))
+        _heal_engine_failures(request, c)
         c.check_alive()
+
+
+def _heal_engine_failures(request, c) -> None:
+    """Restart each role with a known silent engine failure and record it (engine_errors.jsonl and a
+    warning); idempotent. The faults fixture calls it before its own heal check, which needs a cluster
+    that serves again (it is torn down before this autouse fixture)."""
+    healed = c.heal_engine_errors() if hasattr(c, "heal_engine_errors") else []
+    if healed:
+        import warnings
+
+        run_dir = request.getfixturevalue("kvchaos_run_dir")
+        with open(run_dir / "engine_errors.jsonl", "a") as f:
+            for e in healed:
+                f.write(json.dumps({**e, "test": request.node.nodeid}, default=str) + "\n")
+        warnings.warn(pytest.PytestWarning(
+            f"kvchaos: known engine failure during {request.node.nodeid}: "
+            + "; ".join(f"{e['role']} {e['signature']} ({e.get('cause')}), restarted in "
+                        f"{e['healed']['rejoined_s']} s" for e in healed)))
 
 
 def _still_armed(c) -> list:
@@ -507,7 +514,12 @@ def faults(request, cluster, kvchaos_run_dir):
     try:
         yield kit
     finally:
-        problems = kit.heal_all()
+        problems = []
+        try:  # first: a dead transfer thread would fail the heal's serving check
+            _heal_engine_failures(request, cluster)
+        except Exception as e:  # noqa: BLE001 - still heal the faults, then report both
+            problems.append(f"restart after a known engine failure failed: {e!r}")
+        problems += kit.heal_all()
         log.close()
         if problems:
             raise RuntimeError("kvchaos: fault heal check failed: " + "; ".join(problems))
