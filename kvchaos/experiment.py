@@ -87,8 +87,7 @@ class Experiment:
         self.drive_fn, self.model_name, self.probe_before = drive, model_name, probe_before
         self.policy = policy or Policy()
         self.path = _fresh(Path(path) if path else self.run_dir / "suites" / f"{name}.events.jsonl")
-        self.verdicts_path = self.path.with_name(self.path.name.replace("events.jsonl", "verdicts.json")
-                                                 if "events.jsonl" in self.path.name else self.path.stem + ".verdicts.json")
+        self.verdicts_path = _verdicts_for(self.path)
         self.id = f"{name}-{uuid.uuid4().hex[:8]}"
         self.log: EventLog | None = None
         self.verdicts: list[oracles.Verdict] = []
@@ -238,10 +237,19 @@ def _fresh(path: Path) -> Path:
     base = path.name[: -len(".events.jsonl")] if path.name.endswith(".events.jsonl") else path.stem
     suffix = path.name[len(base):]
     n = 1
-    while path.exists() or path.with_name(path.name.replace("events.jsonl", "verdicts.json")).exists():
+    while path.exists() or _verdicts_for(path).exists():
         n += 1
         path = path.with_name(f"{base}-{n}{suffix}")
     return path
+
+
+def _verdicts_for(events_path: Path) -> Path:
+    """The verdicts file beside an experiment's log: ``x.events.jsonl`` -> ``x.verdicts.json``,
+    ``events.jsonl`` -> ``verdicts.json``, anything else -> ``<stem>.verdicts.json``."""
+    name = events_path.name
+    if "events.jsonl" in name:
+        return events_path.with_name(name.replace("events.jsonl", "verdicts.json"))
+    return events_path.with_name(events_path.stem + ".verdicts.json")
 
 
 def _rel(p: Path, base: Path) -> str:
