@@ -40,9 +40,10 @@ import types
 # package -> exact versions this layer was written and tested against
 PINNED = {
     # 0.5.19: the pre-fix release used by the GLM-5.3 incident reproduction (scripts/setup-engine.sh);
-    # read for these patches: rotary base imports vllm the same way, nixl conn labels VRAM the same
-    # way, and its Mooncake sender has no supports_host_tensor_indices (patch 3 is a no-op there).
-    "sglang": ("0.5.23", "0.5.19"),
+    # 0.5.20-0.5.22: the releases between (same script). Read for these patches in each: rotary
+    # base imports vllm the same way, nixl conn labels VRAM the same way, and their Mooncake sender
+    # has no supports_host_tensor_indices (new in 0.5.23: patch 3 is a no-op there).
+    "sglang": ("0.5.23", "0.5.22", "0.5.21", "0.5.20", "0.5.19"),
     "torch": ("2.13.0+cpu", "2.13.0"),
     "torchvision": ("0.28.0",),
     "sglang-router": ("0.3.2",),

@@ -106,3 +106,13 @@ def test_nixl_patch_maps_vram_to_dram_and_clears_strided_descs(monkeypatch):
     assert calls[1] == ("register_memory", [1, 2], "DRAM")
     assert calls[2][2] == "DRAM"
     assert NixlKVManager._use_strided_descs is False
+
+
+def test_every_engine_recipe_is_a_pinned_sglang():
+    """scripts/setup-engine.sh builds environments for other SGLang releases; each must be one the
+    compat layer was read for, else its servers refuse to start (CompatVersionError)."""
+    r = subprocess.run(["bash", str(REPO / "scripts" / "setup-engine.sh"), "0.0.0"], capture_output=True, text=True,
+                       timeout=30)
+    assert r.returncode == 2 and "known:" in r.stderr, r.stderr
+    known = r.stderr.split("known:", 1)[1].strip().rstrip(")").split(", ")
+    assert sorted(known) == sorted(cpucompat.PINNED["sglang"]), (known, cpucompat.PINNED["sglang"])
