@@ -7,6 +7,8 @@ Options
   --kvchaos-model   tiny:SEED|DIR   override the profile's model
   --kvchaos-reports DIR         where run directories go (default: ./reports)
   --kvchaos-backends A,B        run the cluster tests once per KV transfer backend (mooncake_tcp,nixl)
+  --kvchaos-releases A,B        releases the release matrix runs the unmodified incident on (marker bisect)
+  --kvchaos-trials N            trials per release (default 3; a fresh cluster each)
   --kvchaos-accept-known        known engine findings matched for the running version are KNOWN, not red
                                 (default: the profile's [policy] accept_known)
   --kvchaos-strict              fail the run when a listed finding did not reproduce ("fixed?")
@@ -78,6 +80,11 @@ def pytest_addoption(parser):
     g.addoption("--kvchaos-blind-model", action="store_true",
                 default=os.environ.get("KVCHAOS_BLIND_MODEL", "") not in ("", "0"),
                 help="declare a model that cannot echo canaries: isolation is not claimed (UNKNOWN, reported, not red)")
+    g.addoption("--kvchaos-releases", default=os.environ.get("KVCHAOS_RELEASES", "0.5.19,0.5.20,0.5.21,0.5.22,0.5.23"),
+                help="SGLang releases the release matrix (suites/incidents/test_release_matrix.py, marker "
+                     "bisect) runs the unmodified incident on, each in its own environment")
+    g.addoption("--kvchaos-trials", type=int, default=int(os.environ.get("KVCHAOS_TRIALS", "3")),
+                help="trials per release in the release matrix (a fresh cluster each)")
     g.addoption("--kvchaos-backends", default=os.environ.get("KVCHAOS_BACKENDS"),
                 help="comma-separated KV transfer backends to run the suites over, one cluster each "
                      "(e.g. mooncake_tcp,nixl) [the profile's]")
@@ -88,6 +95,7 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a CUDA GPU (skipped with the reason when none is visible)")
     config.addinivalue_line("markers", "slow: long sweeps, deselected by default (-m slow)")
     config.addinivalue_line("markers", "cluster: uses the real cluster")
+    config.addinivalue_line("markers", "bisect: the release matrix (kvchaos bisect): one cluster per release and trial")
     config.addinivalue_line("markers", "disruptive: leaves the engine busy on purpose; run at the end of the session")
     config.addinivalue_line("markers", "backends(*names): the KV transfer backends this test applies to "
                             "(default: every backend for suites/, the first one for the harness's own tests)")
@@ -403,8 +411,8 @@ def experiment(request, kvchaos_run_dir, kvchaos_policy):
             kw["cluster"] = request.getfixturevalue("cluster")
         if "faults" not in kw:
             kw["faults"] = request.getfixturevalue("faults")
-        ex = Experiment(name, plans, checks, run_dir=kvchaos_run_dir, test_id=request.node.nodeid,
-                        policy=kvchaos_policy, **kw)
+        kw.setdefault("policy", kvchaos_policy)  # a cluster of its own brings its own self-test's policy
+        ex = Experiment(name, plans, checks, run_dir=kvchaos_run_dir, test_id=request.node.nodeid, **kw)
         made.append(ex)
         return ex
 

@@ -10,7 +10,8 @@ Traffic (all modes): one tenant sends only oversized prompts (600–1400 tokens:
 under decode's 1536-token admission edge) among 15 other tenants' requests.
 
 - ``prefix``: the pinned pre-fix release **SGLang 0.5.19** — the newest on PyPI without PR #36988
-  (merged 2026-08-29, first shipped in 0.5.20; #38935's ``is_unadmitted_reject`` arrives in 0.5.21) —
+  (prefill retires an aborted result before sending KV; first shipped in 0.5.20; #38935's
+  ``is_unadmitted_reject`` arrives in 0.5.21: reports/releases/code-reading.md) —
   in its own environment (``scripts/setup-engine.sh 0.5.19``), deployed like the incident: prefill's
   KV pool (576 tokens, input limit 570) smaller than the context (4096) and than decode's pool (2048).
   No mutation, no agent fault. Expected: isolation FAIL naming the foreign tenant, HTTP 200.
@@ -30,40 +31,29 @@ verdicts.json, summary.json).
 from __future__ import annotations
 
 import json
-import subprocess
 import time
-from pathlib import Path
 
 import pytest
 
 from faults import FaultKit
+from kvchaos import releases
 from kvchaos.cluster import Cluster, ClusterSpec
 from kvchaos.experiment import FAIL, PASS
 from kvchaos.oracles import HttpSemantics, Isolation, Liveness
 from kvchaos.suite import server_field
-from kvchaos.workload import EventLog, Workload
+from kvchaos.workload import EventLog
 from kvchaos.workload.probes import wait_quiet
 
 pytestmark = pytest.mark.cluster
-SEED = 53
+SEED = releases.GLM53_SEED
 PREFILL_LIMIT = 512
 PREFIX_VERSION = "0.5.19"  # newest release without PR #36988
-PREFIX_PREFILL_POOL = 576  # prefill's --max-total-tokens in the pre-fix deployment (input limit 570)
-REPO = Path(__file__).resolve().parents[2]
-OVERSIZED = (600, 900, 1200, 1400)  # between prefill's limit and decode's 1536-token admission edge
+PREFIX_PREFILL_POOL = releases.PREFILL_POOL  # prefill's --max-total-tokens in the pre-fix deployment (input limit 570)
+OVERSIZED = releases.OVERSIZED  # between prefill's limit and decode's 1536-token admission edge
 
 
 def _plans():
-    wl = Workload(SEED, n_tenants=16, prefix="g")
-    victim = wl.tenants[-1]
-    others = wl.tenants[:-1]  # the victim sends only the oversized prompts: every leak is cross-tenant
-    background = [wl.request(others[i % len(others)], "plain", n_tokens=others[i % len(others)].rng.randrange(200, 480))
-                  for i in range(80)]
-    big = [wl.request(victim, "oversized", n_tokens=n, n_canaries=3) for n in OVERSIZED]
-    # other tenants go first so decode's free pages hold their KV, then the oversized ones mixed in;
-    # late, so that a hang they cause (fixed engine) leaves the run its echo evidence
-    plans = background[:72] + [x for pair in zip(big, background[72:76]) for x in pair] + background[76:]
-    return plans, victim.name
+    return releases.glm53_plans(SEED)
 
 
 def _run(experiment, faults, kvchaos_run_dir, mode: str, **kw):
@@ -133,13 +123,10 @@ def prefix_cluster(kvchaos_spec, kvchaos_run_dir, kvchaos_reaper):
     """The pre-fix release in its own environment, deployed with prefill's pool below the context."""
     if kvchaos_spec.device != "cpu":
         pytest.skip("the pinned pre-fix environment is built for the CPU profile")
-    r = subprocess.run(["bash", str(REPO / "scripts" / "setup-engine.sh"), PREFIX_VERSION],
-                       capture_output=True, text=True, timeout=900)
-    assert r.returncode == 0, f"building the sglang {PREFIX_VERSION} environment failed:\n{r.stderr[-3000:]}"
-    py = r.stdout.strip().splitlines()[-1]
+    py = releases.engine_python(PREFIX_VERSION)
     spec = ClusterSpec.from_dict({**kvchaos_spec.to_dict(), "name": f"cpu-sglang-{PREFIX_VERSION}",
                                   "engine_python": py,
-                                  "prefill_args": kvchaos_spec.prefill_args + ["--max-total-tokens", str(PREFIX_PREFILL_POOL)]})
+                                  "prefill_args": releases.incident_prefill_args(kvchaos_spec.prefill_args)})
     c = Cluster(spec, kvchaos_run_dir / f"sglang-{PREFIX_VERSION}", reaper=kvchaos_reaper).start()
     (c.workdir / "cluster.json").write_text(json.dumps(c.describe(), indent=2, default=str))
     try:

@@ -1,0 +1,310 @@
+"""Which releases leak: the GLM-5.3 incident run *unmodified* on a list of SGLang releases.
+
+The incident's deployment shape — prefill's KV pool (``PREFILL_POOL`` tokens, input limit a few
+tokens less) smaller than the declared context (4096) and than decode's pool — and its traffic (one
+tenant sends only prompts between prefill's limit and decode's admission edge, among 15 other
+tenants' requests) run on each release in its own environment (``scripts/setup-engine.sh VERSION``),
+with no mutation and no fault: whatever happens is the release's own behaviour.
+
+Per trial (:func:`trial_record`): **leaked** (isolation FAIL: the oversized prompts' replies carry
+other tenants' canaries; ``None`` when isolation could not tell — not enough echo, or the release
+cluster's planted-leak self-test did not catch — never counted as "no leak"), **hung** (an oversized
+prompt got no answer within the bound), **rejected_4xx** (every oversized prompt got an HTTP 4xx),
+the first witness, and the oversized prompts' KV pages as prefill sent them.
+
+Per release (:func:`aggregate`): ``leaks`` when any trial leaked, ``clean`` only when every trial was
+measured and none leaked, else ``unknown``. :func:`assess` is what ``kvchaos audit``'s
+``engine_version`` check answers from the committed table (``TABLE_FILE``): measured behaviour, not
+PR numbers.
+
+    kvchaos bisect --releases 0.5.19,0.5.20,0.5.21,0.5.22,0.5.23 --trials 3
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+from pathlib import Path
+
+from kvchaos.workload import Workload
+
+REPO = Path(__file__).resolve().parents[1]
+TABLE_FILE = REPO / "reports" / "releases" / "release_table.json"
+CODE_READING_FILE = REPO / "reports" / "releases" / "code-reading.json"
+GLM53_SEED = 53
+PREFILL_POOL = 576  # prefill's --max-total-tokens in the incident's shape (input limit 570 < context 4096)
+OVERSIZED = (600, 900, 1200, 1400)  # between prefill's limit and decode's 1536-token admission edge
+BOUND_S = 30.0  # an oversized prompt not answered within this is "hung"
+WRITEUP_FIRST_FIXED = "0.5.22"  # the incident write-up: "upgrade to v0.5.22 or later"
+CLEAN, LEAKS, UNMEASURED = "clean", "leaks", "unknown"
+
+
+class ReleaseError(RuntimeError):
+    """A release environment could not be built, or a table is malformed (the message says which)."""
+
+
+def version_key(v: str) -> tuple:
+    m = re.fullmatch(r"(\d+)\.(\d+)\.(\d+)(?:\.post(\d+))?", str(v).strip())
+    if not m:
+        raise ValueError(f"not a release version: {v!r} (expected e.g. 0.5.21)")
+    return tuple(int(x or 0) for x in m.groups())
+
+
+def parse_releases(text: str) -> list[str]:
+    """``"0.5.19,0.5.20"`` -> sorted unique releases; a clear error for anything else."""
+    out = []
+    for raw in str(text or "").split(","):
+        v = raw.strip()
+        if not v:
+            continue
+        version_key(v)  # raises with the offending text
+        if v not in out:
+            out.append(v)
+    if not out:
+        raise ValueError(f"no releases in {text!r} (expected e.g. 0.5.19,0.5.23)")
+    return sorted(out, key=version_key)
+
+
+# --------------------------------------------------------------------------- the incident's shape
+def glm53_plans(seed: int = GLM53_SEED):
+    """The incident's traffic: 80 background requests of 15 tenants, then the victim tenant's four
+    oversized prompts mixed in after the first 72 (so a hang they cause leaves the run its echo
+    evidence). The victim sends only oversized prompts: every leak is cross-tenant."""
+    wl = Workload(seed, n_tenants=16, prefix="g")
+    victim, others = wl.tenants[-1], wl.tenants[:-1]
+    background = [wl.request(others[i % len(others)], "plain", n_tokens=others[i % len(others)].rng.randrange(200, 480))
+                  for i in range(80)]
+    big = [wl.request(victim, "oversized", n_tokens=n, n_canaries=3) for n in OVERSIZED]
+    plans = background[:72] + [x for pair in zip(big, background[72:76]) for x in pair] + background[76:]
+    return plans, victim.name
+
+
+def incident_prefill_args(base_args: list[str]) -> list[str]:
+    """The profile's prefill args with the pool shrunk below the context (the last flag wins)."""
+    return list(base_args) + ["--max-total-tokens", str(PREFILL_POOL)]
+
+
+def engine_python(version: str, timeout_s: float = 900) -> str:
+    """The interpreter of ``version``'s environment (built on first use by scripts/setup-engine.sh)."""
+    version_key(version)
+    try:
+        r = subprocess.run(["bash", str(REPO / "scripts" / "setup-engine.sh"), version],
+                           capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        raise ReleaseError(f"building the sglang {version} environment took over {timeout_s:.0f} s") from None
+    if r.returncode != 0:
+        raise ReleaseError(f"building the sglang {version} environment failed (exit {r.returncode}):\n"
+                           f"{r.stderr[-3000:]}")
+    return r.stdout.strip().splitlines()[-1]
+
+
+# --------------------------------------------------------------------------- one trial
+def trial_record(ex, plans, victim: str, release: str, trial: int, seed: int, selftest: dict | None = None) -> dict:
+    """What one unmodified run of the incident showed on ``release`` (from the experiment's log and
+    verdicts; nothing assumed from the version)."""
+    ends = {e["rid"]: e for e in ex.events if e.get("ev") == "end"}
+    sent = {e["rid"]: e.get("pages") for e in ex.events if e.get("agent_ev") == "transfer_start"}
+    big = [p for p in plans if p.oversized]
+    over = {}
+    for p in big:
+        e = ends.get(p.rid, {})
+        over[p.rid] = {"prompt_tokens": p.n_tokens, "outcome": e.get("outcome"), "status": e.get("status"),
+                       "latency_s": round(e["latency_s"], 2) if "latency_s" in e else None,
+                       "kv_pages_sent": sent.get(p.rid)}
+    iso, by = ex.by["isolation"], ex.by
+    leaked = {"fail": True, "pass": False}.get(iso.status)  # unknown: not measured, never "no leak"
+    cross = [w for w in iso.witnesses if w.get("owner_tenant") not in (None, w.get("victim_tenant"))]
+    first = cross[0] if cross else (iso.witnesses[0] if iso.witnesses else None)
+    bystanders = [e for rid, e in ends.items() if rid not in over]
+    outcomes = [v["outcome"] for v in over.values()]
+    return {
+        "release": release, "trial": trial, "seed": seed, "experiment": ex.id, "engine": _engine_versions(ex),
+        "victim_tenant": victim, "leaked": leaked,
+        "leak_witnesses": len(iso.witnesses), "cross_tenant_witnesses": len(cross),
+        "leak_victims": sorted({w["victim_rid"] for w in iso.witnesses}),
+        "first_witness": _witness(first),
+        "hung": any(o == "timeout" for o in outcomes),
+        "rejected_4xx": bool(outcomes) and all(v["outcome"] == "http_error" and 400 <= (v["status"] or 0) < 500
+                                               for v in over.values()),
+        "answered_200": sum(v["status"] == 200 for v in over.values()),
+        "oversized": over,
+        "bystanders": {"n": len(bystanders), "timeouts": sum(e.get("outcome") == "timeout" for e in bystanders),
+                       "ok": sum(e.get("outcome") == "ok" for e in bystanders)},
+        "verdicts": {v.oracle: v.status for v in ex.verdicts},
+        "isolation_summary": iso.summary, "sensitivity": by["sensitivity"].summary if "sensitivity" in by else None,
+        "selftest": (selftest or {}).get("status"),
+        "events": _rel(ex.path, ex.run_dir),
+    }
+
+
+def _rel(p: Path, base: Path) -> str:
+    try:
+        return str(Path(p).relative_to(base))
+    except ValueError:
+        return str(p)
+
+
+def _engine_versions(ex) -> dict:
+    head = next((e for e in ex.events if e.get("ev") == "experiment"), {})
+    return (head.get("engine") or {}).get("roles", {})
+
+
+def _witness(w: dict | None) -> dict | None:
+    if not w:
+        return None
+    keep = ("victim_rid", "victim_tenant", "owner_tenant", "owner_rid", "matched", "status", "origin")
+    return {k: w.get(k) for k in keep if k in w}
+
+
+# --------------------------------------------------------------------------- the table
+def aggregate(trials: list[dict], code_reading: dict | None = None, releases: list[str] | None = None) -> dict:
+    """Per release: verdict (``leaks`` / ``clean`` / ``unknown``), counts, the first witness, and the
+    code reading's prediction beside it (where given). A release in ``releases`` none of whose trials
+    ran is in the table, unmeasured."""
+    by: dict[str, list[dict]] = {r: [] for r in releases or ()}
+    for t in trials:
+        by.setdefault(t["release"], []).append(t)
+    rows = {}
+    reading = (code_reading or {}).get("releases", {})
+    for rel in sorted(by, key=version_key):
+        ts = sorted(by[rel], key=lambda t: t["trial"])
+        leaked = [t for t in ts if t["leaked"] is True]
+        blind = [t for t in ts if t["leaked"] is None]
+        verdict = LEAKS if leaked else (UNMEASURED if blind or not ts else CLEAN)
+        w = next((t["first_witness"] for t in leaked if t["first_witness"]), None)
+        pred = reading.get(rel, {}).get("predicted_behaviour")
+        rows[rel] = {"verdict": verdict, "trials": len(ts), "leaked": len(leaked), "unmeasured": len(blind),
+                     "hung": sum(t["hung"] for t in ts), "rejected_4xx": sum(t["rejected_4xx"] for t in ts),
+                     "oversized_answered_200": sum(t["answered_200"] for t in ts),
+                     "oversized_per_trial": len(OVERSIZED),
+                     "witness": w, "code_prediction": pred,
+                     "audit_engine_version": sorted({(t.get("audit_engine_version") or {}).get("status") or "—"
+                                                     for t in ts}),
+                     "experiments": [t["experiment"] for t in ts]}
+    return {"workload": {"incident": "glm53", "prefill_pool_tokens": PREFILL_POOL, "oversized_tokens": list(OVERSIZED),
+                         "bound_s": BOUND_S, "mutation": None},
+            "releases": rows, "derived": derive(rows), "trials": trials}
+
+
+def derive(rows: dict) -> dict:
+    """The thresholds the audit uses: the oldest measured release from which every measured release
+    is clean (``first_clean``), the releases measured to leak, and where the write-up's "≥ 0.5.22"
+    disagrees with the measurements."""
+    order = sorted(rows, key=version_key)
+    leaking = [r for r in order if rows[r]["verdict"] == LEAKS]
+    unmeasured = [r for r in order if rows[r]["verdict"] == UNMEASURED]
+    first_clean = None
+    for i, r in enumerate(order):
+        if all(rows[x]["verdict"] == CLEAN for x in order[i:]):
+            first_clean = r
+            break
+    disagree = []
+    for r in order:
+        says_fixed = version_key(r) >= version_key(WRITEUP_FIRST_FIXED)
+        v = rows[r]["verdict"]
+        if v == UNMEASURED:
+            continue
+        if says_fixed and v == LEAKS:
+            disagree.append(f"{r}: the write-up's >= {WRITEUP_FIRST_FIXED} calls it fixed, measured to leak")
+        elif not says_fixed and v == CLEAN:
+            disagree.append(f"{r}: the write-up's >= {WRITEUP_FIRST_FIXED} calls it unfixed, measured clean "
+                            f"(no leak in {rows[r]['trials']} trial(s))")
+    return {"measured": order, "leaking": leaking, "unmeasured": unmeasured, "first_clean": first_clean,
+            "writeup_first_fixed": WRITEUP_FIRST_FIXED, "writeup_disagreements": disagree}
+
+
+def load_table(path: str | Path | None = None) -> dict | None:
+    """The committed release table, or None when there is none (the audit then says UNKNOWN)."""
+    p = Path(path) if path else TABLE_FILE
+    if not p.exists():
+        return None
+    try:
+        t = json.loads(p.read_text())
+    except ValueError as e:
+        raise ReleaseError(f"{p}: not JSON ({e})") from None
+    if not isinstance(t, dict) or not isinstance(t.get("releases"), dict):
+        raise ReleaseError(f"{p}: no 'releases' table")
+    for rel, row in t["releases"].items():
+        version_key(rel)
+        if row.get("verdict") not in (CLEAN, LEAKS, UNMEASURED):
+            raise ReleaseError(f"{p}: release {rel}: verdict {row.get('verdict')!r} is not one of "
+                               f"{CLEAN}/{LEAKS}/{UNMEASURED}")
+    t["derived"] = derive(t["releases"])  # always recomputed from the rows, never trusted as stored
+    return t
+
+
+def assess(version: str, table: dict | None) -> tuple[str, str]:
+    """(``leaks`` / ``clean`` / ``unknown``, why) for one running release, from the measured table:
+    a measured release answers for itself; an unmeasured one is judged only when measured releases
+    on both sides agree; newer than everything measured is unknown (run kvchaos bisect on it)."""
+    if table is None:
+        return UNMEASURED, "no release table (reports/releases/release_table.json): run kvchaos bisect"
+    rows = table["releases"]
+    vk = version_key(version)
+    leaking = ", ".join(table["derived"]["leaking"]) or "none"
+    if version in rows:
+        r = rows[version]
+        n = r["trials"]
+        if r["verdict"] == LEAKS:
+            w = r.get("witness") or {}
+            return LEAKS, (f"sglang {version} was measured to leak: {r['leaked']}/{n} trial(s) of the unmodified "
+                           f"incident served other tenants' canaries with HTTP 200"
+                           + (f" (e.g. {w.get('victim_rid')} got {w.get('owner_tenant')}'s {w.get('matched')!r})" if w else ""))
+        if r["verdict"] == CLEAN:
+            return CLEAN, (f"sglang {version} was measured clean: no leak in {n}/{n} trial(s) of the unmodified incident "
+                           f"(hung in {r['hung']}, rejected with 4xx in {r['rejected_4xx']}); releases measured to "
+                           f"leak: {leaking}")
+        return UNMEASURED, f"sglang {version}: trials ran but {r['unmeasured']}/{n} could not see a leak (blind)"
+    measured = sorted(rows, key=version_key)
+    older = [r for r in measured if version_key(r) < vk and rows[r]["verdict"] != UNMEASURED]
+    newer = [r for r in measured if version_key(r) > vk and rows[r]["verdict"] != UNMEASURED]
+    if older and newer and rows[older[-1]]["verdict"] == rows[newer[0]]["verdict"]:
+        v = rows[older[-1]]["verdict"]
+        return v, (f"sglang {version} not measured; both neighbours {older[-1]} and {newer[0]} were measured "
+                   f"{'to leak' if v == LEAKS else 'clean'}; releases measured to leak: {leaking}")
+    if newer and not older and rows[newer[0]]["verdict"] == LEAKS:
+        return LEAKS, (f"sglang {version} not measured, older than {newer[0]}, which was measured to leak; "
+                       f"releases measured to leak: {leaking}")
+    return UNMEASURED, (f"sglang {version} not measured (measured: {', '.join(measured)}; leaking: {leaking}): "
+                        f"run kvchaos bisect --releases {version}")
+
+
+# --------------------------------------------------------------------------- rendering
+def render_markdown(table: dict, command: str | None = None, code_reading: dict | None = None) -> str:
+    rows, d = table["releases"], table["derived"]
+    w = table["workload"]
+    lines = ["# Which SGLang releases leak: the GLM-5.3 incident, unmodified, per release", ""]
+    if command:
+        lines += ["Produced by:", "", f"    {command}", ""]
+    lines += [f"Deployment: prefill KV pool {w['prefill_pool_tokens']} tokens < context 4096; the victim tenant's "
+              f"oversized prompts of {', '.join(map(str, w['oversized_tokens']))} tokens among 80 other requests; no "
+              f"mutation, no fault. Hung = an oversized prompt unanswered within {w['bound_s']:.0f} s.", "",
+              "| release | verdict | leaked | hung | rejected 4xx | oversized answered 200 | code reading predicts "
+              "| audit engine_version then | first witness |",
+              "|---|---|---|---|---|---|---|---|---|"]
+    for rel in sorted(rows, key=version_key):
+        r = rows[rel]
+        n = r["trials"]
+        wit = r.get("witness")
+        ws = (f"`{wit.get('victim_rid')}` got {wit.get('owner_tenant')}'s `{wit.get('matched')}`" if wit else "—")
+        lines.append(f"| {rel} | **{r['verdict']}** | {r['leaked']}/{n} | {r['hung']}/{n} | {r['rejected_4xx']}/{n} | "
+                     f"{r['oversized_answered_200']}/{n * r['oversized_per_trial']} | {r.get('code_prediction') or '—'} | "
+                     f"{', '.join(r.get('audit_engine_version') or ['—'])} | {ws} |")
+    lines += ["", f"- Measured to leak: {', '.join(d['leaking']) or 'none'}; unmeasured (blind): "
+              f"{', '.join(d['unmeasured']) or 'none'}.",
+              f"- First release from which every measured release is clean: **{d['first_clean'] or 'none'}**.",
+              f"- The incident write-up recommends >= {d['writeup_first_fixed']}."]
+    if d["writeup_disagreements"]:
+        lines += ["- Where measurement and the write-up disagree:"] + [f"  - {x}" for x in d["writeup_disagreements"]]
+    else:
+        lines.append("- Measurement and the write-up agree on every measured release.")
+    return "\n".join(lines) + "\n"
+
+
+def write_table(table: dict, out_dir: Path, command: str | None = None) -> tuple[Path, Path]:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    j, m = out_dir / "release_table.json", out_dir / "release_table.md"
+    j.write_text(json.dumps({**table, "command": command}, indent=2, default=str) + "\n")
+    m.write_text(render_markdown(table, command))
+    return j, m

@@ -1,0 +1,104 @@
+"""Which releases leak: the GLM-5.3 incident, unmodified, on each SGLang release (``kvchaos bisect``).
+
+One test per (release, trial): the release in its own environment (``scripts/setup-engine.sh``),
+deployed in the incident's shape (prefill pool < context), a fresh cluster, its own planted-leak
+self-test, then the incident's traffic (``kvchaos.releases.glm53_plans``, seed per trial) with no
+mutation and no fault armed. The test passes when the trial *measured* something (a leak, or a clean
+run with the power to see one); the experiment's own judgement is recorded unplanted, so a release that
+leaks is red in the run's report — the matrix never hides a leak. Each trial appends to
+``<run dir>/releases/trials.jsonl``; the table is rebuilt beside it after every trial.
+
+    kvchaos bisect --releases 0.5.19,0.5.23 --trials 3        (or: pytest -m bisect --kvchaos-releases ...)
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+
+from faults import FaultKit
+from kvchaos import releases
+from kvchaos.audit import audit
+from kvchaos.cluster import Cluster, ClusterSpec
+from kvchaos.oracles import HttpSemantics, Isolation, Liveness, Sensitivity
+from kvchaos.selftest import planted_leak_selftest
+from kvchaos.suite import server_field
+from kvchaos.workload import EventLog
+
+pytestmark = [pytest.mark.cluster, pytest.mark.slow, pytest.mark.bisect]
+
+
+def pytest_generate_tests(metafunc):
+    if {"release", "trial"} <= set(metafunc.fixturenames):
+        cfg = metafunc.config
+        try:
+            rels = releases.parse_releases(cfg.getoption("--kvchaos-releases"))
+        except ValueError as e:
+            raise pytest.UsageError(f"--kvchaos-releases: {e}") from None
+        n = cfg.getoption("--kvchaos-trials")
+        if n < 1:
+            raise pytest.UsageError(f"--kvchaos-trials {n}: at least 1")
+        cells = [(r, t) for r in rels for t in range(1, n + 1)]
+        metafunc.parametrize(("release", "trial"), cells, ids=[f"sglang-{r}-t{t}" for r, t in cells])
+
+
+@pytest.fixture
+def release_cluster(release, trial, kvchaos_spec, kvchaos_run_dir, kvchaos_reaper, kvchaos_policy):
+    """A fresh cluster of ``release`` in the incident's shape, with a policy gated by its own self-test."""
+    if kvchaos_spec.device != "cpu":
+        pytest.skip("release environments are built for the CPU profile")
+    try:
+        py = releases.engine_python(release)
+    except releases.ReleaseError as e:
+        pytest.fail(str(e), pytrace=False)
+    spec = ClusterSpec.from_dict({**kvchaos_spec.to_dict(), "name": f"cpu-sglang-{release}", "engine_python": py,
+                                  "prefill_args": releases.incident_prefill_args(kvchaos_spec.prefill_args)})
+    work = kvchaos_run_dir / "releases" / f"sglang-{release}-t{trial}"
+    c = Cluster(spec, work, reaper=kvchaos_reaper).start()
+    (work / "cluster.json").write_text(json.dumps(c.describe(), indent=2, default=str))
+    try:
+        policy = copy.copy(kvchaos_policy)  # the session's registry and flags; this cluster's own self-test
+        policy.selftest = None
+        policy.selftest = planted_leak_selftest(c, work, policy)
+        yield c, policy
+    finally:
+        left = c.stop()
+        assert not left, f"processes left after the sglang {release} cluster's teardown: {left}"
+
+
+def test_incident_unmodified_on_release(experiment, release_cluster, release, trial, kvchaos_run_dir):
+    c, policy = release_cluster
+    pf, dc = (c.server_info(r) for r in ("prefill", "decode"))
+    got = {r: server_field(i, "version") for r, i in (("prefill", pf), ("decode", dc))}
+    assert got == {"prefill": release, "decode": release}, got
+    # the incident's shape: prefill's pool below the context, the oversized prompts between its limit
+    # and decode's admission edge (pool minus the reserved decode tokens)
+    assert server_field(pf, "max_total_num_tokens") < server_field(pf, "context_length")
+    assert server_field(pf, "max_req_input_len") < min(releases.OVERSIZED)
+    assert max(releases.OVERSIZED) < server_field(dc, "max_total_num_tokens") - 512
+    seed = releases.GLM53_SEED + trial - 1
+    plans, victim = releases.glm53_plans(seed)
+    out = kvchaos_run_dir / "releases"
+    checks = [Isolation(), Sensitivity(), HttpSemantics(), Liveness(bound_s=releases.BOUND_S)]
+    with EventLog(out / f"sglang-{release}-t{trial}" / "faults.jsonl") as flog:
+        kit = FaultKit(c, flog)  # nothing armed: the agent only observes (KV pages sent per request)
+        with experiment(f"release-{release}-t{trial}", plans, checks, cluster=c, faults=kit, policy=policy, seed=seed,
+                        path=out / f"sglang-{release}-t{trial}" / "events.jsonl", concurrency=8,
+                        timeout_s=releases.BOUND_S, settle_s=0) as ex:
+            pass
+        assert not kit.heal_all()
+    rec = releases.trial_record(ex, plans, victim, release, trial, seed, policy.selftest)
+    # the operator's audit of this very cluster, judged by the committed table: it must never call a
+    # release PASS that this trial just saw leak (the table would be stale or the audit wrong)
+    ver = {c["id"]: c for c in audit(c.endpoints.prefill, c.endpoints.decode)["checks"]}["engine_version"]
+    rec["audit_engine_version"] = {"status": ver["status"], "detail": ver["detail"]}
+    with open(out / "trials.jsonl", "a") as f:
+        f.write(json.dumps(rec, default=str) + "\n")
+    trials = [json.loads(x) for x in (out / "trials.jsonl").read_text().splitlines() if x.strip()]
+    releases.write_table(releases.aggregate(trials), out)
+    ex.judge()  # unplanted: a release that leaks is red in this run's report
+    assert not (rec["leaked"] and ver["status"] == "pass"), f"audit PASSed sglang {release}, which leaked: {ver}"
+    assert rec["leaked"] is not None, (f"sglang {release} trial {trial} could not see a leak (isolation "
+                                       f"{ex.by['isolation'].status}: {ex.by['isolation'].summary}): unmeasured")

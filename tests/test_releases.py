@@ -1,0 +1,124 @@
+"""kvchaos.releases: the release matrix's bookkeeping. A blind trial is never "no leak", a release is
+clean only when every trial measured it clean, thresholds come from the rows (recomputed, never read
+back), and the audit's answer for an unmeasured release is UNKNOWN unless measured neighbours agree."""
+
+import json
+from types import SimpleNamespace
+
+import pytest
+
+from kvchaos import releases as R
+from kvchaos.oracles import Verdict
+from kvchaos.workload.plan import RequestPlan
+
+
+def trial(rel, n, leaked, hung=False, four=False):
+    w = {"victim_rid": f"g-{n}-t015", "owner_tenant": "t003", "matched": "ABC"} if leaked else None
+    return {"release": rel, "trial": n, "leaked": leaked, "hung": hung, "rejected_4xx": four,
+            "answered_200": 4 if leaked else 0, "first_witness": w, "experiment": f"x-{rel}-{n}"}
+
+
+def table(**verdicts):
+    rows = {}
+    for rel, v in verdicts.items():
+        rel = rel.replace("_", ".")
+        t = [trial(rel, i, {"leaks": True, "clean": False, "unknown": None}[v]) for i in (1, 2, 3)]
+        rows.update(R.aggregate(t)["releases"])
+    return {"releases": rows, "derived": R.derive(rows)}
+
+
+def test_parse_releases():
+    assert R.parse_releases("0.5.23, 0.5.19,0.5.19") == ["0.5.19", "0.5.23"]
+    with pytest.raises(ValueError, match="'0.5.x'"):
+        R.parse_releases("0.5.19,0.5.x")
+    with pytest.raises(ValueError, match="no releases"):
+        R.parse_releases(" , ")
+
+
+def test_a_blind_trial_is_never_counted_clean():
+    rows = R.aggregate([trial("0.5.22", 1, False), trial("0.5.22", 2, None), trial("0.5.22", 3, False)])["releases"]
+    assert rows["0.5.22"]["verdict"] == R.UNMEASURED and rows["0.5.22"]["unmeasured"] == 1
+    rows = R.aggregate([trial("0.5.22", 1, False), trial("0.5.22", 2, True), trial("0.5.22", 3, None)])["releases"]
+    assert rows["0.5.22"]["verdict"] == R.LEAKS and rows["0.5.22"]["witness"]["owner_tenant"] == "t003"
+    rows = R.aggregate([trial("0.5.23", i, False, hung=True) for i in (1, 2, 3)])["releases"]
+    assert rows["0.5.23"]["verdict"] == R.CLEAN and rows["0.5.23"]["hung"] == 3
+    # a release asked for whose trials never ran is in the table, unmeasured
+    rows = R.aggregate([], releases=["0.5.21"])["releases"]
+    assert rows["0.5.21"]["verdict"] == R.UNMEASURED and rows["0.5.21"]["trials"] == 0
+
+
+def test_first_clean_needs_every_later_release_clean_and_disagreements_with_the_writeup():
+    d = table(**{"0_5_19": "leaks", "0_5_20": "leaks", "0_5_21": "clean", "0_5_22": "clean", "0_5_23": "clean"})["derived"]
+    assert d["first_clean"] == "0.5.21" and d["leaking"] == ["0.5.19", "0.5.20"]
+    assert d["writeup_disagreements"] == ["0.5.21: the write-up's >= 0.5.22 calls it unfixed, measured clean (no leak in 3 trial(s))"]
+    d = table(**{"0_5_19": "leaks", "0_5_21": "clean", "0_5_22": "leaks", "0_5_23": "clean"})["derived"]
+    assert d["first_clean"] == "0.5.23"
+    assert any("0.5.22: the write-up's >= 0.5.22 calls it fixed, measured to leak" in x for x in d["writeup_disagreements"])
+    d = table(**{"0_5_22": "clean", "0_5_23": "unknown"})["derived"]
+    assert d["first_clean"] is None and d["unmeasured"] == ["0.5.23"]
+
+
+def test_assess_answers_from_measurement():
+    t = table(**{"0_5_19": "leaks", "0_5_21": "leaks", "0_5_22": "clean", "0_5_23": "clean", "0_5_24": "unknown"})
+    st = {v: R.assess(v, t)[0] for v in ("0.5.19", "0.5.20", "0.5.18", "0.5.22", "0.5.23", "0.5.24", "0.5.25", "0.6.0")}
+    assert st == {"0.5.19": R.LEAKS, "0.5.20": R.LEAKS,   # between two leaking releases
+                  "0.5.18": R.LEAKS,                       # older than the oldest, which leaks
+                  "0.5.22": R.CLEAN, "0.5.23": R.CLEAN,
+                  "0.5.24": R.UNMEASURED,                  # its trials were blind
+                  "0.5.25": R.UNMEASURED, "0.6.0": R.UNMEASURED}  # newer than anything measured
+    assert "run kvchaos bisect --releases 0.6.0" in R.assess("0.6.0", t)[1]
+    assert "t003" in R.assess("0.5.19", t)[1]  # the witness is in the message
+    assert R.assess("0.5.23", None)[0] == R.UNMEASURED
+    t2 = table(**{"0_5_19": "leaks", "0_5_23": "clean"})
+    assert R.assess("0.5.21", t2)[0] == R.UNMEASURED  # neighbours disagree: no interpolation
+    with pytest.raises(ValueError):
+        R.assess("main", t2)
+
+
+def test_load_table_recomputes_derived_and_rejects_bad_rows(tmp_path):
+    t = table(**{"0_5_19": "leaks", "0_5_23": "clean"})
+    t["derived"] = {"first_clean": "0.5.19"}  # a hand-edited threshold is not trusted
+    p = tmp_path / "t.json"
+    p.write_text(json.dumps(t))
+    assert R.load_table(p)["derived"]["first_clean"] == "0.5.23"
+    t["releases"]["0.5.23"]["verdict"] = "fine"
+    p.write_text(json.dumps(t))
+    with pytest.raises(R.ReleaseError, match="0.5.23: verdict 'fine'"):
+        R.load_table(p)
+    p.write_text("{")
+    with pytest.raises(R.ReleaseError, match="not JSON"):
+        R.load_table(p)
+    assert R.load_table(tmp_path / "absent.json") is None
+
+
+def test_trial_record_reads_the_experiment(tmp_path):
+    plans, victim = R.glm53_plans(53)
+    big = [p for p in plans if p.oversized]
+    assert victim == "t015" and [p.n_tokens for p in big] == list(R.OVERSIZED)
+    assert all(p.tenant != victim for p in plans if not p.oversized)
+    ends = [{"ev": "end", "rid": p.rid, "outcome": "ok", "status": 200, "latency_s": 0.5} for p in plans]
+    ends[-1] = {"ev": "end", "rid": plans[-1].rid, "outcome": "timeout", "latency_s": 30.0}
+    ev = [{"ev": "experiment", "engine": {"roles": {"prefill": "0.5.19", "decode": "0.5.19"}}}] + ends + [
+        {"ev": "agent", "agent_ev": "transfer_start", "rid": big[0].rid, "pages": 1}]
+    wit = {"victim_rid": big[0].rid, "victim_tenant": victim, "owner_tenant": "t002", "owner_rid": "g53-000003-t002",
+           "matched": "ABCDEFGHIJ", "origin": "this log"}
+    ex = SimpleNamespace(events=ev, id="x1", path=tmp_path / "r" / "events.jsonl", run_dir=tmp_path,
+                         verdicts=[Verdict("isolation", "fail", "leak", [wit]), Verdict("sensitivity", "pass", "ok")])
+    ex.by = {v.oracle: v for v in ex.verdicts}
+    rec = R.trial_record(ex, plans, victim, "0.5.19", 1, 53, {"status": "caught"})
+    assert rec["leaked"] is True and rec["cross_tenant_witnesses"] == 1 and rec["first_witness"]["owner_tenant"] == "t002"
+    assert rec["answered_200"] == 4 and not rec["hung"] and not rec["rejected_4xx"]
+    assert rec["oversized"][big[0].rid]["kv_pages_sent"] == 1 and rec["events"] == "r/events.jsonl"
+    assert rec["bystanders"] == {"n": 80, "timeouts": 1, "ok": 79} and rec["selftest"] == "caught"
+    ex.verdicts[0] = Verdict("isolation", "unknown", "not enough echo")
+    ex.by = {v.oracle: v for v in ex.verdicts}
+    assert R.trial_record(ex, plans, victim, "0.5.19", 1, 53)["leaked"] is None  # blind: not "no leak"
+    assert isinstance(plans[0], RequestPlan)
+
+
+def test_render_names_every_release_and_the_writeup():
+    t = table(**{"0_5_19": "leaks", "0_5_21": "clean"})
+    t["workload"] = R.aggregate([])["workload"]
+    md = R.render_markdown(t, "kvchaos bisect --releases 0.5.19,0.5.21 --trials 3")
+    assert "| 0.5.19 | **leaks** | 3/3 |" in md and "| 0.5.21 | **clean** | 0/3 |" in md
+    assert "recommends >= 0.5.22" in md and "0.5.21: the write-up's" in md
