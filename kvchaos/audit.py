@@ -8,9 +8,14 @@ Each check is PASS / FAIL / UNKNOWN with the numbers it judged and what to do:
                            on decode, the pool minus ``num_reserved_decode_tokens`` (what a prompt can
                            get pre-allocated). A pool below the context is the incident's configuration:
                            prompts in between go down the reject path (pre-fix: leaked; 0.5.23: hang).
-* ``engine_version``       both roles at or above the releases with PR #36988 (0.5.20: no PD admission
-                           of a request rejected at intake) and PR #38935 (0.5.21: the PD queues see
-                           ``to_finish``); open PR #38704 (transferred-length check) is in no release.
+* ``engine_version``       each role's release as *measured* by ``kvchaos bisect`` (the committed
+                           reports/releases/release_table.json; ``--release-table`` for another): FAIL
+                           on a release measured to leak (or older than the oldest measured, which
+                           leaked), PASS only on one measured clean, UNKNOWN otherwise (``kvchaos
+                           bisect --releases V`` measures it). The message names the releases measured
+                           to leak and the fixes with the first release that has them by the code
+                           (reports/releases/code-reading.md: #36988 in 0.5.20, #38935 in 0.5.21);
+                           open PR #38704 (transferred-length check) is in no release.
 * ``deferred_kv_release``  ``SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE`` on each role (decode
                            keeps an aborted transfer's pages until in-flight writes drain). Not in
                            ``/server_info``: read from the server process's environment when it runs on
@@ -20,6 +25,11 @@ Each check is PASS / FAIL / UNKNOWN with the numbers it judged and what to do:
 * ``kv_integrity``         ``--disaggregation-enable-kv-checksum`` on both roles, or ``--kv-canary``
                            log/raise (both CUDA-only in 0.5.23; absent from older releases).
 * ``router_workers``       (with ``--router``) the router lists the audited prefill and decode, healthy.
+* ``lb_first_token``       (with ``--router``; checklist item 5) the load balancer lets a request run
+                           to its first token: one streaming and one non-streaming ``/generate`` with a
+                           unique rid, the client gone 50 ms after sending; FAIL when prefill or decode
+                           then counts an abort (``sglang:num_aborted_requests_total``), UNKNOWN when
+                           a token came first or the metric is not exported. Sends two requests.
 
 Exit status: 0 no FAIL, 1 at least one FAIL (``--strict``: UNKNOWN counts as FAIL), 2 bad input or an
 unreachable node.
@@ -27,19 +37,21 @@ unreachable node.
 
 from __future__ import annotations
 
-import re
+import json
+import time
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from urllib.parse import urlparse
 
 import httpx
 
 PASS, FAIL, UNKNOWN = "pass", "fail", "unknown"
-FIXES = (("0.5.20", "#36988", "a request rejected at intake is no longer admitted to the PD bootstrap queue"),
-         ("0.5.21", "#38935", "the PD queues treat a parked abort (to_finish) as finished"))
+FIXES = (("#36988", "prefill retires an aborted request's result before sending KV: _retire_aborted_prefill_result"),
+         ("#38935", "a request rejected at intake is not admitted to the PD handoff: is_unadmitted_reject"))
 OPEN_PRS = ("#38704 (decode checks the transferred KV length; open, in no release)",)
-# defaults read in the releases' own srt/environ.py (kvchaos checked these two; others are unknown)
-DEFERRED_DEFAULT = {"0.5.19": False, "0.5.23": True}
-BATCH_BOUND_SUPPORTED = {"0.5.19": False, "0.5.23": True}
+# defaults read in each release's own srt/environ.py (reports/releases/code-reading.md); others unknown
+DEFERRED_DEFAULT = {"0.5.19": False, "0.5.20": False, "0.5.21": True, "0.5.22": True, "0.5.23": True}
+BATCH_BOUND_SUPPORTED = {"0.5.19": False, "0.5.20": True, "0.5.21": True, "0.5.22": True, "0.5.23": True}
 ENV_DEFERRED = "SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE"
 ENV_BATCH = "SGLANG_MOONCAKE_MAX_TRANSFER_BATCH_INDICES"
 
@@ -59,13 +71,6 @@ class Check:
 
     def to_dict(self) -> dict:
         return asdict(self)
-
-
-def version_tuple(v: str) -> tuple:
-    m = re.match(r"(\d+)\.(\d+)\.(\d+)", str(v or ""))
-    if not m:
-        raise ValueError(f"not a release version: {v!r}")
-    return tuple(int(x) for x in m.groups())
 
 
 def field_of(info, key):
@@ -100,29 +105,45 @@ def check_pool(role: str, info: dict) -> Check:
     return Check("pool_vs_context", role, PASS, title, nums, f"{what} {usable} >= context {ctx}")
 
 
-def check_versions(infos: dict) -> Check:
+def check_versions(infos: dict, table: dict | None = None, reading: dict | None = None) -> Check:
+    """Each role's release judged by what it was *measured* to do (``kvchaos bisect``'s committed table,
+    :func:`kvchaos.releases.assess`), not by PR numbers: FAIL when a role runs a release measured to
+    leak (or older than one), PASS only when every role's release was measured clean, else UNKNOWN."""
+    from kvchaos import releases as R
+
     vers = {r: field_of(i, "version") for r, i in infos.items()}
-    nums = {"versions": vers, "fixes": {pr: rel for rel, pr, _ in FIXES}, "open": list(OPEN_PRS)}
-    missing, bad = {}, []
+    title = "engine release vs the measured release table"
+    prs = {pr: (reading or {}).get("prs", {}).get(pr, {}).get("first_release") for pr, _ in FIXES}
+    nums = {"versions": vers, "table": None, "fixes": {pr: {"what": what, "first_release_by_code": prs[pr]}
+                                                       for pr, what in FIXES}, "open": list(OPEN_PRS)}
+    if table is not None:
+        d = table["derived"]
+        nums["table"] = {"measured": {r: row["verdict"] for r, row in table["releases"].items()},
+                         "leaking": d["leaking"], "first_clean": d["first_clean"],
+                         "writeup_first_fixed": d["writeup_first_fixed"], "disagreements": d["writeup_disagreements"]}
+    per, bad = {}, []
     for role, v in vers.items():
         try:
-            vt = version_tuple(v)
+            per[role] = R.assess(v, table)
         except ValueError:
             bad.append(f"{role}: {v!r}")
-            continue
-        miss = [f"{pr} ({rel}: {what})" for rel, pr, what in FIXES if vt < version_tuple(rel)]
-        if miss:
-            missing[role] = miss
-    if missing:
-        return Check("engine_version", "both", FAIL, "engine version vs the fix releases", nums,
-                     "; ".join(f"{r} {vers[r]} lacks " + ", ".join(m) for r, m in missing.items()))
-    if bad:
-        return Check("engine_version", "both", UNKNOWN, "engine version vs the fix releases", nums,
-                     "no release version reported: " + ", ".join(bad))
+    nums["assessed"] = {r: a[0] for r, a in per.items()}
+    fixes = "; ".join(f"{pr} ({what}; first in {prs[pr] or 'a release kvchaos has not read'} by the code)"
+                      for pr, what in FIXES)
+    leak = {r: why for r, (st, why) in per.items() if st == R.LEAKS}
+    if leak:
+        return Check("engine_version", "both", FAIL, title, nums,
+                     "; ".join(f"{r}: {why}" for r, why in leak.items())
+                     + f". Upgrade to a release measured clean (from {nums['table']['first_clean'] if table else '?'}). "
+                     f"The fixes: {fixes}")
+    unknown = {r: why for r, (st, why) in per.items() if st == R.UNMEASURED}
+    if bad or unknown:
+        return Check("engine_version", "both", UNKNOWN, title, nums,
+                     "; ".join([f"no release version reported: {', '.join(bad)}"] if bad else []
+                               + [f"{r}: {why}" for r, why in unknown.items()]))
     note = "" if len(set(vers.values())) == 1 else f"; roles run different releases: {vers}"
-    return Check("engine_version", "both", PASS, "engine version vs the fix releases", nums,
-                 f"{', '.join(f'{r} {v}' for r, v in vers.items())} include #36988 and #38935{note}; "
-                 f"still open upstream: {OPEN_PRS[0]}")
+    return Check("engine_version", "both", PASS, title, nums,
+                 "; ".join(f"{r}: {why}" for r, (_, why) in per.items()) + f"{note}; still open upstream: {OPEN_PRS[0]}")
 
 
 def _env_setting(role, info, env, var, defaults):
@@ -222,6 +243,108 @@ def check_router(workers: list | None, prefill: str, decode: str, error: str | N
     return Check("router_workers", "router", PASS, title, nums, "both listed and healthy")
 
 
+ABORTS = "sglang:num_aborted_requests_total"  # TokenizerManager.abort_request, with --enable-metrics
+REQUESTS = "sglang:num_requests_total"  # same collector (observability/metrics_collector.py)
+LB_MODES = ("stream", "nonstream")
+
+
+def check_lb_first_token(probes: list[dict]) -> Check:
+    """Checklist item 5: the load balancer must let a request run at least to its first token (or
+    never abort mid-transfer). Judged from :func:`lb_probe` results: a client that left before the
+    first token must not have turned into an abort on prefill or decode."""
+    title = "load balancer lets a request run to its first token"
+    nums = {"probes": probes}
+    seen = [p for p in probes if p.get("aborts") is not None and not p.get("token_before_close")]
+    aborted = [p for p in seen if any((d or 0) > 0 for d in p["aborts"].values())]
+    if aborted:
+        p = aborted[0]
+        where = ", ".join(f"{r} +{d:g}" for r, d in p["aborts"].items() if d)
+        return Check("lb_first_token", "router", FAIL, title, nums,
+                     f"{len(aborted)}/{len(seen)} probe(s): the client left {p['disconnect_ms']:.0f} ms after sending "
+                     f"({p['mode']}, {p['bytes_before_close']} bytes received, no token) and the router turned it into "
+                     f"abort(s) on {where} ({ABORTS}; rid {p['rid']}): aborts before the first token need "
+                     "cross-node coordination (decode's pre-allocated pages, prefill's in-flight KV write). Keep the "
+                     "LB from cancelling upstream before the first token (sglang-router 0.3.2 and mini-lb both "
+                     "cancel streaming requests; see README). Counts any other abort in the window: audit a quiet "
+                     "deployment.")
+    why = [p.get("why") or "a token arrived before the disconnect (raise the prompt size or lower --lb-disconnect-ms)"
+           for p in probes if p not in seen]
+    if not seen or why:
+        return Check("lb_first_token", "router", UNKNOWN, title, nums,
+                     "; ".join(why) or "no probe ran")
+    return Check("lb_first_token", "router", PASS, title, nums,
+                 f"{len(seen)} probe(s) ({', '.join(p['mode'] for p in seen)}): the client left before the first token "
+                 "and neither prefill nor decode counted an abort; the request ran on")
+
+
+def lb_probe(router: str, prefill: str, decode: str, mode: str = "stream", *, prompt_tokens: int = 1000,
+             disconnect_ms: float = 50.0, settle_s: float = 6.0, before_send=None, timeout: float = 15.0) -> dict:
+    """Send one ``/generate`` through the router with a unique rid and close the connection
+    ``disconnect_ms`` after sending (before the first token), then read whether prefill and decode
+    counted an abort (``sglang:num_aborted_requests_total`` delta, read after ``settle_s``: SGLang
+    notices a dropped non-streaming connection only at its 4 s poll). ``before_send(rid)`` may widen
+    the window (a test arms a transfer delay on that rid)."""
+    import socket
+    import uuid
+
+    from kvchaos.cluster.metrics import Metrics
+
+    if mode not in LB_MODES:
+        raise AuditError(f"lb probe mode {mode!r}: one of {', '.join(LB_MODES)}")
+    rid = f"kvchaos-audit-lb-{mode}-{uuid.uuid4().hex[:8]}"
+    out = {"rid": rid, "mode": mode, "disconnect_ms": disconnect_ms, "prompt_tokens": prompt_tokens}
+    before = {}
+    for role, url in (("prefill", prefill), ("decode", decode)):
+        try:
+            before[role] = Metrics.fetch(url, timeout)
+        except (httpx.HTTPError, ValueError) as e:
+            return {**out, "aborts": None, "why": f"{role} {url}/metrics unreadable ({e!r}): run it with --enable-metrics"}
+    if before_send is not None:
+        before_send(rid)
+    words = ("lorem ipsum dolor sit amet consectetur adipiscing elit sed do " * (prompt_tokens // 5 + 1))
+    body = json.dumps({"text": words[:prompt_tokens], "rid": rid, "stream": mode == "stream",
+                       "sampling_params": {"max_new_tokens": 32, "temperature": 0}}).encode()
+    u = urlparse(router.rstrip("/") + "/generate")
+    req = (f"POST {u.path} HTTP/1.1\r\nHost: {u.hostname}:{u.port or 80}\r\nContent-Type: application/json\r\n"
+           f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n").encode() + body
+    got = b""
+    try:
+        with socket.create_connection((u.hostname, u.port or 80), timeout=timeout) as sock:
+            sock.sendall(req)
+            deadline = time.monotonic() + disconnect_ms / 1000
+            while (left := deadline - time.monotonic()) > 0:
+                sock.settimeout(left)
+                try:
+                    chunk = sock.recv(65536)
+                except socket.timeout:
+                    break
+                if not chunk:
+                    break
+                got += chunk
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")  # RST
+    except OSError as e:
+        return {**out, "aborts": None, "why": f"router {router}: {e!r}"}
+    head, _, rest = got.partition(b"\r\n\r\n")
+    out.update(bytes_before_close=len(got), headers=head.split(b"\r\n")[0].decode(errors="replace") if got else None,
+               token_before_close=b'"text"' in rest or b"data:" in rest)
+    time.sleep(settle_s)
+    aborts, after = {}, {}
+    for role, url in (("prefill", prefill), ("decode", decode)):
+        try:
+            after[role] = Metrics.fetch(url, timeout)
+        except (httpx.HTTPError, ValueError) as e:
+            return {**out, "aborts": None, "why": f"{role} {url}/metrics unreadable after the probe ({e!r})"}
+        aborts[role] = after[role].delta(before[role], ABORTS)
+    # SGLang's multiprocess metrics declare a labelled counter only at its first increment; the
+    # tokenizer collector that owns it (in 0.5.19-0.5.23) declares num_requests once any request ends
+    blind = [r for r in after if not any(m.declares(x) for m in (before[r], after[r]) for x in (ABORTS, REQUESTS))]
+    if blind:
+        return {**out, "aborts": None, "why": f"{', '.join(blind)} exports neither {ABORTS} nor {REQUESTS} "
+                                              "(--enable-metrics off, or a release kvchaos has not read)"}
+    out["aborts"] = aborts
+    return out
+
+
 # --------------------------------------------------------------------------- gathering
 def fetch_info(url: str, timeout: float = 15.0) -> dict:
     for path in ("/server_info", "/get_server_info"):
@@ -262,7 +385,28 @@ def local_env(url: str) -> tuple[dict | None, str]:
     return None, f"no process of this host listens on port {p.port}"
 
 
-def audit(prefill: str, decode: str, router: str | None = None, timeout: float = 15.0) -> dict:
+def release_evidence(path=None) -> tuple[dict | None, dict | None]:
+    """The measured release table (``kvchaos bisect``; ``path`` or the committed one) and the code
+    reading of each release (reports/releases/code-reading.json), each None when absent."""
+    from kvchaos import releases as R
+
+    if path is not None and not Path(path).exists():
+        raise AuditError(f"--release-table {path}: no such file")
+    try:
+        table = R.load_table(path)
+    except (R.ReleaseError, ValueError) as e:
+        raise AuditError(f"release table: {e}") from None
+    reading = None
+    if R.CODE_READING_FILE.exists():
+        try:
+            reading = json.loads(R.CODE_READING_FILE.read_text())
+        except ValueError as e:
+            raise AuditError(f"{R.CODE_READING_FILE}: not JSON ({e})") from None
+    return table, reading
+
+
+def audit(prefill: str, decode: str, router: str | None = None, timeout: float = 15.0,
+          release_table: str | None = None, lb_modes=LB_MODES, lb_disconnect_ms: float = 50.0) -> dict:
     for name, u in (("prefill", prefill), ("decode", decode), ("router", router)):
         if u is not None and urlparse(u).scheme not in ("http", "https"):
             raise AuditError(f"--{name} {u!r}: expected an http(s) URL such as http://127.0.0.1:30000")
@@ -275,7 +419,9 @@ def audit(prefill: str, decode: str, router: str | None = None, timeout: float =
     envs, env_src = {}, {}
     for role, url in (("prefill", prefill), ("decode", decode)):
         envs[role], env_src[role] = local_env(url)
-    checks = [check_pool("prefill", infos["prefill"]), check_pool("decode", infos["decode"]), check_versions(infos)]
+    table, reading = release_evidence(release_table)
+    checks = [check_pool("prefill", infos["prefill"]), check_pool("decode", infos["decode"]),
+              check_versions(infos, table, reading)]
     for role in ("prefill", "decode"):
         checks.append(check_deferred(role, infos[role], envs[role]))
     for role in ("prefill", "decode"):
@@ -288,6 +434,11 @@ def audit(prefill: str, decode: str, router: str | None = None, timeout: float =
             checks.append(check_router(ws, prefill, decode, None if ws is not None else f"GET /workers: HTTP {r.status_code}"))
         except (httpx.HTTPError, ValueError) as e:
             checks.append(check_router(None, prefill, decode, f"router {router}: {e!r}"))
+        if lb_modes:
+            n = max(16, min(1000, (field_of(infos["prefill"], "max_req_input_len") or 1000) - 16))
+            checks.append(check_lb_first_token([lb_probe(router, prefill, decode, m, prompt_tokens=n,
+                                                         disconnect_ms=lb_disconnect_ms, timeout=timeout)
+                                                for m in lb_modes]))
     counts = {s: sum(c.status == s for c in checks) for s in (PASS, FAIL, UNKNOWN)}
     return {"targets": {"prefill": prefill, "decode": decode, "router": router}, "environment_source": env_src,
             "checks": [c.to_dict() for c in checks], "counts": counts}

@@ -291,7 +291,9 @@ def render_markdown(table: dict, command: str | None = None, code_reading: dict 
         lines.append(f"| {rel} | **{r['verdict']}** | {r['leaked']}/{n} | {r['hung']}/{n} | {r['rejected_4xx']}/{n} | "
                      f"{r['oversized_answered_200']}/{n * r['oversized_per_trial']} | {r.get('code_prediction') or '—'} | "
                      f"{', '.join(r.get('audit_engine_version') or ['—'])} | {ws} |")
-    lines += ["", f"- Measured to leak: {', '.join(d['leaking']) or 'none'}; unmeasured (blind): "
+    lines += ["", "(*audit engine_version then*: `kvchaos audit` of each trial's live cluster, judged by the release "
+              "table committed when the trial ran; unknown while there was none.)",
+              "", f"- Measured to leak: {', '.join(d['leaking']) or 'none'}; unmeasured (blind): "
               f"{', '.join(d['unmeasured']) or 'none'}.",
               f"- First release from which every measured release is clean: **{d['first_clean'] or 'none'}**.",
               f"- The incident write-up recommends >= {d['writeup_first_fixed']}."]

@@ -42,23 +42,63 @@ def test_pool_at_or_above_context_passes(infos):
     assert A.check_pool("decode", {"version": "0.5.23"}).status == A.UNKNOWN
 
 
-@pytest.mark.parametrize("versions,status,named", [
-    (("0.5.23", "0.5.23"), A.PASS, []),
-    (("0.5.19", "0.5.19"), A.FAIL, ["#36988", "#38935"]),
-    (("0.5.20", "0.5.23"), A.FAIL, ["#38935"]),          # prefill has the gate, not the to_finish fix
-    (("0.5.21", "0.5.21"), A.PASS, []),
-    (("main", "0.5.23"), A.UNKNOWN, []),
+def measured(**verdicts):
+    """A release table as kvchaos bisect writes it: 3 trials per release, leaking or clean."""
+    from kvchaos import releases as R
+
+    trials = [{"release": r.replace("_", "."), "trial": i, "leaked": v == "leaks", "hung": False, "rejected_4xx": False,
+               "answered_200": 0, "experiment": "x", "first_witness": {"victim_rid": "g53-000081-t015", "owner_tenant": "t004",
+                                                                       "matched": "KQ2ZVOPR7A"} if v == "leaks" else None}
+              for r, v in verdicts.items() for i in (1, 2, 3)]
+    return R.aggregate(trials)
+
+
+TABLE = dict(_0_5_19="leaks", _0_5_20="leaks", _0_5_21="clean", _0_5_22="clean", _0_5_23="clean")
+
+
+@pytest.mark.parametrize("versions,status,said", [
+    (("0.5.23", "0.5.23"), A.PASS, ["measured clean", "#38704"]),   # still open upstream: said, not hidden
+    (("0.5.19", "0.5.19"), A.FAIL, ["measured to leak: 3/3", "t004", "#36988", "#38935", "from 0.5.21"]),
+    (("0.5.20", "0.5.23"), A.FAIL, ["prefill: sglang 0.5.20 was measured to leak"]),
+    (("0.5.21", "0.5.21"), A.PASS, ["measured clean"]),
+    (("0.5.18", "0.5.23"), A.FAIL, ["older than 0.5.19"]),            # older than the oldest, which leaks
+    (("0.5.24", "0.5.24"), A.UNKNOWN, ["not measured", "kvchaos bisect --releases 0.5.24"]),
+    (("main", "0.5.23"), A.UNKNOWN, ["no release version reported"]),
 ])
-def test_version_against_fix_releases(infos, versions, status, named):
+def test_version_judged_by_the_measured_table(infos, versions, status, said):
+    t = measured(**{k[1:]: v for k, v in TABLE.items()})
     c = A.check_versions({"prefill": with_fields(infos["prefill"], version=versions[0]),
-                          "decode": with_fields(infos["decode"], version=versions[1])})
+                          "decode": with_fields(infos["decode"], version=versions[1])}, t)
     assert c.status == status, c
-    for pr in named:
-        assert pr in c.detail
-    if status == A.FAIL and "#36988" not in named:
-        assert "#36988" not in c.detail
-    if status == A.PASS:
-        assert "#38704" in c.detail  # still open upstream: said, not hidden
+    for x in said:
+        assert x in c.detail, (x, c.detail)
+    assert c.numbers["table"]["leaking"] == ["0.5.19", "0.5.20"] and c.numbers["table"]["first_clean"] == "0.5.21"
+
+
+def test_version_without_a_table_is_unknown_not_pass(infos):
+    c = A.check_versions(infos, None)
+    assert c.status == A.UNKNOWN and "no release table" in c.detail
+
+
+def test_the_committed_table_and_the_audit_agree(infos):
+    """Each release of the committed table (kvchaos bisect --out reports/releases) audits as measured."""
+    from kvchaos import releases as R
+
+    t = R.load_table()
+    if t is None:
+        pytest.skip("no committed release table")
+    want = {R.LEAKS: A.FAIL, R.CLEAN: A.PASS, R.UNMEASURED: A.UNKNOWN}
+    for rel, row in t["releases"].items():
+        c = A.check_versions({r: with_fields(i, version=rel) for r, i in infos.items()}, t)
+        assert c.status == want[row["verdict"]], (rel, row["verdict"], c.detail)
+
+
+def test_a_bad_release_table_is_bad_input(tmp_path):
+    with pytest.raises(A.AuditError, match="no such file"):
+        A.release_evidence(tmp_path / "nope.json")
+    (tmp_path / "t.json").write_text('{"releases": {"0.5.19": {"verdict": "maybe"}}}')
+    with pytest.raises(A.AuditError, match="verdict 'maybe'"):
+        A.release_evidence(tmp_path / "t.json")
 
 
 def test_deferred_release_from_environment_then_release_default(infos):
@@ -70,7 +110,9 @@ def test_deferred_release_from_environment_then_release_default(infos):
     assert on.status == A.PASS and "default of sglang 0.5.23" in on.numbers["source"]
     off = A.check_deferred("decode", with_fields(infos["decode"], version="0.5.19"), None)
     assert off.status == A.FAIL and "not readable" in off.numbers["source"]
-    assert A.check_deferred("decode", with_fields(infos["decode"], version="0.5.22"), None).status == A.UNKNOWN
+    assert A.check_deferred("decode", with_fields(infos["decode"], version="0.5.20"), None).status == A.FAIL
+    assert A.check_deferred("decode", with_fields(infos["decode"], version="0.5.21"), None).status == A.PASS
+    assert A.check_deferred("decode", with_fields(infos["decode"], version="0.6.0"), None).status == A.UNKNOWN
 
 
 def test_mooncake_batch_bound(infos):
@@ -119,3 +161,43 @@ def test_bad_targets_name_the_problem():
         A.audit("localhost:3000", "http://127.0.0.1:1")
     with pytest.raises(A.AuditError, match="127.0.0.1:9: not reachable"):
         A.audit("http://127.0.0.1:9", "http://127.0.0.1:9", timeout=2)
+
+
+def probe(mode="stream", aborts=None, token=False, why=None):
+    return {"rid": f"kvchaos-audit-lb-{mode}-1", "mode": mode, "disconnect_ms": 50, "bytes_before_close": 0,
+            "token_before_close": token, "aborts": aborts, **({"why": why} if why else {})}
+
+
+def test_lb_first_token_fails_on_an_abort_before_the_first_token():
+    c = A.check_lb_first_token([probe("stream", {"prefill": 1, "decode": 1}), probe("nonstream", {"prefill": 0, "decode": 0})])
+    assert c.status == A.FAIL and "prefill +1, decode +1" in c.detail and "kvchaos-audit-lb-stream-1" in c.detail
+    c = A.check_lb_first_token([probe("nonstream", {"prefill": 0, "decode": 1})])
+    assert c.status == A.FAIL and "decode +1" in c.detail and "prefill +" not in c.detail
+
+
+def test_lb_first_token_passes_only_with_conclusive_probes():
+    assert A.check_lb_first_token([probe("nonstream", {"prefill": 0, "decode": 0})]).status == A.PASS
+    # a token before the disconnect, or no metrics: not evidence either way
+    c = A.check_lb_first_token([probe("nonstream", {"prefill": 0, "decode": 0}), probe("stream", {"prefill": 0, "decode": 0}, token=True)])
+    assert c.status == A.UNKNOWN and "token arrived before" in c.detail
+    c = A.check_lb_first_token([probe("stream", None, why="decode /metrics unreadable")])
+    assert c.status == A.UNKNOWN and "unreadable" in c.detail
+    assert A.check_lb_first_token([]).status == A.UNKNOWN
+
+
+def test_lb_probe_bad_mode_is_bad_input():
+    with pytest.raises(A.AuditError, match="lb probe mode 'sse'"):
+        A.lb_probe("http://127.0.0.1:9", "http://127.0.0.1:9", "http://127.0.0.1:9", "sse")
+    r = A.lb_probe("http://127.0.0.1:9", "http://127.0.0.1:9", "http://127.0.0.1:9", "stream", timeout=2)
+    assert r["aborts"] is None and "/metrics unreadable" in r["why"]
+
+
+def test_a_labelled_counter_is_declared_only_once_incremented():
+    """SGLang's multiprocess /metrics shows a labelled counter only after its first increment: the
+    probe then needs the collector's sibling (num_requests) to tell 'no abort' from 'no metric'."""
+    from kvchaos.cluster.metrics import Metrics
+
+    fresh = Metrics.parse("# HELP sglang:num_requests_total n\n# TYPE sglang:num_requests_total counter\n"
+                          'sglang:num_requests_total{model_name="m"} 3.0\n')
+    assert fresh.declares(A.REQUESTS) and not fresh.declares(A.ABORTS) and fresh.value(A.ABORTS) == 0.0
+    assert Metrics.parse('sglang:num_aborted_requests_total{model_name="m"} 1.0\n').declares(A.ABORTS)

@@ -16,17 +16,25 @@ class Sample:
 
 
 class Metrics:
-    def __init__(self, samples: list[Sample]):
+    def __init__(self, samples: list[Sample], families: set | None = None):
         self.samples = samples
+        self.families = set(families or ())  # declared metric families, with or without samples yet
 
     @classmethod
     def parse(cls, text: str) -> "Metrics":
-        out = []
+        out, fams = [], set()
         for fam in text_string_to_metric_families(text):
+            fams.add(fam.name)
             for s in fam.samples:
                 labels = tuple(sorted((k, v) for k, v in s.labels.items() if k != "model_name"))
                 out.append(Sample(s.name, labels, float(s.value)))
-        return cls(out)
+        return cls(out, fams)
+
+    def declares(self, name: str) -> bool:
+        """Whether the server exports ``name`` at all (a labelled counter has no sample until its
+        first increment, but its family is declared from the start)."""
+        return (name in self.families or name.removesuffix("_total") in self.families
+                or any(s.name == name for s in self.samples))
 
     @classmethod
     def fetch(cls, base_url: str, timeout: float = 10.0) -> "Metrics":
