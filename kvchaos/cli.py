@@ -3,7 +3,8 @@
   kvchaos up     [--profile P] [--model M] [--urls-file F]   stand up a cluster, print its URLs until Ctrl-C
   kvchaos run    [--profile P] [SUITE ...]              chaos suites -> reports/<run-id>/ (live progress)
   kvchaos repro  NAME | --list                          reproduce a known incident
-  kvchaos audit  --prefill URL --decode URL [--router URL] [--json] [--strict]
+  kvchaos bisect [--releases A,B] [--trials N] [--out DIR]  the incident, unmodified, per SGLang release
+  kvchaos audit  --prefill URL --decode URL [--router URL [--lb-probe MODES]] [--json] [--strict]
                                                         the incident's operator checklist on a deployment
   kvchaos report DIR                                    (re)build verdicts.json + report.html of a run dir
   kvchaos judge  LOG [LOG ...] [--bound-s S] [--accept-known] [--checkers A,B] [--json]
@@ -12,9 +13,9 @@
 Configuration: ``--config FILE`` (a TOML file with a ``[kvchaos]`` or ``[tool.kvchaos]`` table, or the
 keys at top level); without it ``[tool.kvchaos]`` of ./pyproject.toml. Flags override the file. Every
 key has a flag: profile model reports suites markers k attach backends verbose prefill decode router
-strict timeout. An unknown key is an error naming it.
+strict timeout releases trials release_table lb_probe lb_disconnect_ms. An unknown key is an error naming it.
 
-Exit status: ``run``/``repro`` pytest's; ``audit`` 0 no FAIL, 1 FAIL (``--strict``: or UNKNOWN);
+Exit status: ``run``/``repro`` pytest's; ``bisect`` 0 every trial measured, 3 some not; ``audit`` 0 no FAIL, 1 FAIL (``--strict``: or UNKNOWN);
 ``report`` 0 pass or accepted KNOWN only, 1 fail, 3 unknown or no chaos verdict; ``judge`` 0 every log PASS (or KNOWN accepted), 1 any log FAIL,
 3 otherwise (UNKNOWN, or KNOWN not accepted); 2 for bad input everywhere.
 
@@ -44,7 +45,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 CONFIG_KEYS = {"profile": str, "model": str, "reports": str, "suites": list, "markers": str, "k": str, "attach": str,
                "backends": str, "verbose": bool, "prefill": str, "decode": str, "router": str, "strict": bool,
-               "timeout": (int, float), "accept_known": bool, "blind_model": bool}
+               "timeout": (int, float), "accept_known": bool, "blind_model": bool, "releases": str, "trials": int,
+               "release_table": str, "lb_probe": str, "lb_disconnect_ms": (int, float)}
 
 
 class UsageError(SystemExit):
@@ -271,6 +273,10 @@ def _print_summary(run_dir: Path) -> None:
 
 
 def cmd_run(args) -> int:
+    return _run(args)[0]
+
+
+def _run(args, extra_env: dict | None = None) -> tuple[int, Path]:
     run_id = time.strftime("%Y%m%d-%H%M%S") + f"-{os.getpid()}"
     run_dir = Path(args.reports).resolve() / run_id
     suites = args.suites or [str(REPO / "suites")]
@@ -279,7 +285,7 @@ def cmd_run(args) -> int:
             raise UsageError(f"run: suite path {s!r} does not exist")
     run_dir.mkdir(parents=True, exist_ok=True)
     cmd = _pytest_cmd(args, run_dir, suites)
-    env = {**os.environ, "KVCHAOS_RUN_ID": run_id}
+    env = {**os.environ, **(extra_env or {}), "KVCHAOS_RUN_ID": run_id}
     print(f"kvchaos run {run_id}: {' '.join(cmd)}" + ("" if args.verbose else f"\n  pytest output: {run_dir / 'pytest.log'}"),
           flush=True)
     t0 = time.monotonic()
@@ -290,7 +296,7 @@ def cmd_run(args) -> int:
     (run_dir / "run.json").write_text(json.dumps(summary, indent=2))
     _print_summary(run_dir)
     print(f"kvchaos: run directory {run_dir} (exit {rc})", flush=True)
-    return rc
+    return rc, run_dir
 
 
 # --------------------------------------------------------------------------- repro
@@ -320,14 +326,57 @@ def cmd_repro(args) -> int:
     return rc
 
 
+# --------------------------------------------------------------------------- bisect
+def cmd_bisect(args) -> int:
+    from kvchaos import releases
+
+    try:
+        rels = releases.parse_releases(args.releases)
+    except ValueError as e:
+        raise UsageError(f"bisect: --releases: {e}") from None
+    if args.trials < 1:
+        raise UsageError(f"bisect: --trials {args.trials}: at least 1")
+    for r in rels:  # every environment exists before any cluster starts (a missing recipe is bad input)
+        try:
+            print(f"kvchaos bisect: sglang {r}: {releases.engine_python(r)}", flush=True)
+        except releases.ReleaseError as e:
+            raise UsageError(f"bisect: {e}") from None
+    args.suites = [str(REPO / "suites" / "incidents" / "test_release_matrix.py")]
+    args.markers, args.k, args.attach = "bisect", None, None
+    rc, run_dir = _run(args, {"KVCHAOS_RELEASES": ",".join(rels), "KVCHAOS_TRIALS": str(args.trials)})
+    tfile = run_dir / "releases" / "trials.jsonl"
+    trials = [json.loads(x) for x in tfile.read_text().splitlines() if x.strip()] if tfile.exists() else []
+    reading = json.loads(releases.CODE_READING_FILE.read_text()) if releases.CODE_READING_FILE.exists() else None
+    table = releases.aggregate(trials, reading, releases=rels)
+    cmd = f"kvchaos bisect --releases {','.join(rels)} --trials {args.trials}"
+    outs = [run_dir / "releases"] + ([Path(args.out)] if args.out else [])
+    for d in outs:
+        j, m = releases.write_table(table, d, cmd)
+        print(f"kvchaos bisect: {j}\n                {m}")
+    print(releases.render_markdown(table, cmd))
+    if rc not in (0, 1):
+        return rc
+    unmeasured = [r for r, row in table["releases"].items() if row["verdict"] == releases.UNMEASURED
+                  or row["trials"] < args.trials]
+    if unmeasured:
+        print(f"kvchaos bisect: not every trial measured: {', '.join(unmeasured)} (exit 3)")
+        return 3
+    return 0 if rc == 0 else rc
+
+
 # --------------------------------------------------------------------------- audit
 def cmd_audit(args) -> int:
-    from kvchaos.audit import AuditError, audit, exit_code
+    from kvchaos.audit import LB_MODES, AuditError, audit, exit_code
 
     if not args.prefill or not args.decode:
         raise UsageError("audit: --prefill URL and --decode URL are required (or prefill/decode in the config)")
     try:
-        res = audit(args.prefill, args.decode, args.router, timeout=args.timeout)
+        modes = () if args.lb_probe in ("", "none") else tuple(m.strip() for m in args.lb_probe.split(",") if m.strip())
+        bad = [m for m in modes if m not in LB_MODES]
+        if bad:
+            raise UsageError(f"audit: --lb-probe {args.lb_probe!r}: unknown mode(s) {bad}; one of {', '.join(LB_MODES)} or none")
+        res = audit(args.prefill, args.decode, args.router, timeout=args.timeout, release_table=args.release_table,
+                    lb_modes=modes, lb_disconnect_ms=args.lb_disconnect_ms)
     except AuditError as e:
         raise UsageError(f"audit: {e}")
     if args.json:
@@ -625,11 +674,33 @@ def build_parser(cfg: dict) -> argparse.ArgumentParser:
     rp.add_argument("name", nargs="?", help="incident name, e.g. glm53")
     rp.add_argument("--list", action="store_true", help="list known incidents")
     rp.set_defaults(fn=cmd_repro)
+    bi = sub.add_parser("bisect", help="run the GLM-5.3 incident unmodified on several SGLang releases; print the table",
+                        description="Each release in its own environment (scripts/setup-engine.sh), the incident's "
+                                    "deployment (prefill pool < context), a fresh cluster and planted-leak self-test "
+                                    "per trial, no mutation. Prints per release: leaked / hung / rejected with 4xx, "
+                                    "with the first witness. Exit 0 every trial measured, 3 some trial could not see "
+                                    "a leak (blind) or did not run, 2 bad input (e.g. a release without a recipe).")
+    common(bi)
+    bi.add_argument("--releases", default=cfg.get("releases", "0.5.19,0.5.20,0.5.21,0.5.22,0.5.23"),
+                    help="comma-separated SGLang releases (default: 0.5.19,...,0.5.23)")
+    bi.add_argument("--trials", type=int, default=int(cfg.get("trials", 3)), help="trials per release (default 3)")
+    bi.add_argument("--out", help="also write release_table.json/.md here (e.g. reports/releases to commit it)")
+    bi.add_argument("--verbose", action=argparse.BooleanOptionalAction, default=cfg.get("verbose", False),
+                    help="stream pytest's output instead of the progress bar")
+    bi.set_defaults(fn=cmd_bisect, backends=None, accept_known=False, strict=False, blind_model=False)
     au = sub.add_parser("audit", help="the incident's operator checklist against running servers")
     au.add_argument("--prefill", default=cfg.get("prefill"), help="prefill server URL")
     au.add_argument("--decode", default=cfg.get("decode"), help="decode server URL")
     au.add_argument("--router", default=cfg.get("router"), help="router URL (optional)")
     au.add_argument("--json", action="store_true", help="print the result as JSON")
+    au.add_argument("--lb-probe", default=cfg.get("lb_probe", "stream,nonstream"), metavar="MODES",
+                    help="with --router: checklist item 5, one /generate per mode (stream, nonstream) whose client "
+                         "leaves before the first token; 'none' sends nothing (default: stream,nonstream)")
+    au.add_argument("--lb-disconnect-ms", type=float, default=float(cfg.get("lb_disconnect_ms", 50)), metavar="MS",
+                    help="how long after sending the probe's client leaves (default 50)")
+    au.add_argument("--release-table", default=cfg.get("release_table"), metavar="JSON",
+                    help="the measured release table engine_version is judged by (default: the committed "
+                         "reports/releases/release_table.json, written by kvchaos bisect --out)")
     au.add_argument("--strict", action=argparse.BooleanOptionalAction, default=cfg.get("strict", False),
                     help="UNKNOWN counts as FAIL in the exit status")
     au.add_argument("--timeout", type=float, default=float(cfg.get("timeout", 15)), help="per-request timeout, s")
