@@ -10,7 +10,10 @@ import sys
 
 import pytest
 
+from faults import FaultKit
+from kvchaos import audit as A
 from kvchaos.cluster import Cluster, ClusterSpec
+from kvchaos.workload import EventLog
 
 pytestmark = pytest.mark.cluster
 
@@ -40,8 +43,24 @@ def test_audit_flags_the_unsafe_cpu_cluster(cluster):
         assert st[("deferred_kv_release", role)] == "pass"
         assert st[("mooncake_batch_bound", role)] == "fail"
     assert st[("kv_integrity", "both")] == "fail"
+    # checklist item 5: sglang-router 0.3.2 cancels a streaming request upstream when its client leaves
+    # before the first token, and both engines count the abort
+    lb = checks[("lb_first_token", "router")]
+    assert lb["status"] == "fail", lb
+    stream = next(p for p in lb["numbers"]["probes"] if p["mode"] == "stream")
+    assert not stream["token_before_close"] and stream["aborts"]["decode"] >= 1, stream
     if cluster.proxy is not None:  # the router talks to the fault proxies, not to the audited ports
         assert st[("router_workers", "router")] == "unknown"
+
+
+def side_cluster(spec, workdir, reaper):
+    """A second cluster for one test (fixture body): started, yielded, stopped with nothing left."""
+    c = Cluster(spec, workdir, reaper=reaper).start()
+    try:
+        yield c
+    finally:
+        left = c.stop()
+        assert not left, f"processes left after the {spec.name} cluster's teardown: {left}"
 
 
 @pytest.fixture
@@ -53,25 +72,65 @@ def safe_cluster(kvchaos_spec, kvchaos_run_dir, kvchaos_reaper):
     spec = ClusterSpec.from_dict({**d, "name": "cpu-audit-safe", "context_length": ctx, "network_proxy": "",
                                   "env": {**d["env"], "SGLANG_MOONCAKE_MAX_TRANSFER_BATCH_INDICES": "256",
                                           "SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE": "1"}})
-    c = Cluster(spec, kvchaos_run_dir / "audit-safe", reaper=kvchaos_reaper).start()
-    try:
-        yield c
-    finally:
-        left = c.stop()
-        assert not left, f"processes left after the safe cluster's teardown: {left}"
+    yield from side_cluster(spec, kvchaos_run_dir / "audit-safe", kvchaos_reaper)
 
 
 @pytest.mark.backends("mooncake_tcp")
 def test_audit_passes_the_safe_cluster(safe_cluster):
     e = safe_cluster.endpoints
-    rc, checks, res = run_audit("--prefill", e.prefill, "--decode", e.decode, "--router", e.router)
+    # a short non-streaming request runs to completion (SGLang notices a dropped connection only at its
+    # 4 s poll): item 5 PASSes for this traffic; the delayed case is test_lb_first_token_*
+    rc, checks, res = run_audit("--prefill", e.prefill, "--decode", e.decode, "--router", e.router, "--lb-probe", "nonstream")
     st = {k: c["status"] for k, c in checks.items()}
     want_pass = [("pool_vs_context", "prefill"), ("pool_vs_context", "decode"), ("engine_version", "both"),
                  ("deferred_kv_release", "prefill"), ("deferred_kv_release", "decode"),
-                 ("mooncake_batch_bound", "prefill"), ("mooncake_batch_bound", "decode"), ("router_workers", "router")]
+                 ("mooncake_batch_bound", "prefill"), ("mooncake_batch_bound", "decode"), ("router_workers", "router"),
+                 ("lb_first_token", "router")]
     assert {k: st[k] for k in want_pass} == {k: "pass" for k in want_pass}, res
     assert checks[("mooncake_batch_bound", "prefill")]["numbers"]["source"] == "process environment"
     assert checks[("deferred_kv_release", "decode")]["numbers"]["source"] == "process environment"
     # the one check a CPU deployment cannot pass: the KV checksum and --kv-canary are CUDA-only
     assert st[("kv_integrity", "both")] == "fail" and "CUDA-only" in checks[("kv_integrity", "both")]["detail"]
     assert rc == 1
+
+
+@pytest.fixture
+def minilb_cluster(kvchaos_spec, kvchaos_run_dir, kvchaos_reaper):
+    if kvchaos_spec.device != "cpu":
+        pytest.skip("sized for the CPU profile")
+    spec = ClusterSpec.from_dict({**kvchaos_spec.to_dict(), "name": "cpu-mini-lb", "router": "mini-lb",
+                                  "router_args": [], "network_proxy": ""})
+    yield from side_cluster(spec, kvchaos_run_dir / "audit-mini-lb", kvchaos_reaper)
+
+
+def delayed_nonstream_probe(c, kit):
+    """Item 5's probe, non-streaming, with the probe's KV transfer held 10 s in prefill (the agent's
+    delay on its rid) so the client's departure lands mid-transfer, before the first token."""
+    armed = []
+
+    def arm(rid):
+        armed.append(kit.agent.arm("prefill", "delay", target={"rid": rid}, params={"ms": 10000}, count=1))
+
+    e = c.endpoints
+    p = A.lb_probe(e.router_direct or e.router, e.prefill, e.decode, "nonstream", prompt_tokens=800,
+                   before_send=arm, settle_s=13)
+    assert armed and armed[0].fired_events(), "the delay never fired: the probe was not mid-transfer"
+    return p, A.check_lb_first_token([p])
+
+
+@pytest.mark.backends("mooncake_tcp")
+def test_lb_first_token_sglang_router_fails_and_mini_lb_passes(cluster, faults, minilb_cluster, kvchaos_run_dir):
+    """The same probe on two load balancers: sglang-router 0.3.2 drops both upstream connections when
+    the client leaves, and SGLang aborts the request mid-transfer (FAIL); mini-lb keeps them open until
+    the request completes (PASS)."""
+    p, rust = delayed_nonstream_probe(cluster, faults)
+    assert rust.status == A.FAIL and p["aborts"]["decode"] >= 1, rust
+    with EventLog(kvchaos_run_dir / "events" / "audit-mini-lb-faults.jsonl") as log:
+        kit = FaultKit(minilb_cluster, log)
+        try:
+            p2, mini = delayed_nonstream_probe(minilb_cluster, kit)
+        finally:
+            assert not kit.heal_all()
+    assert mini.status == A.PASS and p2["aborts"] == {"prefill": 0, "decode": 0}, mini
+    (kvchaos_run_dir / "audit-lb-first-token.json").write_text(json.dumps(
+        {"sglang-router": rust.to_dict(), "mini-lb": mini.to_dict()}, indent=2, default=str))
