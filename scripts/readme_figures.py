@@ -27,6 +27,7 @@ PREFIX = REPO / "reports" / "incidents" / "glm53-prefix" / "verdicts.json"
 REPLAY = REPO / "reports" / "incidents" / "glm53-replay" / "verdicts.json"
 MATRIX = REPO / "reports" / "matrix" / "detection_matrix.json"
 FINDINGS = REPO / "kvchaos" / "findings.toml"
+RELEASES = REPO / "reports" / "releases" / "release_table.json"
 
 
 def _load(p: Path):
@@ -88,8 +89,17 @@ def findings() -> str:
     return "\n".join(out) + f"\n\n(from `{FINDINGS.relative_to(REPO)}`)"
 
 
-FIGURES = {"glm53-witness": glm53_witness, "replay-verdicts": replay_verdicts, "replay-witness": replay_witness,
-           "detection-matrix": detection_matrix, "findings": findings}
+def release_table() -> str:
+    sys.path.insert(0, str(REPO))
+    from kvchaos.releases import render_markdown
+
+    t = _load(RELEASES)
+    body = render_markdown(t, t.get("command")).split("\n", 2)[2].strip()  # without the title line
+    return f"{body}\n\n(from `{RELEASES.relative_to(REPO)}`)"
+
+
+FIGURES = {"release-table": release_table, "glm53-witness": glm53_witness, "replay-verdicts": replay_verdicts,
+           "replay-witness": replay_witness, "detection-matrix": detection_matrix, "findings": findings}
 
 
 def render(text: str) -> str:

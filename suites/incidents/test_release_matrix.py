@@ -94,6 +94,11 @@ def test_incident_unmodified_on_release(experiment, release_cluster, release, tr
     # release PASS that this trial just saw leak (the table would be stale or the audit wrong)
     ver = {c["id"]: c for c in audit(c.endpoints.prefill, c.endpoints.decode)["checks"]}["engine_version"]
     rec["audit_engine_version"] = {"status": ver["status"], "detail": ver["detail"]}
+    committed = (releases.load_table() or {}).get("releases", {}).get(release)
+    if committed:  # the audit of a live release cluster says what the committed table measured
+        rec["audit_engine_version"]["table_verdict"] = committed["verdict"]
+        want = {releases.LEAKS: "fail", releases.CLEAN: "pass", releases.UNMEASURED: "unknown"}[committed["verdict"]]
+        assert ver["status"] == want, f"audit of sglang {release}: {ver['status']}, table: {committed['verdict']}: {ver}"
     with open(out / "trials.jsonl", "a") as f:
         f.write(json.dumps(rec, default=str) + "\n")
     trials = [json.loads(x) for x in (out / "trials.jsonl").read_text().splitlines() if x.strip()]
