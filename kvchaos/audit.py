@@ -118,7 +118,8 @@ def check_versions(infos: dict, table: dict | None = None, reading: dict | None 
                                                        for pr, what in FIXES}, "open": list(OPEN_PRS)}
     if table is not None:
         d = table["derived"]
-        nums["table"] = {"measured": {r: row["verdict"] for r, row in table["releases"].items()},
+        nums["table"] = {"deployment": table["workload"].get("deployment", "incident"),
+                         "measured": {r: row["verdict"] for r, row in table["releases"].items()},
                          "leaking": d["leaking"], "first_clean": d["first_clean"],
                          "writeup_first_fixed": d["writeup_first_fixed"], "disagreements": d["writeup_disagreements"]}
     per, bad = {}, []
@@ -385,15 +386,22 @@ def local_env(url: str) -> tuple[dict | None, str]:
     return None, f"no process of this host listens on port {p.port}"
 
 
-def release_evidence(path=None) -> tuple[dict | None, dict | None]:
-    """The measured release table (``kvchaos bisect``; ``path`` or the committed one) and the code
-    reading of each release (reports/releases/code-reading.json), each None when absent."""
+def deployment_of(infos: dict) -> str:
+    """Which measured deployment these servers run: with ``--allow-auto-truncate`` on either role a
+    prompt over prefill's limit is truncated, not rejected — another path, another release table."""
+    return "auto-truncate" if any(field_of(i, "allow_auto_truncate") for i in infos.values()) else "incident"
+
+
+def release_evidence(path=None, deployment: str = "incident") -> tuple[dict | None, dict | None]:
+    """The measured release table (``kvchaos bisect``; ``path``, or the committed one of the
+    deployment the servers run) and the code reading of each release
+    (reports/releases/code-reading.json), each None when absent."""
     from kvchaos import releases as R
 
     if path is not None and not Path(path).exists():
         raise AuditError(f"--release-table {path}: no such file")
     try:
-        table = R.load_table(path)
+        table = R.load_table(path or R.table_file(deployment))
     except (R.ReleaseError, ValueError) as e:
         raise AuditError(f"release table: {e}") from None
     reading = None
@@ -419,7 +427,7 @@ def audit(prefill: str, decode: str, router: str | None = None, timeout: float =
     envs, env_src = {}, {}
     for role, url in (("prefill", prefill), ("decode", decode)):
         envs[role], env_src[role] = local_env(url)
-    table, reading = release_evidence(release_table)
+    table, reading = release_evidence(release_table, deployment_of(infos))
     checks = [check_pool("prefill", infos["prefill"]), check_pool("decode", infos["decode"]),
               check_versions(infos, table, reading)]
     for role in ("prefill", "decode"):

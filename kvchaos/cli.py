@@ -3,7 +3,8 @@
   kvchaos up     [--profile P] [--model M] [--urls-file F]   stand up a cluster, print its URLs until Ctrl-C
   kvchaos run    [--profile P] [SUITE ...]              chaos suites -> reports/<run-id>/ (live progress)
   kvchaos repro  NAME | --list                          reproduce a known incident
-  kvchaos bisect [--releases A,B] [--trials N] [--out DIR]  the incident, unmodified, per SGLang release
+  kvchaos bisect [--releases A,B] [--trials N] [--deployment D] [--out DIR]
+                                                        the incident, unmodified, per SGLang release
   kvchaos audit  --prefill URL --decode URL [--router URL [--lb-probe MODES]] [--json] [--strict]
                                                         the incident's operator checklist on a deployment
   kvchaos report DIR                                    (re)build verdicts.json + report.html of a run dir
@@ -13,7 +14,7 @@
 Configuration: ``--config FILE`` (a TOML file with a ``[kvchaos]`` or ``[tool.kvchaos]`` table, or the
 keys at top level); without it ``[tool.kvchaos]`` of ./pyproject.toml. Flags override the file. Every
 key has a flag: profile model reports suites markers k attach backends verbose prefill decode router
-strict timeout releases trials release_table lb_probe lb_disconnect_ms. An unknown key is an error naming it.
+strict timeout releases trials release_table lb_probe lb_disconnect_ms deployment. An unknown key is an error naming it.
 
 Exit status: ``run``/``repro`` pytest's; ``bisect`` 0 every trial measured, 3 some not; ``audit`` 0 no FAIL, 1 FAIL (``--strict``: or UNKNOWN);
 ``report`` 0 pass or accepted KNOWN only, 1 fail, 3 unknown or no chaos verdict; ``judge`` 0 every log PASS (or KNOWN accepted), 1 any log FAIL,
@@ -46,7 +47,8 @@ REPO = Path(__file__).resolve().parents[1]
 CONFIG_KEYS = {"profile": str, "model": str, "reports": str, "suites": list, "markers": str, "k": str, "attach": str,
                "backends": str, "verbose": bool, "prefill": str, "decode": str, "router": str, "strict": bool,
                "timeout": (int, float), "accept_known": bool, "blind_model": bool, "releases": str, "trials": int,
-               "release_table": str, "lb_probe": str, "lb_disconnect_ms": (int, float)}
+               "release_table": str, "lb_probe": str, "lb_disconnect_ms": (int, float),
+               "deployment": str}
 
 
 class UsageError(SystemExit):
@@ -336,6 +338,8 @@ def cmd_bisect(args) -> int:
         raise UsageError(f"bisect: --releases: {e}") from None
     if args.trials < 1:
         raise UsageError(f"bisect: --trials {args.trials}: at least 1")
+    if args.deployment not in releases.DEPLOYMENTS:
+        raise UsageError(f"bisect: --deployment {args.deployment!r}: one of {', '.join(releases.DEPLOYMENTS)}")
     for r in rels:  # every environment exists before any cluster starts (a missing recipe is bad input)
         try:
             print(f"kvchaos bisect: sglang {r}: {releases.engine_python(r)}", flush=True)
@@ -343,12 +347,14 @@ def cmd_bisect(args) -> int:
             raise UsageError(f"bisect: {e}") from None
     args.suites = [str(REPO / "suites" / "incidents" / "test_release_matrix.py")]
     args.markers, args.k, args.attach = "bisect", None, None
-    rc, run_dir = _run(args, {"KVCHAOS_RELEASES": ",".join(rels), "KVCHAOS_TRIALS": str(args.trials)})
+    rc, run_dir = _run(args, {"KVCHAOS_RELEASES": ",".join(rels), "KVCHAOS_TRIALS": str(args.trials),
+                              "KVCHAOS_DEPLOYMENT": args.deployment})
     tfile = run_dir / "releases" / "trials.jsonl"
     trials = [json.loads(x) for x in tfile.read_text().splitlines() if x.strip()] if tfile.exists() else []
     reading = json.loads(releases.CODE_READING_FILE.read_text()) if releases.CODE_READING_FILE.exists() else None
-    table = releases.aggregate(trials, reading, releases=rels)
-    cmd = f"kvchaos bisect --releases {','.join(rels)} --trials {args.trials}"
+    table = releases.aggregate(trials, reading, releases=rels, deployment=args.deployment)
+    cmd = f"kvchaos bisect --releases {','.join(rels)} --trials {args.trials}" + (
+        "" if args.deployment == "incident" else f" --deployment {args.deployment}")
     outs = [run_dir / "releases"] + ([Path(args.out)] if args.out else [])
     for d in outs:
         j, m = releases.write_table(table, d, cmd)
@@ -684,6 +690,9 @@ def build_parser(cfg: dict) -> argparse.ArgumentParser:
     bi.add_argument("--releases", default=cfg.get("releases", "0.5.19,0.5.20,0.5.21,0.5.22,0.5.23"),
                     help="comma-separated SGLang releases (default: 0.5.19,...,0.5.23)")
     bi.add_argument("--trials", type=int, default=int(cfg.get("trials", 3)), help="trials per release (default 3)")
+    bi.add_argument("--deployment", default=cfg.get("deployment", "incident"),
+                    help="incident (prefill pool < context; default) or auto-truncate (the same with "
+                         "--allow-auto-truncate on both roles)")
     bi.add_argument("--out", help="also write release_table.json/.md here (e.g. reports/releases to commit it)")
     bi.add_argument("--verbose", action=argparse.BooleanOptionalAction, default=cfg.get("verbose", False),
                     help="stream pytest's output instead of the progress bar")

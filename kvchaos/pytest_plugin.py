@@ -9,6 +9,7 @@ Options
   --kvchaos-backends A,B        run the cluster tests once per KV transfer backend (mooncake_tcp,nixl)
   --kvchaos-releases A,B        releases the release matrix runs the unmodified incident on (marker bisect)
   --kvchaos-trials N            trials per release (default 3; a fresh cluster each)
+  --kvchaos-deployment D        incident | auto-truncate: how the release matrix deploys each release
   --kvchaos-accept-known        known engine findings matched for the running version are KNOWN, not red
                                 (default: the profile's [policy] accept_known)
   --kvchaos-strict              fail the run when a listed finding did not reproduce ("fixed?")
@@ -83,6 +84,9 @@ def pytest_addoption(parser):
     g.addoption("--kvchaos-releases", default=os.environ.get("KVCHAOS_RELEASES", "0.5.19,0.5.20,0.5.21,0.5.22,0.5.23"),
                 help="SGLang releases the release matrix (suites/incidents/test_release_matrix.py, marker "
                      "bisect) runs the unmodified incident on, each in its own environment")
+    g.addoption("--kvchaos-deployment", default=os.environ.get("KVCHAOS_DEPLOYMENT", "incident"),
+                help="how the release matrix deploys each release: incident (prefill pool < context) or "
+                     "auto-truncate (the same with --allow-auto-truncate on both roles)")
     g.addoption("--kvchaos-trials", type=int, default=int(os.environ.get("KVCHAOS_TRIALS", "3")),
                 help="trials per release in the release matrix (a fresh cluster each)")
     g.addoption("--kvchaos-backends", default=os.environ.get("KVCHAOS_BACKENDS"),

@@ -27,11 +27,15 @@ import re
 import subprocess
 from pathlib import Path
 
+from kvchaos.oracles import kv_pages_written
 from kvchaos.workload import Workload
 
 REPO = Path(__file__).resolve().parents[1]
 TABLE_FILE = REPO / "reports" / "releases" / "release_table.json"
 CODE_READING_FILE = REPO / "reports" / "releases" / "code-reading.json"
+# deployments the matrix can run: the incident's shape, and the same with prefill truncating instead of
+# rejecting (--allow-auto-truncate on both roles: a prompt over prefill's limit is cut, not aborted)
+DEPLOYMENTS = {"incident": [], "auto-truncate": ["--allow-auto-truncate"]}
 GLM53_SEED = 53
 PREFILL_POOL = 576  # prefill's --max-total-tokens in the incident's shape (input limit 570 < context 4096)
 OVERSIZED = (600, 900, 1200, 1400)  # between prefill's limit and decode's 1536-token admission edge
@@ -80,9 +84,22 @@ def glm53_plans(seed: int = GLM53_SEED):
     return plans, victim.name
 
 
-def incident_prefill_args(base_args: list[str]) -> list[str]:
-    """The profile's prefill args with the pool shrunk below the context (the last flag wins)."""
-    return list(base_args) + ["--max-total-tokens", str(PREFILL_POOL)]
+def deployment_spec(base: dict, deployment: str) -> dict:
+    """``base`` (a ClusterSpec dict) deployed as ``deployment``: the incident's prefill pool, plus that
+    deployment's server args on both roles."""
+    if deployment not in DEPLOYMENTS:
+        raise ValueError(f"deployment {deployment!r}: one of {', '.join(DEPLOYMENTS)}")
+    extra = DEPLOYMENTS[deployment]
+    pool = ["--max-total-tokens", str(PREFILL_POOL)]  # the last flag wins over the profile's
+    return {**base, "prefill_args": list(base["prefill_args"]) + pool + extra,
+            "decode_args": list(base["decode_args"]) + extra}
+
+
+def table_file(deployment: str = "incident", base: Path | None = None) -> Path:
+    """``release_table.json`` for the incident's deployment (what the audit reads), else
+    ``release_table-<deployment>.json``."""
+    d = base or TABLE_FILE.parent
+    return d / ("release_table.json" if deployment == "incident" else f"release_table-{deployment}.json")
 
 
 def engine_python(version: str, timeout_s: float = 900) -> str:
@@ -100,11 +117,12 @@ def engine_python(version: str, timeout_s: float = 900) -> str:
 
 
 # --------------------------------------------------------------------------- one trial
-def trial_record(ex, plans, victim: str, release: str, trial: int, seed: int, selftest: dict | None = None) -> dict:
+def trial_record(ex, plans, victim: str, release: str, trial: int, seed: int, selftest: dict | None = None,
+                 deployment: str = "incident") -> dict:
     """What one unmodified run of the incident showed on ``release`` (from the experiment's log and
     verdicts; nothing assumed from the version)."""
     ends = {e["rid"]: e for e in ex.events if e.get("ev") == "end"}
-    sent = {e["rid"]: e.get("pages") for e in ex.events if e.get("agent_ev") == "transfer_start"}
+    sent = kv_pages_written(ex.events)
     big = [p for p in plans if p.oversized]
     over = {}
     for p in big:
@@ -119,7 +137,7 @@ def trial_record(ex, plans, victim: str, release: str, trial: int, seed: int, se
     bystanders = [e for rid, e in ends.items() if rid not in over]
     outcomes = [v["outcome"] for v in over.values()]
     return {
-        "release": release, "trial": trial, "seed": seed, "experiment": ex.id, "engine": _engine_versions(ex),
+        "release": release, "deployment": deployment, "trial": trial, "seed": seed, "experiment": ex.id, "engine": _engine_versions(ex),
         "victim_tenant": victim, "leaked": leaked,
         "leak_witnesses": len(iso.witnesses), "cross_tenant_witnesses": len(cross),
         "leak_victims": sorted({w["victim_rid"] for w in iso.witnesses}),
@@ -158,12 +176,13 @@ def _witness(w: dict | None) -> dict | None:
 
 
 # --------------------------------------------------------------------------- the table
-def aggregate(trials: list[dict], code_reading: dict | None = None, releases: list[str] | None = None) -> dict:
+def aggregate(trials: list[dict], code_reading: dict | None = None, releases: list[str] | None = None,
+              deployment: str = "incident") -> dict:
     """Per release: verdict (``leaks`` / ``clean`` / ``unknown``), counts, the first witness, and the
     code reading's prediction beside it (where given). A release in ``releases`` none of whose trials
     ran is in the table, unmeasured."""
     by: dict[str, list[dict]] = {r: [] for r in releases or ()}
-    for t in trials:
+    for t in (t for t in trials if t.get("deployment", "incident") == deployment):
         by.setdefault(t["release"], []).append(t)
     rows = {}
     reading = (code_reading or {}).get("releases", {})
@@ -183,7 +202,8 @@ def aggregate(trials: list[dict], code_reading: dict | None = None, releases: li
                                                      for t in ts}),
                      "experiments": [t["experiment"] for t in ts]}
     return {"workload": {"incident": "glm53", "prefill_pool_tokens": PREFILL_POOL, "oversized_tokens": list(OVERSIZED),
-                         "bound_s": BOUND_S, "mutation": None},
+                         "bound_s": BOUND_S, "mutation": None, "deployment": deployment,
+                         "server_args": DEPLOYMENTS[deployment]},
             "releases": rows, "derived": derive(rows), "trials": trials}
 
 
@@ -239,20 +259,23 @@ def assess(version: str, table: dict | None) -> tuple[str, str]:
     a measured release answers for itself; an unmeasured one is judged only when measured releases
     on both sides agree; newer than everything measured is unknown (run kvchaos bisect on it)."""
     if table is None:
-        return UNMEASURED, "no release table (reports/releases/release_table.json): run kvchaos bisect"
+        return UNMEASURED, "no release table for this deployment (reports/releases/): run kvchaos bisect"
     rows = table["releases"]
     vk = version_key(version)
     leaking = ", ".join(table["derived"]["leaking"]) or "none"
+    wl = table.get("workload") or {}
+    what = ("the unmodified incident" if wl.get("deployment", "incident") == "incident"
+            else f"the incident deployed with {' '.join(wl.get('server_args') or [])}")
     if version in rows:
         r = rows[version]
         n = r["trials"]
         if r["verdict"] == LEAKS:
             w = r.get("witness") or {}
-            return LEAKS, (f"sglang {version} was measured to leak: {r['leaked']}/{n} trial(s) of the unmodified "
-                           f"incident served other tenants' canaries with HTTP 200"
+            return LEAKS, (f"sglang {version} was measured to leak: {r['leaked']}/{n} trial(s) of {what} "
+                           f"served other tenants' canaries with HTTP 200"
                            + (f" (e.g. {w.get('victim_rid')} got {w.get('owner_tenant')}'s {w.get('matched')!r})" if w else ""))
         if r["verdict"] == CLEAN:
-            return CLEAN, (f"sglang {version} was measured clean: no leak in {n}/{n} trial(s) of the unmodified incident "
+            return CLEAN, (f"sglang {version} was measured clean: no leak in {n}/{n} trial(s) of {what} "
                            f"(hung in {r['hung']}, rejected with 4xx in {r['rejected_4xx']}); releases measured to "
                            f"leak: {leaking}")
         return UNMEASURED, f"sglang {version}: trials ran but {r['unmeasured']}/{n} could not see a leak (blind)"
@@ -277,7 +300,9 @@ def render_markdown(table: dict, command: str | None = None, code_reading: dict 
     lines = ["# Which SGLang releases leak: the GLM-5.3 incident, unmodified, per release", ""]
     if command:
         lines += ["Produced by:", "", f"    {command}", ""]
-    lines += [f"Deployment: prefill KV pool {w['prefill_pool_tokens']} tokens < context 4096; the victim tenant's "
+    args = " ".join(w.get("server_args") or [])
+    lines += [f"Deployment `{w.get('deployment', 'incident')}`: prefill KV pool {w['prefill_pool_tokens']} tokens < context 4096"
+              + (f", `{args}` on both roles" if args else "") + "; the victim tenant's "
               f"oversized prompts of {', '.join(map(str, w['oversized_tokens']))} tokens among 80 other requests; no "
               f"mutation, no fault. Hung = an oversized prompt unanswered within {w['bound_s']:.0f} s.", "",
               "| release | verdict | leaked | hung | rejected 4xx | oversized answered 200 | code reading predicts "
@@ -306,7 +331,8 @@ def render_markdown(table: dict, command: str | None = None, code_reading: dict 
 
 def write_table(table: dict, out_dir: Path, command: str | None = None) -> tuple[Path, Path]:
     out_dir.mkdir(parents=True, exist_ok=True)
-    j, m = out_dir / "release_table.json", out_dir / "release_table.md"
+    j = table_file(table["workload"].get("deployment", "incident"), out_dir)
+    m = j.with_suffix(".md")
     j.write_text(json.dumps({**table, "command": command}, indent=2, default=str) + "\n")
     m.write_text(render_markdown(table, command))
     return j, m

@@ -4,15 +4,43 @@
   victim's KV write is held inside prefill's transfer, the request is aborted on both engines while
   held, then the write is released and lands late.
 - :func:`server_field` — a value from a nested ``/server_info`` answer.
+- :func:`own_cluster` — a cluster of a test's own (another release, another deployment), with its own
+  planted-leak self-test gating the policy its experiments are judged by.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import httpx
 
 from kvchaos.workload.probes import server_field  # noqa: F401 - suites import it from here
+
+
+@contextlib.contextmanager
+def own_cluster(spec, workdir, reaper, policy=None):
+    """Start a cluster of ``spec`` in ``workdir``; with ``policy``, run its planted-leak self-test
+    and yield ``(cluster, a copy of policy gated by that self-test)``, else ``(cluster, None)``.
+    Always stopped; processes left behind fail the test."""
+    import copy
+    import json
+
+    from kvchaos.cluster import Cluster
+    from kvchaos.selftest import planted_leak_selftest
+
+    c = Cluster(spec, workdir, reaper=reaper).start()
+    (c.workdir / "cluster.json").write_text(json.dumps(c.describe(), indent=2, default=str))
+    try:
+        own = None
+        if policy is not None:
+            own = copy.copy(policy)  # the session's registry and flags; this cluster's own self-test
+            own.selftest = None
+            own.selftest = planted_leak_selftest(c, c.workdir, own)
+        yield c, own
+    finally:
+        left = c.stop()
+        assert not left, f"processes left after the {spec.name} cluster's teardown: {left}"
 
 
 def abort_in_flight(cluster, faults, victims, hold_s=0.3):

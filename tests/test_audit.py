@@ -201,3 +201,9 @@ def test_a_labelled_counter_is_declared_only_once_incremented():
                           'sglang:num_requests_total{model_name="m"} 3.0\n')
     assert fresh.declares(A.REQUESTS) and not fresh.declares(A.ABORTS) and fresh.value(A.ABORTS) == 0.0
     assert Metrics.parse('sglang:num_aborted_requests_total{model_name="m"} 1.0\n').declares(A.ABORTS)
+
+
+def test_auto_truncating_servers_are_judged_by_that_deployments_table(infos):
+    assert A.deployment_of(infos) == "incident"  # the captured 0.5.23 servers: allow_auto_truncate false
+    on = {"prefill": with_fields(infos["prefill"], allow_auto_truncate=True), "decode": infos["decode"]}
+    assert A.deployment_of(on) == "auto-truncate"

@@ -12,7 +12,8 @@ import pytest
 
 from faults import FaultKit
 from kvchaos import audit as A
-from kvchaos.cluster import Cluster, ClusterSpec
+from kvchaos.cluster import ClusterSpec
+from kvchaos.suite import own_cluster
 from kvchaos.workload import EventLog
 
 pytestmark = pytest.mark.cluster
@@ -53,16 +54,6 @@ def test_audit_flags_the_unsafe_cpu_cluster(cluster):
         assert st[("router_workers", "router")] == "unknown"
 
 
-def side_cluster(spec, workdir, reaper):
-    """A second cluster for one test (fixture body): started, yielded, stopped with nothing left."""
-    c = Cluster(spec, workdir, reaper=reaper).start()
-    try:
-        yield c
-    finally:
-        left = c.stop()
-        assert not left, f"processes left after the {spec.name} cluster's teardown: {left}"
-
-
 @pytest.fixture
 def safe_cluster(kvchaos_spec, kvchaos_run_dir, kvchaos_reaper):
     if kvchaos_spec.device != "cpu":
@@ -72,7 +63,8 @@ def safe_cluster(kvchaos_spec, kvchaos_run_dir, kvchaos_reaper):
     spec = ClusterSpec.from_dict({**d, "name": "cpu-audit-safe", "context_length": ctx, "network_proxy": "",
                                   "env": {**d["env"], "SGLANG_MOONCAKE_MAX_TRANSFER_BATCH_INDICES": "256",
                                           "SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE": "1"}})
-    yield from side_cluster(spec, kvchaos_run_dir / "audit-safe", kvchaos_reaper)
+    with own_cluster(spec, kvchaos_run_dir / "audit-safe", kvchaos_reaper) as (c, _):
+        yield c
 
 
 @pytest.mark.backends("mooncake_tcp")
@@ -100,7 +92,8 @@ def minilb_cluster(kvchaos_spec, kvchaos_run_dir, kvchaos_reaper):
         pytest.skip("sized for the CPU profile")
     spec = ClusterSpec.from_dict({**kvchaos_spec.to_dict(), "name": "cpu-mini-lb", "router": "mini-lb",
                                   "router_args": [], "network_proxy": ""})
-    yield from side_cluster(spec, kvchaos_run_dir / "audit-mini-lb", kvchaos_reaper)
+    with own_cluster(spec, kvchaos_run_dir / "audit-mini-lb", kvchaos_reaper) as (c, _):
+        yield c
 
 
 def delayed_nonstream_probe(c, kit):

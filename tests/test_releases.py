@@ -99,7 +99,7 @@ def test_trial_record_reads_the_experiment(tmp_path):
     ends = [{"ev": "end", "rid": p.rid, "outcome": "ok", "status": 200, "latency_s": 0.5} for p in plans]
     ends[-1] = {"ev": "end", "rid": plans[-1].rid, "outcome": "timeout", "latency_s": 30.0}
     ev = [{"ev": "experiment", "engine": {"roles": {"prefill": "0.5.19", "decode": "0.5.19"}}}] + ends + [
-        {"ev": "agent", "agent_ev": "transfer_start", "rid": big[0].rid, "pages": 1}]
+        {"ev": "agent", "agent_ev": "write_end", "rid": big[0].rid, "pages": 1}]
     wit = {"victim_rid": big[0].rid, "victim_tenant": victim, "owner_tenant": "t002", "owner_rid": "g53-000003-t002",
            "matched": "ABCDEFGHIJ", "origin": "this log"}
     ex = SimpleNamespace(events=ev, id="x1", path=tmp_path / "r" / "events.jsonl", run_dir=tmp_path,
@@ -122,3 +122,21 @@ def test_render_names_every_release_and_the_writeup():
     md = R.render_markdown(t, "kvchaos bisect --releases 0.5.19,0.5.21 --trials 3")
     assert "| 0.5.19 | **leaks** | 3/3 |" in md and "| 0.5.21 | **clean** | 0/3 |" in md
     assert "recommends >= 0.5.22" in md and "0.5.21: the write-up's" in md
+
+
+def test_deployments_shape_the_spec_and_name_the_table(tmp_path):
+    base = {"prefill_args": ["--x"], "decode_args": ["--y"]}
+    inc = R.deployment_spec(base, "incident")
+    assert inc["prefill_args"] == ["--x", "--max-total-tokens", str(R.PREFILL_POOL)] and inc["decode_args"] == ["--y"]
+    at = R.deployment_spec(base, "auto-truncate")
+    assert at["prefill_args"][-1] == at["decode_args"][-1] == "--allow-auto-truncate"
+    with pytest.raises(ValueError, match="deployment 'x'"):
+        R.deployment_spec(base, "x")
+    assert R.table_file("incident", tmp_path).name == "release_table.json"
+    assert R.table_file("auto-truncate", tmp_path).name == "release_table-auto-truncate.json"
+    # trials of another deployment never mix into a table
+    t = [dict(trial("0.5.23", 1, True), deployment="auto-truncate"), trial("0.5.23", 2, False)]
+    assert R.aggregate(t)["releases"]["0.5.23"]["verdict"] == R.CLEAN
+    at_table = R.aggregate(t, deployment="auto-truncate")
+    assert at_table["releases"]["0.5.23"]["verdict"] == R.LEAKS
+    assert "the incident deployed with --allow-auto-truncate" in R.assess("0.5.23", at_table)[1]

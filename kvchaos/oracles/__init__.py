@@ -388,6 +388,16 @@ def agent_kind(e: dict) -> str | None:
     return e.get("ev") if e.get("source") == "agent" else None
 
 
+def kv_pages_written(events: list[dict]) -> dict[str, int]:
+    """Per rid, the KV pages prefill wrote to decode (the sum of the agent's ``write_end`` pages over
+    every chunk of the request's transfer; a chunked prefill sends several)."""
+    out: dict[str, int] = defaultdict(int)
+    for e in events:
+        if agent_kind(e) == "write_end" and e.get("rid") and isinstance(e.get("pages"), int):
+            out[e["rid"]] += e["pages"]
+    return dict(out)
+
+
 def kv_lifecycle(events: list[dict], tolerance_s: float = 0.0) -> Verdict:
     """No KV write into decode's pages ends after decode released them (same bootstrap room)."""
     released: dict = {}

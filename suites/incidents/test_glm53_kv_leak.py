@@ -37,10 +37,10 @@ import pytest
 
 from faults import FaultKit
 from kvchaos import releases
-from kvchaos.cluster import Cluster, ClusterSpec
+from kvchaos.cluster import ClusterSpec
 from kvchaos.experiment import FAIL, PASS
-from kvchaos.oracles import HttpSemantics, Isolation, Liveness
-from kvchaos.suite import server_field
+from kvchaos.oracles import HttpSemantics, Isolation, Liveness, kv_pages_written
+from kvchaos.suite import own_cluster, server_field
 from kvchaos.workload import EventLog
 from kvchaos.workload.probes import wait_quiet
 
@@ -70,7 +70,7 @@ def _run(experiment, faults, kvchaos_run_dir, mode: str, **kw):
             faults.agent.arm("prefill", "input_limit", params={"max_input_len": PREFILL_LIMIT})
     ev = ex.events
     sizes = {p.rid: p.n_tokens for p in plans if p.oversized}
-    sent = {e["rid"]: e["pages"] for e in ev if e.get("agent_ev") == "transfer_start" and e.get("rid") in sizes}
+    sent = kv_pages_written(ev)  # every chunk of each request's transfer
     leaks = ex.by["isolation"].witnesses
     first_leak = None
     if leaks:
@@ -124,16 +124,10 @@ def prefix_cluster(kvchaos_spec, kvchaos_run_dir, kvchaos_reaper):
     if kvchaos_spec.device != "cpu":
         pytest.skip("the pinned pre-fix environment is built for the CPU profile")
     py = releases.engine_python(PREFIX_VERSION)
-    spec = ClusterSpec.from_dict({**kvchaos_spec.to_dict(), "name": f"cpu-sglang-{PREFIX_VERSION}",
-                                  "engine_python": py,
-                                  "prefill_args": releases.incident_prefill_args(kvchaos_spec.prefill_args)})
-    c = Cluster(spec, kvchaos_run_dir / f"sglang-{PREFIX_VERSION}", reaper=kvchaos_reaper).start()
-    (c.workdir / "cluster.json").write_text(json.dumps(c.describe(), indent=2, default=str))
-    try:
+    spec = ClusterSpec.from_dict({**releases.deployment_spec(kvchaos_spec.to_dict(), "incident"),
+                                  "name": f"cpu-sglang-{PREFIX_VERSION}", "engine_python": py})
+    with own_cluster(spec, kvchaos_run_dir / f"sglang-{PREFIX_VERSION}", kvchaos_reaper) as (c, _):
         yield c
-    finally:
-        left = c.stop()
-        assert not left, f"processes left after the {PREFIX_VERSION} cluster's teardown: {left}"
 
 
 @pytest.mark.backends("mooncake_tcp")  # the incident's transport; 0.5.19's NIXL path is not checked on CPU

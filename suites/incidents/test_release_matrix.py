@@ -13,7 +13,6 @@ leaks is red in the run's report — the matrix never hides a leak. Each trial a
 
 from __future__ import annotations
 
-import copy
 import json
 
 import pytest
@@ -21,10 +20,9 @@ import pytest
 from faults import FaultKit
 from kvchaos import releases
 from kvchaos.audit import audit
-from kvchaos.cluster import Cluster, ClusterSpec
+from kvchaos.cluster import ClusterSpec
 from kvchaos.oracles import HttpSemantics, Isolation, Liveness, Sensitivity
-from kvchaos.selftest import planted_leak_selftest
-from kvchaos.suite import server_field
+from kvchaos.suite import own_cluster, server_field
 from kvchaos.workload import EventLog
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow, pytest.mark.bisect]
@@ -45,7 +43,15 @@ def pytest_generate_tests(metafunc):
 
 
 @pytest.fixture
-def release_cluster(release, trial, kvchaos_spec, kvchaos_run_dir, kvchaos_reaper, kvchaos_policy):
+def deployment(pytestconfig):
+    d = pytestconfig.getoption("--kvchaos-deployment")
+    if d not in releases.DEPLOYMENTS:
+        raise pytest.UsageError(f"--kvchaos-deployment {d!r}: one of {', '.join(releases.DEPLOYMENTS)}")
+    return d
+
+
+@pytest.fixture
+def release_cluster(release, trial, deployment, kvchaos_spec, kvchaos_run_dir, kvchaos_reaper, kvchaos_policy):
     """A fresh cluster of ``release`` in the incident's shape, with a policy gated by its own self-test."""
     if kvchaos_spec.device != "cpu":
         pytest.skip("release environments are built for the CPU profile")
@@ -53,22 +59,18 @@ def release_cluster(release, trial, kvchaos_spec, kvchaos_run_dir, kvchaos_reape
         py = releases.engine_python(release)
     except releases.ReleaseError as e:
         pytest.fail(str(e), pytrace=False)
-    spec = ClusterSpec.from_dict({**kvchaos_spec.to_dict(), "name": f"cpu-sglang-{release}", "engine_python": py,
-                                  "prefill_args": releases.incident_prefill_args(kvchaos_spec.prefill_args)})
-    work = kvchaos_run_dir / "releases" / f"sglang-{release}-t{trial}"
-    c = Cluster(spec, work, reaper=kvchaos_reaper).start()
-    (work / "cluster.json").write_text(json.dumps(c.describe(), indent=2, default=str))
-    try:
-        policy = copy.copy(kvchaos_policy)  # the session's registry and flags; this cluster's own self-test
-        policy.selftest = None
-        policy.selftest = planted_leak_selftest(c, work, policy)
-        yield c, policy
-    finally:
-        left = c.stop()
-        assert not left, f"processes left after the sglang {release} cluster's teardown: {left}"
+    spec = ClusterSpec.from_dict({**releases.deployment_spec(kvchaos_spec.to_dict(), deployment),
+                                  "name": f"cpu-sglang-{release}-{deployment}", "engine_python": py})
+    with own_cluster(spec, kvchaos_run_dir / "releases" / cell(release, trial, deployment), kvchaos_reaper,
+                     kvchaos_policy) as got:
+        yield got
 
 
-def test_incident_unmodified_on_release(experiment, release_cluster, release, trial, kvchaos_run_dir):
+def cell(release, trial, deployment):
+    return f"sglang-{release}-t{trial}" + ("" if deployment == "incident" else f"-{deployment}")
+
+
+def test_incident_unmodified_on_release(experiment, release_cluster, release, trial, deployment, kvchaos_run_dir):
     c, policy = release_cluster
     pf, dc = (c.server_info(r) for r in ("prefill", "decode"))
     got = {r: server_field(i, "version") for r, i in (("prefill", pf), ("decode", dc))}
@@ -80,21 +82,21 @@ def test_incident_unmodified_on_release(experiment, release_cluster, release, tr
     assert max(releases.OVERSIZED) < server_field(dc, "max_total_num_tokens") - 512
     seed = releases.GLM53_SEED + trial - 1
     plans, victim = releases.glm53_plans(seed)
-    out = kvchaos_run_dir / "releases"
+    out, name = kvchaos_run_dir / "releases", cell(release, trial, deployment)
     checks = [Isolation(), Sensitivity(), HttpSemantics(), Liveness(bound_s=releases.BOUND_S)]
-    with EventLog(out / f"sglang-{release}-t{trial}" / "faults.jsonl") as flog:
+    with EventLog(out / name / "faults.jsonl") as flog:
         kit = FaultKit(c, flog)  # nothing armed: the agent only observes (KV pages sent per request)
-        with experiment(f"release-{release}-t{trial}", plans, checks, cluster=c, faults=kit, policy=policy, seed=seed,
-                        path=out / f"sglang-{release}-t{trial}" / "events.jsonl", concurrency=8,
+        with experiment(f"release-{name}", plans, checks, cluster=c, faults=kit, policy=policy, seed=seed,
+                        path=out / name / "events.jsonl", concurrency=8,
                         timeout_s=releases.BOUND_S, settle_s=0) as ex:
             pass
         assert not kit.heal_all()
-    rec = releases.trial_record(ex, plans, victim, release, trial, seed, policy.selftest)
-    # the operator's audit of this very cluster, judged by the committed table: it must never call a
-    # release PASS that this trial just saw leak (the table would be stale or the audit wrong)
+    rec = releases.trial_record(ex, plans, victim, release, trial, seed, policy.selftest, deployment)
+    # the operator's audit of this very cluster, judged by the committed table of its deployment: it
+    # must never call a release PASS that this trial just saw leak (a stale table or a wrong audit)
     ver = {c["id"]: c for c in audit(c.endpoints.prefill, c.endpoints.decode)["checks"]}["engine_version"]
     rec["audit_engine_version"] = {"status": ver["status"], "detail": ver["detail"]}
-    committed = (releases.load_table() or {}).get("releases", {}).get(release)
+    committed = (releases.load_table(releases.table_file(deployment)) or {}).get("releases", {}).get(release)
     if committed:  # the audit of a live release cluster says what the committed table measured
         rec["audit_engine_version"]["table_verdict"] = committed["verdict"]
         want = {releases.LEAKS: "fail", releases.CLEAN: "pass", releases.UNMEASURED: "unknown"}[committed["verdict"]]
@@ -102,7 +104,7 @@ def test_incident_unmodified_on_release(experiment, release_cluster, release, tr
     with open(out / "trials.jsonl", "a") as f:
         f.write(json.dumps(rec, default=str) + "\n")
     trials = [json.loads(x) for x in (out / "trials.jsonl").read_text().splitlines() if x.strip()]
-    releases.write_table(releases.aggregate(trials), out)
+    releases.write_table(releases.aggregate(trials, deployment=deployment), out)
     ex.judge()  # unplanted: a release that leaks is red in this run's report
     assert not (rec["leaked"] and ver["status"] == "pass"), f"audit PASSed sglang {release}, which leaked: {ver}"
     assert rec["leaked"] is not None, (f"sglang {release} trial {trial} could not see a leak (isolation "
