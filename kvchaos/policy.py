@@ -26,7 +26,7 @@ import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvchaos.oracles import FAIL, PASS, UNKNOWN, Verdict, agent_kind
+from kvchaos.oracles import FAIL, PASS, UNKNOWN, Verdict, agent_kind, kv_pages_written
 
 KNOWN = "known"
 FINDINGS_FILE = Path(__file__).resolve().parent / "findings.toml"
@@ -134,6 +134,20 @@ def _sig_oversized_all_hung(v, ctx, want):
     return ok == bool(want), f"oversized requests that did not hang: {miss[:5]}"
 
 
+def _sig_victims_truncated(v, ctx, want):
+    """Every victim is an oversized request whose KV prefill wrote, by its own transfer events (the
+    pages of every chunk), was short of the prompt but more than the one-page placeholder of the
+    reject path: the prompt was truncated on prefill (``--allow-auto-truncate``), not rejected."""
+    plans = ctx.plans()
+    sent = kv_pages_written(ctx.events)
+    bad = [w.get("victim_rid") for w in v.witnesses
+           if not (plans.get(w.get("victim_rid"), {}).get("oversized")
+                   and isinstance(sent.get(w.get("victim_rid")), int)
+                   and 1 < sent[w["victim_rid"]] < (plans[w["victim_rid"]].get("n_tokens") or 0))]
+    ok = bool(v.witnesses) and not bad
+    return ok == bool(want), f"victims that are not oversized prompts prefill sent truncated: {bad[:5]}"
+
+
 def _sig_fault_armed(v, ctx, kind):
     ok = any(e.get("kind") == kind for e in ctx.fault_events("armed"))
     return ok, f"no {kind!r} fault armed in this experiment"
@@ -159,6 +173,7 @@ SIGNATURES = {
     "all_tagged_hung": _sig_all_tagged_hung,
     "oversized_all_hung": _sig_oversized_all_hung,
     "fault_armed": _sig_fault_armed,
+    "victims_truncated": _sig_victims_truncated,
     "process_fault_fired": _sig_process_fault_fired,
     "engine_error": _sig_engine_error,
 }

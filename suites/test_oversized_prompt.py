@@ -27,17 +27,27 @@ The hang band is a known engine finding on SGLang 0.5.23 (decode cannot pre-allo
 reserved decode tokens in a 2048 pool, and nothing rejects the request): it surfaces as a liveness
 FAIL naming the stuck requests, KNOWN as ``sglang-pd-hang-band`` (kvchaos/findings.toml) only while
 every witness is a timeout of a prompt tagged as inside the band and every band prompt hangs.
-``-m slow`` adds a finer sweep (every 256 tokens plus each edge ± 1).
+``-m slow`` adds a finer sweep (every 256 tokens plus each edge ± 1), and the auto-truncation test:
+the GLM-5.3 deployment (prefill's pool below the context and below decode's) with
+``--allow-auto-truncate`` on both roles. Prefill truncates the oversized prompt to its input limit
+instead of rejecting it, so neither #36988 nor #38935 applies; decode pre-allocates the whole prompt
+and receives only the truncated part's KV. On 0.5.23 that is a leak:
+``sglang-auto-truncate-stale-pages`` (reports/findings/), KNOWN only while every victim is an
+oversized prompt that prefill's own transfer events show sent truncated (more than one page, fewer
+than the prompt). ``--kvchaos-trials N`` runs it N times on one cluster.
 """
 
 from __future__ import annotations
 
 import pytest
 
-from kvchaos import canary
+from faults import FaultKit
+from kvchaos import canary, releases
+from kvchaos.cluster import ClusterSpec
 from kvchaos.experiment import PASS
-from kvchaos.oracles import HttpSemantics, Isolation, Liveness
-from kvchaos.suite import server_field
+from kvchaos.oracles import HttpSemantics, Isolation, Liveness, Sensitivity, kv_pages_written
+from kvchaos.suite import own_cluster, server_field
+from kvchaos.workload import EventLog
 from kvchaos.workload import Workload
 from kvchaos.workload.probes import wait_quiet
 
@@ -148,3 +158,40 @@ def test_fine_sweep_outside_the_band(experiment, faults, edges):
                        [Isolation(), HttpSemantics(), Liveness(bound_s=BOUND_S)])
     faults.log.emit("observed", edges=e, table=table)
     _check_answer_and_reject(ex, table)
+
+
+def pytest_generate_tests(metafunc):
+    if "trial" in metafunc.fixturenames:
+        n = metafunc.config.getoption("--kvchaos-trials")
+        metafunc.parametrize("trial", range(1, n + 1), ids=[f"t{t}" for t in range(1, n + 1)])
+
+
+@pytest.fixture(scope="module")
+def truncating_cluster(kvchaos_spec, kvchaos_run_dir, kvchaos_reaper, kvchaos_policy):
+    """The incident's deployment (prefill pool 576 < context 4096 < decode's pool) with
+    --allow-auto-truncate on both roles; its own self-test gates the policy."""
+    if kvchaos_spec.device != "cpu":
+        pytest.skip("sized for the CPU profile")
+    spec = ClusterSpec.from_dict({**releases.deployment_spec(kvchaos_spec.to_dict(), "auto-truncate"),
+                                  "name": "cpu-auto-truncate"})
+    with own_cluster(spec, kvchaos_run_dir / "auto-truncate", kvchaos_reaper, kvchaos_policy) as got:
+        yield got
+
+
+@pytest.mark.slow
+def test_auto_truncated_prompt_is_not_decoded_over_stale_pages(experiment, truncating_cluster, trial, kvchaos_run_dir):
+    c, policy = truncating_cluster
+    plans, victim = releases.glm53_plans(700 + trial)
+    out = kvchaos_run_dir / "auto-truncate" / f"t{trial}"
+    with EventLog(out / "faults.jsonl") as flog:
+        kit = FaultKit(c, flog)  # nothing armed: the agent records the KV pages prefill sends
+        with experiment(f"auto_truncate-t{trial}", plans, [Isolation(), Sensitivity(), Liveness(bound_s=BOUND_S)],
+                        cluster=c, faults=kit, policy=policy, seed=700 + trial, path=out / "events.jsonl",
+                        concurrency=8, timeout_s=BOUND_S, settle_s=0) as ex:
+            pass
+        assert not kit.heal_all()
+    sent = kv_pages_written(ex.events)
+    limit = server_field(c.server_info("prefill"), "max_req_input_len")
+    # the path really ran: prefill wrote every oversized prompt truncated to its limit, not rejected
+    assert all(sent.get(p.rid) == limit for p in plans if p.oversized), (limit, {p.rid: sent.get(p.rid) for p in plans if p.oversized})
+    ex.require(isolation=PASS, liveness=PASS)

@@ -73,6 +73,26 @@ def test_short_transfer_leak_is_known_only_with_its_witness_and_red_unless_accep
     assert judge(ev, {"isolation": PASS}, accept_known=True).status == FAIL
 
 
+# the auto-truncation leak is KNOWN only when the victim is an oversized prompt prefill sent truncated;
+# the same leak through the reject path's one-page placeholder (the GLM-5.3 incident) stays a FAIL
+def _truncated_log(pages):
+    rng = random.Random(3)
+    ev = [HEADER] + crowd()
+    own, foreign = canary.mint(rng, 3), ev[1]["canaries"]
+    ev += [plan("big1", "t15", own, oversized=True, n_tokens=900)] + reply("big1", foreign[0][1:-1] + "][")
+    # a chunked transfer: the pages of every chunk count
+    chunks = [] if pages is None else [min(pages, 5), pages - min(pages, 5)] if pages > 5 else [pages]
+    return ev + [{"ev": "agent", "agent_ev": "write_end", "rid": "big1", "pages": n} for n in chunks]
+
+
+def test_auto_truncate_leak_is_known_only_when_prefill_sent_the_prompt_truncated():
+    j = judge(_truncated_log(570), {"isolation": PASS}, accept_known=True)
+    assert j.status == "known" and j.known[0].finding.id == "sglang-auto-truncate-stale-pages"
+    for pages in (1, 900, None):  # the reject path's placeholder, a whole prompt, no transfer evidence
+        j = judge(_truncated_log(pages), {"isolation": PASS}, accept_known=True)
+        assert j.status == FAIL and j.red and not j.known, pages
+
+
 def test_no_test_or_harness_module_xfails_imperatively():
     hits = [f"{p}:{i}" for d in ("suites", "kvchaos", "faults") for p in (REPO / d).rglob("*.py")
             for i, line in enumerate(p.read_text().splitlines(), 1) if "pytest.xfail(" in line]
