@@ -89,8 +89,12 @@ def test_stopping_kvchaos_run_stops_pytest_and_its_children(tmp_path, how):
                      f"    open({str(pidfile)!r}, 'w').write(str(c.pid))\n"
                      "    time.sleep(300)\n")
     env = child_env()
+    # as from a terminal: SIGINT at its default even when this test runs under a shell that ignores it
+    # (a non-interactive shell's background job inherits SIGINT ignored, and Python then never raises
+    # KeyboardInterrupt)
     proc = subprocess.Popen([sys.executable, "-m", "kvchaos", "run", str(suite), "--reports", str(tmp_path / "r")],
-                            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         t0 = time.monotonic()
         while not pidfile.exists() or not pidfile.read_text():
