@@ -143,3 +143,16 @@ def test_audit_and_repro_input_errors():
     assert p.returncode == 2 and "unknown incident 'nope'" in p.stderr and "glm53" in p.stderr
     p = kvchaos("repro", "--list")
     assert p.returncode == 0 and "glm53" in p.stdout
+    p = kvchaos("audit", "--prefill", "http://127.0.0.1:9", "--decode", "http://127.0.0.1:9", "--lb-probe", "sse")
+    assert p.returncode == 2 and "--lb-probe 'sse': unknown mode(s) ['sse']" in p.stderr
+
+
+def test_bisect_input_errors_before_any_cluster():
+    p = kvchaos("bisect", "--releases", "0.5.19,latest")
+    assert p.returncode == 2 and "not a release version: 'latest'" in p.stderr
+    p = kvchaos("bisect", "--trials", "0")
+    assert p.returncode == 2 and "--trials 0: at least 1" in p.stderr
+    p = kvchaos("bisect", "--deployment", "paged")
+    assert p.returncode == 2 and "--deployment 'paged': one of incident, auto-truncate" in p.stderr
+    p = kvchaos("bisect", "--releases", "0.5.18")
+    assert p.returncode == 2 and "no recipe for sglang 0.5.18" in p.stderr
