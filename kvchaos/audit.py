@@ -401,16 +401,9 @@ def release_evidence(path=None, deployment: str = "incident") -> tuple[dict | No
     if path is not None and not Path(path).exists():
         raise AuditError(f"--release-table {path}: no such file")
     try:
-        table = R.load_table(path or R.table_file(deployment))
+        return R.load_table(path or R.table_file(deployment)), R.load_code_reading()
     except (R.ReleaseError, ValueError) as e:
-        raise AuditError(f"release table: {e}") from None
-    reading = None
-    if R.CODE_READING_FILE.exists():
-        try:
-            reading = json.loads(R.CODE_READING_FILE.read_text())
-        except ValueError as e:
-            raise AuditError(f"{R.CODE_READING_FILE}: not JSON ({e})") from None
-    return table, reading
+        raise AuditError(f"release evidence: {e}") from None
 
 
 def audit(prefill: str, decode: str, router: str | None = None, timeout: float = 15.0,

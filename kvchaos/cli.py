@@ -351,8 +351,7 @@ def cmd_bisect(args) -> int:
                               "KVCHAOS_DEPLOYMENT": args.deployment})
     tfile = run_dir / "releases" / "trials.jsonl"
     trials = [json.loads(x) for x in tfile.read_text().splitlines() if x.strip()] if tfile.exists() else []
-    reading = json.loads(releases.CODE_READING_FILE.read_text()) if releases.CODE_READING_FILE.exists() else None
-    table = releases.aggregate(trials, reading, releases=rels, deployment=args.deployment)
+    table = releases.aggregate(trials, releases.load_code_reading(), releases=rels, deployment=args.deployment)
     cmd = f"kvchaos bisect --releases {','.join(rels)} --trials {args.trials}" + (
         "" if args.deployment == "incident" else f" --deployment {args.deployment}")
     outs = [run_dir / "releases"] + ([Path(args.out)] if args.out else [])

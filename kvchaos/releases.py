@@ -254,6 +254,17 @@ def load_table(path: str | Path | None = None) -> dict | None:
     return t
 
 
+def load_code_reading(path: str | Path | None = None) -> dict | None:
+    """The per-release code reading (reports/releases/code-reading.json), or None when absent."""
+    p = Path(path) if path else CODE_READING_FILE
+    if not p.exists():
+        return None
+    try:
+        return json.loads(p.read_text())
+    except ValueError as e:
+        raise ReleaseError(f"{p}: not JSON ({e})") from None
+
+
 def assess(version: str, table: dict | None) -> tuple[str, str]:
     """(``leaks`` / ``clean`` / ``unknown``, why) for one running release, from the measured table:
     a measured release answers for itself; an unmeasured one is judged only when measured releases
