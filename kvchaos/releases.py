@@ -192,7 +192,8 @@ def aggregate(trials: list[dict], code_reading: dict | None = None, releases: li
         blind = [t for t in ts if t["leaked"] is None]
         verdict = LEAKS if leaked else (UNMEASURED if blind or not ts else CLEAN)
         w = next((t["first_witness"] for t in leaked if t["first_witness"]), None)
-        pred = reading.get(rel, {}).get("predicted_behaviour")
+        # the code reading predicts the incident deployment's path (reports/releases/code-reading.md)
+        pred = reading.get(rel, {}).get("predicted_behaviour") if deployment == "incident" else None
         rows[rel] = {"verdict": verdict, "trials": len(ts), "leaked": len(leaked), "unmeasured": len(blind),
                      "hung": sum(t["hung"] for t in ts), "rejected_4xx": sum(t["rejected_4xx"] for t in ts),
                      "oversized_answered_200": sum(t["answered_200"] for t in ts),

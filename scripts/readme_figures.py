@@ -89,16 +89,25 @@ def findings() -> str:
     return "\n".join(out) + f"\n\n(from `{FINDINGS.relative_to(REPO)}`)"
 
 
-def release_table() -> str:
+def _release_table(path: Path) -> str:
     sys.path.insert(0, str(REPO))
     from kvchaos.releases import render_markdown
 
-    t = _load(RELEASES)
+    t = _load(path)
     body = render_markdown(t, t.get("command")).split("\n", 2)[2].strip()  # without the title line
-    return f"{body}\n\n(from `{RELEASES.relative_to(REPO)}`)"
+    return f"{body}\n\n(from `{path.relative_to(REPO)}`)"
 
 
-FIGURES = {"release-table": release_table, "glm53-witness": glm53_witness, "replay-verdicts": replay_verdicts,
+def release_table() -> str:
+    return _release_table(RELEASES)
+
+
+def release_table_auto_truncate() -> str:
+    return _release_table(RELEASES.with_name("release_table-auto-truncate.json"))
+
+
+FIGURES = {"release-table": release_table, "release-table-auto-truncate": release_table_auto_truncate,
+           "glm53-witness": glm53_witness, "replay-verdicts": replay_verdicts,
            "replay-witness": replay_witness, "detection-matrix": detection_matrix, "findings": findings}
 
 

@@ -140,3 +140,10 @@ def test_deployments_shape_the_spec_and_name_the_table(tmp_path):
     at_table = R.aggregate(t, deployment="auto-truncate")
     assert at_table["releases"]["0.5.23"]["verdict"] == R.LEAKS
     assert "the incident deployed with --allow-auto-truncate" in R.assess("0.5.23", at_table)[1]
+
+
+def test_the_code_readings_prediction_is_shown_only_for_the_deployment_it_read():
+    reading = {"releases": {"0.5.23": {"predicted_behaviour": "reject_4xx"}}}
+    t = [dict(trial("0.5.23", 1, True), deployment="auto-truncate"), trial("0.5.23", 1, False)]
+    assert R.aggregate(t, reading)["releases"]["0.5.23"]["code_prediction"] == "reject_4xx"
+    assert R.aggregate(t, reading, deployment="auto-truncate")["releases"]["0.5.23"]["code_prediction"] is None
