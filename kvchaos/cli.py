@@ -349,9 +349,7 @@ def cmd_bisect(args) -> int:
     args.markers, args.k, args.attach = "bisect", None, None
     rc, run_dir = _run(args, {"KVCHAOS_RELEASES": ",".join(rels), "KVCHAOS_TRIALS": str(args.trials),
                               "KVCHAOS_DEPLOYMENT": args.deployment})
-    tfile = run_dir / "releases" / "trials.jsonl"
-    trials = [json.loads(x) for x in tfile.read_text().splitlines() if x.strip()] if tfile.exists() else []
-    table = releases.aggregate(trials, releases.load_code_reading(), releases=rels, deployment=args.deployment)
+    table = releases.aggregate(releases.load_trials(run_dir / "releases"), releases.load_code_reading(), releases=rels, deployment=args.deployment)
     cmd = f"kvchaos bisect --releases {','.join(rels)} --trials {args.trials}" + (
         "" if args.deployment == "incident" else f" --deployment {args.deployment}")
     outs = [run_dir / "releases"] + ([Path(args.out)] if args.out else [])

@@ -27,6 +27,7 @@ import re
 import subprocess
 from pathlib import Path
 
+from kvchaos.experiment import _rel
 from kvchaos.oracles import kv_pages_written
 from kvchaos.workload import Workload
 
@@ -154,13 +155,6 @@ def trial_record(ex, plans, victim: str, release: str, trial: int, seed: int, se
         "selftest": (selftest or {}).get("status"),
         "events": _rel(ex.path, ex.run_dir),
     }
-
-
-def _rel(p: Path, base: Path) -> str:
-    try:
-        return str(Path(p).relative_to(base))
-    except ValueError:
-        return str(p)
 
 
 def _engine_versions(ex) -> dict:
@@ -306,7 +300,7 @@ def assess(version: str, table: dict | None) -> tuple[str, str]:
 
 
 # --------------------------------------------------------------------------- rendering
-def render_markdown(table: dict, command: str | None = None, code_reading: dict | None = None) -> str:
+def render_markdown(table: dict, command: str | None = None) -> str:
     rows, d = table["releases"], table["derived"]
     w = table["workload"]
     lines = ["# Which SGLang releases leak: the GLM-5.3 incident, unmodified, per release", ""]
@@ -339,6 +333,22 @@ def render_markdown(table: dict, command: str | None = None, code_reading: dict 
     else:
         lines.append("- Measurement and the write-up agree on every measured release.")
     return "\n".join(lines) + "\n"
+
+
+def load_trials(out_dir: Path) -> list[dict]:
+    """The trial records a release-matrix run appended to ``<out_dir>/trials.jsonl`` ([] when none)."""
+    f = Path(out_dir) / "trials.jsonl"
+    return [json.loads(x) for x in f.read_text().splitlines() if x.strip()] if f.exists() else []
+
+
+def record_trial(rec: dict, out_dir: Path) -> dict:
+    """Append one trial's record and rebuild its deployment's table beside it; returns the table."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with open(out_dir / "trials.jsonl", "a") as f:
+        f.write(json.dumps(rec, default=str) + "\n")
+    table = aggregate(load_trials(out_dir), load_code_reading(), deployment=rec["deployment"])
+    write_table(table, out_dir)
+    return table
 
 
 def write_table(table: dict, out_dir: Path, command: str | None = None) -> tuple[Path, Path]:

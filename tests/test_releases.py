@@ -147,3 +147,12 @@ def test_the_code_readings_prediction_is_shown_only_for_the_deployment_it_read()
     t = [dict(trial("0.5.23", 1, True), deployment="auto-truncate"), trial("0.5.23", 1, False)]
     assert R.aggregate(t, reading)["releases"]["0.5.23"]["code_prediction"] == "reject_4xx"
     assert R.aggregate(t, reading, deployment="auto-truncate")["releases"]["0.5.23"]["code_prediction"] is None
+
+
+def test_record_trial_appends_and_rebuilds_its_deployments_table(tmp_path):
+    assert R.load_trials(tmp_path) == []
+    R.record_trial(dict(trial("0.5.19", 1, True), deployment="incident"), tmp_path)
+    t = R.record_trial(dict(trial("0.5.19", 1, False), deployment="auto-truncate"), tmp_path)
+    assert len(R.load_trials(tmp_path)) == 2 and t["releases"]["0.5.19"]["verdict"] == R.CLEAN
+    assert json.loads((tmp_path / "release_table.json").read_text())["releases"]["0.5.19"]["verdict"] == R.LEAKS
+    assert (tmp_path / "release_table-auto-truncate.md").exists()

@@ -13,7 +13,6 @@ leaks is red in the run's report — the matrix never hides a leak. Each trial a
 
 from __future__ import annotations
 
-import json
 
 import pytest
 
@@ -101,10 +100,7 @@ def test_incident_unmodified_on_release(experiment, release_cluster, release, tr
         rec["audit_engine_version"]["table_verdict"] = committed["verdict"]
         want = {releases.LEAKS: "fail", releases.CLEAN: "pass", releases.UNMEASURED: "unknown"}[committed["verdict"]]
         assert ver["status"] == want, f"audit of sglang {release}: {ver['status']}, table: {committed['verdict']}: {ver}"
-    with open(out / "trials.jsonl", "a") as f:
-        f.write(json.dumps(rec, default=str) + "\n")
-    trials = [json.loads(x) for x in (out / "trials.jsonl").read_text().splitlines() if x.strip()]
-    releases.write_table(releases.aggregate(trials, deployment=deployment), out)
+    releases.record_trial(rec, out)
     ex.judge()  # unplanted: a release that leaks is red in this run's report
     assert not (rec["leaked"] and ver["status"] == "pass"), f"audit PASSed sglang {release}, which leaked: {ver}"
     assert rec["leaked"] is not None, (f"sglang {release} trial {trial} could not see a leak (isolation "
