@@ -26,6 +26,14 @@ Patches (each is a no-op when its precondition is absent):
    ``kv_to_page_indices`` path.
 4. ``sglang.srt.disaggregation.nixl.conn`` — NIXL labels the KV pool ``VRAM`` whatever the device;
    UCX then rejects it. Memory kinds are mapped VRAM→DRAM.
+5. ``sglang.srt.models.deepseek_common.attention_backend_handler`` — MLA models (DeepSeek-V2/V3
+   family: ``MLATokenToKVPool``) have no attention handler for ``torch_native``; the registry falls
+   back to the triton handler, which sends prefills without a cached prefix down the plain MHA path
+   (``forward_mha``, ``save_kv_cache=False``) and torch_native then attends over the latent buffer:
+   warmup dies with ``Expected size for first two dimensions of batch2 tensor to be: [4, 48] but
+   got: [4, 80]``. A ``torch_native`` handler is registered that sends every pass down the absorbed
+   MLA path (``_dispatch_mla_subtype`` → ``forward_mla``: ``torch.bmm`` + ``set_kv_buffer``), the
+   path decode always takes, so the latent KV is written and read through the real MLA pool.
 """
 
 from __future__ import annotations
@@ -167,7 +175,21 @@ def _patch_nixl_conn(mod) -> None:
     APPLIED.append("nixl-vram-as-dram")
 
 
+def _patch_mla_handler(mod) -> None:
+    reg = getattr(mod, "AttentionBackendRegistry", None)
+    dispatch = getattr(mod, "_dispatch_mla_subtype", None)
+    if reg is None or dispatch is None or "torch_native" in getattr(reg, "_handlers", {}):
+        return  # a release that has its own torch_native handler needs nothing
+
+    def handle_attention_torch_native(attn, forward_batch):
+        return dispatch(attn, forward_batch)
+
+    reg.register("torch_native", handle_attention_torch_native)
+    APPLIED.append("mla-torch-native-absorbed")
+
+
 POST_IMPORT = {
+    "sglang.srt.models.deepseek_common.attention_backend_handler": _patch_mla_handler,
     "sglang.srt.disaggregation.mooncake.conn": _patch_mooncake_conn,
     "sglang.srt.disaggregation.nixl.conn": _patch_nixl_conn,
 }

@@ -116,3 +116,36 @@ def test_every_engine_recipe_is_a_pinned_sglang():
     assert r.returncode == 2 and "known:" in r.stderr, r.stderr
     known = r.stderr.split("known:", 1)[1].strip().rstrip(")").split(", ")
     assert sorted(known) == sorted(cpucompat.PINNED["sglang"]), (known, cpucompat.PINNED["sglang"])
+
+
+_MLA_HANDLER = """
+import sys, types
+from kvchaos import cpucompat
+if sys.argv[1] == "off":
+    cpucompat.POST_IMPORT.pop("sglang.srt.models.deepseek_common.attention_backend_handler")
+cpucompat.install()
+from sglang.srt.models.deepseek_common import attention_backend_handler as h
+from sglang.srt.models.deepseek_common.attention_forward_methods.forward_methods import AttnForwardMethod
+fn = h.AttentionBackendRegistry.get_handler("torch_native")
+print("handler", fn.__name__)
+mode = types.SimpleNamespace(is_extend_without_speculative=lambda: True, is_decode=lambda: False)
+fresh_prefill = types.SimpleNamespace(forward_mode=mode, extend_prefix_lens_cpu=[0])
+print("method", fn(types.SimpleNamespace(), fresh_prefill) == AttnForwardMethod.MLA, cpucompat.APPLIED)
+"""
+
+
+@pytest.mark.parametrize("patch", ["on", "off"])
+def test_mla_torch_native_handler(patch):
+    """Without patch 5 an MLA model on torch_native gets the triton handler, which sends a fresh
+    prefill down the plain MHA path over the latent buffer (the live MLA layout suites prove the
+    patched path end to end); with it, every pass takes the absorbed MLA path."""
+    env = {k: v for k, v in os.environ.items() if k != "KVCHAOS_CPU_COMPAT"}
+    env["PYTHONPATH"] = str(REPO)
+    r = subprocess.run([sys.executable, "-c", _MLA_HANDLER, patch], env=env, capture_output=True,
+                       text=True, timeout=300, cwd="/")
+    if patch == "off":
+        assert "handler handle_attention_triton" in r.stdout, (r.stdout, r.stderr[-2000:])
+        return
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "handler handle_attention_torch_native" in r.stdout
+    assert "method True" in r.stdout and "mla-torch-native-absorbed" in r.stdout
