@@ -33,15 +33,55 @@ if os.environ.get("KVCHAOS_AGENT"):
     else:
         _agent.boot()
 
-# chain to any other sitecustomize further down the path (e.g. the distro's)
-try:
-    import importlib.machinery as _m
-    import importlib.util as _u
+# Chain to any other sitecustomize further down the path (GPU images often ship one), after the
+# compat layer and the agent. One level only: whatever that one chains to is its own business. It
+# runs as a module of its own under a private name, registered in sys.modules, so it can import,
+# keep globals and see its own ``__file__``, while ``import sitecustomize`` still gives this module.
+_CHAINED_NAME = "_kvchaos_chained_sitecustomize"
 
-    _rest = [p for p in sys.path if os.path.abspath(p or ".") != _here]
-    _spec = _m.PathFinder.find_spec("sitecustomize", _rest)
-    if _spec and _spec.origin and os.path.dirname(os.path.abspath(_spec.origin)) != _here:
-        _spec.name = "_kvchaos_chained_sitecustomize"
-        _spec.loader.exec_module(_u.module_from_spec(_spec))
-except Exception as _e:  # pragma: no cover
-    sys.stderr.write(f"kvchaos: chained sitecustomize failed: {_e}\n")
+
+def _is_boot_dir(entry) -> bool:
+    """Whether the sys.path ``entry`` is this directory, however spelt (relative, "/.", symlink, bind mount)."""
+    if not isinstance(entry, str):
+        return False
+    path = entry or "."
+    try:
+        return os.path.realpath(path) == os.path.realpath(_here) or os.path.samefile(path, _here)
+    except (OSError, ValueError):  # a missing directory, a zip file, a path hook's marker string
+        return False
+
+
+def _chain_sitecustomize() -> None:
+    if _CHAINED_NAME in sys.modules:  # already chained in this process; never twice
+        return
+    origin = "sitecustomize"
+    try:
+        import importlib.machinery as m
+        import importlib.util as u
+
+        rest = [p for p in sys.path if isinstance(p, str) and not _is_boot_dir(p)]
+        spec = m.PathFinder.find_spec("sitecustomize", rest)
+        if spec is None or spec.loader is None:
+            return
+        origin = spec.origin or origin
+        if spec.has_location and os.path.exists(origin) and os.path.samefile(origin, __file__):
+            return  # this very file (a hard link, a bind mount of it): never chain to ourselves
+        if isinstance(spec.loader, (m.SourceFileLoader, m.SourcelessFileLoader)):
+            # a file loader only serves the name it was made for; make one for the private name
+            loader = type(spec.loader)(_CHAINED_NAME, origin)
+            spec = u.spec_from_file_location(_CHAINED_NAME, origin, loader=loader,
+                                              submodule_search_locations=spec.submodule_search_locations)
+        # any other loader (extension module, zip) keeps its own name inside; only sys.modules differs
+        module = u.module_from_spec(spec)
+        sys.modules[_CHAINED_NAME] = module
+        try:
+            spec.loader.exec_module(module)
+        except BaseException:
+            sys.modules.pop(_CHAINED_NAME, None)
+            raise
+    except Exception as e:
+        msg = " ".join(str(e).split()) or "(no message)"
+        sys.stderr.write(f"kvchaos: chained sitecustomize failed ({origin}): {type(e).__name__}: {msg}\n")
+
+
+_chain_sitecustomize()
