@@ -25,6 +25,12 @@ How it works (d_model 256, 4 heads of dim 128, rope_theta 1e36):
   ascending order of first character, each once. When none is left, attention falls on filler,
   the head's output vanishes and the ``[`` → EOS bigram ends the reply.
 
+Kinds (one per KV layout; :func:`kvchaos.probe.ensure_probe`): ``mha`` — this model, committed in
+``model/``; ``gqa`` — the same weights regrouped for 2 key/value heads (layer 1's offset heads all
+have the same key and value, so both KV heads carry them; layer 2 puts IND on query head 0 → KV head
+0 and SEL on query head 2 → KV head 1); ``mla`` — the same algorithm in DeepseekV2ForCausalLM
+(``kvchaos.probe.mla``).
+
 A prompt built by :func:`kvchaos.probe.prompt` ends in ``[``, so the reply is
 ``[C1][C2]...[Ck][`` + EOS. Two canaries with the same first character collide (one of the two is
 recited): canaries minted for one request have distinct first characters; a foreign canary
@@ -44,6 +50,8 @@ import numpy as np
 
 from kvchaos.canary import ALPHABET, END, START
 from kvchaos.model import build_char_tokenizer, char_vocab
+# COMMITTED: the mha probe shipped with kvchaos, rebuilt bit-identically by build()
+from kvchaos.probe import COMMITTED, KINDS, _check_kind  # noqa: F401 (KINDS re-exported)
 
 RECIPE = 1
 D_MODEL, N_HEADS, HEAD_DIM = 256, 4, 128
@@ -70,6 +78,8 @@ NEXT = TOK + 5 * NT  # 35 dims: A (32), "[", "]", EOS
 NEXT_EOS = T["<fill>"]  # reuse the 35th slot of NEXT for EOS
 assert NEXT + NT <= D_MODEL
 
+KV_HEADS = {"mha": N_HEADS, "gqa": 2}  # Llama kinds: key/value heads (GQA: q heads 0,1 -> kv 0; 2,3 -> kv 1)
+
 CONFIG = dict(
     vocab_size=VOCAB, hidden_size=D_MODEL, intermediate_size=8, num_hidden_layers=2,
     num_attention_heads=N_HEADS, num_key_value_heads=N_HEADS, head_dim=HEAD_DIM,
@@ -88,56 +98,90 @@ def _nope_dims() -> list[int]:
     return list(range(NOPE_FROM, half)) + list(range(half + NOPE_FROM, HEAD_DIM))
 
 
-def build_weights() -> dict[str, np.ndarray]:
-    vocab = char_vocab(VOCAB)
-    sym_of_id = {}
-    for tok, i in vocab.items():
-        sym_of_id[i] = tok if tok in T and tok != "<fill>" else "<fill>"
-    eos_id = CONFIG["eos_token_id"]
-    sq = np.sqrt(HEAD_DIM)  # cancels the attention's 1/sqrt(head_dim)
-    w = {}
+def config(kind: str = "mha") -> dict:
+    """The Llama config of a Llama-architecture probe kind ("mha" or "gqa")."""
+    return {**CONFIG, "num_key_value_heads": KV_HEADS[kind]}
 
+
+def sym_of_id() -> dict[int, str]:
+    """Token id -> residual symbol (every id is exactly one of TOKSET)."""
+    return {i: tok if tok in T and tok != "<fill>" else "<fill>" for tok, i in char_vocab(VOCAB).items()}
+
+
+def embedding() -> np.ndarray:
     emb = np.zeros((VOCAB, D_MODEL))
     emb[:, BIAS] = 1.0
-    for i in range(VOCAB):
-        emb[i, TOK + T[sym_of_id[i]]] = 1.0
-    w["model.embed_tokens.weight"] = emb
+    for i, s in sym_of_id().items():
+        emb[i, TOK + T[s]] = 1.0
+    return emb
 
-    # ---- layer 1: offset heads
+
+def unembedding() -> np.ndarray:
+    vocab = char_vocab(VOCAB)
+    lm = np.zeros((VOCAB, D_MODEL))
+    for s in list(ALPHABET) + [START, END]:
+        lm[vocab[s], NEXT + T[s]] = G_OUT
+    lm[vocab[START], TOK + T[END]] = B_CLOSE
+    lm[CONFIG["eos_token_id"], TOK + T[START]] = B_EOS
+    lm[vocab[START], TOK + T["<fill>"]] = B_FILL
+    return lm
+
+
+def offset_phases(om: np.ndarray, delta: int, sq: float) -> list[tuple[float, float]]:
+    """Per rotary pair p < POS_PAIRS, the (real, imaginary) query part of the offset-δ head whose
+    key is the constant 1 + 0i: score S_OFFSET·Σ_p cos(ω_p(Δ - δ)) at distance Δ (times ``sq``,
+    which cancels the attention's softmax scale)."""
+    return [(S_OFFSET * np.cos(om[p] * delta) * sq, -S_OFFSET * np.sin(om[p] * delta) * sq)
+            for p in range(POS_PAIRS)]
+
+
+def ind_features():
+    """Layer 2 IND head, one entry per content feature: (query residual dim, key residual dim,
+    weight) — the query's (x_i, x_{i-1}, x_{i-2}) against the key's (x_{j-1}, x_{j-2}, x_{j-3})."""
+    A = [T[c] for c in ALPHABET]
+    AS = A + [T[START]]
+    f = [(TOK + t, P[1] + t, G_IND[0]) for t in A]  # current token (payload chars only)
+    f += [(P[1] + t, P[2] + t, G_IND[1]) for t in AS]  # x_{i-1} (payload or "[")
+    f += [(P[2] + t, P[3] + t, G_IND[2]) for t in AS]  # x_{i-2}
+    return f
+
+
+def build_weights(kind: str = "mha") -> dict[str, np.ndarray]:
+    kv_heads = KV_HEADS[kind]
+    group = N_HEADS // kv_heads  # query heads per key/value head
+    sq = np.sqrt(HEAD_DIM)  # cancels the attention's 1/sqrt(head_dim)
+    w = {}
+    w["model.embed_tokens.weight"] = embedding()
+
+    # ---- layer 1: offset heads; every head's key (BIAS on the rotary pairs) and value (TOK) are
+    # the same, so with fewer key/value heads each carries that same key and value
     q = np.zeros((N_HEADS * HEAD_DIM, D_MODEL))
-    k = np.zeros_like(q)
-    v = np.zeros_like(q)
+    k = np.zeros((kv_heads * HEAD_DIM, D_MODEL))
+    v = np.zeros_like(k)
     o = np.zeros((D_MODEL, N_HEADS * HEAD_DIM))
     om = _inv_freq()
     half = HEAD_DIM // 2
     for h, delta in enumerate(OFFSETS):
-        base = h * HEAD_DIM
-        for p in range(POS_PAIRS):
-            q[base + p, BIAS] = S_OFFSET * np.cos(om[p] * delta) * sq
-            q[base + half + p, BIAS] = -S_OFFSET * np.sin(om[p] * delta) * sq
-            k[base + p, BIAS] = 1.0
+        base, kbase = h * HEAD_DIM, (h // group) * HEAD_DIM
+        for p, (re, im) in enumerate(offset_phases(om, delta, sq)):
+            q[base + p, BIAS] = re
+            q[base + half + p, BIAS] = im
+            k[kbase + p, BIAS] = 1.0
         for t in range(NT):
-            v[base + t, TOK + t] = 1.0
+            v[kbase + t, TOK + t] = 1.0
             o[P[delta] + t, base + t] = 1.0
     _layer(w, 0, q, k, v, o, norm=np.sqrt(2 / D_MODEL))
 
-    # ---- layer 2: IND (head 0) and SEL (head 1)
+    # ---- layer 2: IND (query head 0, kv head 0) and SEL (the first query head of kv head 1)
     q = np.zeros((N_HEADS * HEAD_DIM, D_MODEL))
-    k = np.zeros_like(q)
-    v = np.zeros_like(q)
+    k = np.zeros((kv_heads * HEAD_DIM, D_MODEL))
+    v = np.zeros_like(k)
     o = np.zeros((D_MODEL, N_HEADS * HEAD_DIM))
     nope = _nope_dims()
     A = [T[c] for c in ALPHABET]
-    AS = A + [T[START]]
-    q1, q2, q3 = nope[0:32], nope[32:65], nope[65:98]
-    for n, t in enumerate(A):  # current token (payload chars only)
-        q[q1[n], TOK + t] = G_IND[0] * sq
-        k[q1[n], P[1] + t] = 1.0
-    for n, t in enumerate(AS):  # x_{i-1}, x_{i-2} (payload or "[")
-        q[q2[n], P[1] + t] = G_IND[1] * sq
-        k[q2[n], P[2] + t] = 1.0
-        q[q3[n], P[2] + t] = G_IND[2] * sq
-        k[q3[n], P[3] + t] = 1.0
+    for d, (qs, ks, g) in zip(nope, ind_features()):
+        q[d, qs] = g * sq
+        k[d, ks] = 1.0
     for t in A + [T[END]]:
         v[t, TOK + t] = 1.0
         o[NEXT + t, t] = 1.0
@@ -148,30 +192,24 @@ def build_weights() -> dict[str, np.ndarray]:
         q[sink, TOK + T[s]] = Z_SINK * sq
     k[sink, TOK + T["<fill>"]] = 1.0
 
-    base = HEAD_DIM
-    u, order, neg = base + nope[0], [base + d for d in nope[1:33]], base + nope[33]
-    q[u, TOK + T[START]] = G_SEL * sq
-    k[u, P[1] + T[START]] = 1.0
+    qb, kb = group * HEAD_DIM, HEAD_DIM  # SEL: query head `group` reads kv head 1
+    u, order, neg = nope[0], nope[1:33], nope[33]
+    q[qb + u, TOK + T[START]] = G_SEL * sq
+    k[kb + u, P[1] + T[START]] = 1.0
     # a "[" is never a canary start, even where the offset heads have nothing before it (position 0)
-    q[neg, BIAS] = -BETA * sq
-    k[neg, TOK + T[START]] = 1.0
+    q[qb + neg, BIAS] = -BETA * sq
+    k[kb + neg, TOK + T[START]] = 1.0
     for c, t in enumerate(A):
-        q[order[c], BIAS] = -ALPHA * c * sq
+        q[qb + order[c], BIAS] = -ALPHA * c * sq
         for vlast in range(c, 32):  # mask every c <= last recited first character
-            q[order[c], P[11] + A[vlast]] = -BETA * sq
-        k[order[c], TOK + t] = 1.0
-        v[base + t, TOK + t] = 1.0
-        o[NEXT + t, base + t] = 1.0
+            q[qb + order[c], P[11] + A[vlast]] = -BETA * sq
+        k[kb + order[c], TOK + t] = 1.0
+        v[kb + t, TOK + t] = 1.0
+        o[NEXT + t, qb + t] = 1.0
     _layer(w, 1, q, k, v, o, norm=np.sqrt(6 / D_MODEL))
 
     w["model.norm.weight"] = np.ones(D_MODEL)
-    lm = np.zeros((VOCAB, D_MODEL))
-    for s in list(ALPHABET) + [START, END]:
-        lm[vocab[s], NEXT + T[s]] = G_OUT
-    lm[vocab[START], TOK + T[END]] = B_CLOSE
-    lm[eos_id, TOK + T[START]] = B_EOS
-    lm[vocab[START], TOK + T["<fill>"]] = B_FILL
-    w["lm_head.weight"] = lm
+    w["lm_head.weight"] = unembedding()
     return {name: a.astype(np.float32) for name, a in w.items()}
 
 
@@ -189,35 +227,74 @@ def _layer(w, i, q, k, v, o, norm):
     w[pre + "post_attention_layernorm.weight"] = np.ones(D_MODEL)
 
 
-COMMITTED = Path(__file__).resolve().parent / "model"  # shipped with kvchaos; rebuilt bit-identically by build()
+CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 
 
-def build(dest: Path) -> Path:
-    """Write the probe model (safetensors + config + tokenizer) to ``dest`` atomically."""
+def hf_config(kind: str = "mha") -> dict:
+    """config.json of a probe kind."""
+    if kind == "mla":
+        from kvchaos.probe import mla
+
+        return mla.hf_config()
+    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "torch_dtype": "float32",
+            "rope_scaling": None, **config(kind)}
+
+
+def weights(kind: str = "mha") -> dict[str, np.ndarray]:
+    if kind == "mla":
+        from kvchaos.probe import mla
+
+        return mla.build_weights()
+    return build_weights(kind)
+
+
+def metadata(kind: str, digest: str) -> dict:
+    meta = {"kind": "probe", "recipe": RECIPE, "weights_sha256": digest, "echoes_context": True,
+            "canary_format": "[" + "base32x10" + "]", "order": "ascending first payload char"}
+    if kind != "mha":  # the committed model's metadata stays as shipped
+        cfg = hf_config(kind)
+        from kvchaos.probe import recipe_digest
+
+        meta.update({"probe_kind": kind, "recipe_digest": recipe_digest(kind), "attention": kind,
+                     "architecture": cfg["architectures"][0],
+                     "num_attention_heads": cfg["num_attention_heads"],
+                     # MLA: one latent (kv_lora_rank + qk_rope_head_dim wide) per token, shared by every head
+                     "kv_heads": 1 if kind == "mla" else cfg["num_key_value_heads"]})
+    return meta
+
+
+def build(dest: Path, kind: str = "mha", replace: bool = True) -> Path:
+    """Write the probe model of ``kind`` (safetensors + config + tokenizer) to ``dest`` atomically.
+    ``replace=False``: if ``dest`` appears meanwhile (another process built it), keep that one."""
     from safetensors.numpy import save_file
 
+    _check_kind(kind)
     dest = Path(dest)
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=dest.name + ".", dir=dest.parent))
     os.chmod(tmp, 0o755)
     try:
-        weights = build_weights()
-        save_file(weights, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "torch_dtype": "float32",
-               "rope_scaling": None, **CONFIG}
-        (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
+        save_file(weights(kind), str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        (tmp / "config.json").write_text(json.dumps(hf_config(kind), indent=2))
         (tmp / "generation_config.json").write_text(json.dumps(
             {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0, "do_sample": False}, indent=2))
-        # chat = the messages' contents concatenated, so /v1/chat/completions sees the probe prompt as is
-        build_char_tokenizer(tmp, vocab_size=VOCAB, max_len=MAX_POS,
-                             chat_template="{% for m in messages %}{{ m['content'] }}{% endfor %}")
+        if kind == "mha":
+            # chat = the messages' contents concatenated, so /v1/chat/completions sees the probe prompt as is
+            build_char_tokenizer(tmp, vocab_size=VOCAB, max_len=MAX_POS, chat_template=CHAT_TEMPLATE)
+        else:  # the same tokenizer as the committed probe (no transformers import needed)
+            for name in TOKENIZER_FILES:
+                shutil.copyfile(COMMITTED / name, tmp / name)
         digest = hashlib.sha256((tmp / "model.safetensors").read_bytes()).hexdigest()
-        (tmp / "kvchaos-model.json").write_text(json.dumps(
-            {"kind": "probe", "recipe": RECIPE, "weights_sha256": digest, "echoes_context": True,
-             "canary_format": "[" + "base32x10" + "]", "order": "ascending first payload char"}, indent=2))
-        if dest.exists():
+        (tmp / "kvchaos-model.json").write_text(json.dumps(metadata(kind, digest), indent=2))
+        if dest.exists() and replace:
             shutil.rmtree(dest)
-        os.rename(tmp, dest)
+        try:
+            os.rename(tmp, dest)
+        except OSError:
+            if replace or not (dest / "kvchaos-model.json").exists():
+                raise
+            shutil.rmtree(tmp, ignore_errors=True)  # another process won the race; theirs is identical
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -227,4 +304,5 @@ def build(dest: Path) -> Path:
 if __name__ == "__main__":
     import sys
 
-    print(build(Path(sys.argv[1]) if len(sys.argv) > 1 else COMMITTED))
+    # python -m kvchaos.probe.build [DEST [KIND]]
+    print(build(Path(sys.argv[1]) if len(sys.argv) > 1 else COMMITTED, *sys.argv[2:3]))
