@@ -1,0 +1,242 @@
+"""Decode's KV allocator: the ``double_alloc`` mutation (the next prefill-sized allocation is handed
+KV that a live allocation already holds — one page, two owners; both owners free it, the second free
+is swallowed so the pool's accounting stays whole and only the aliasing is wrong).
+
+Two allocators, picked by ``--page-size`` (sglang 0.5.19–0.5.23, ``mem_cache/allocator/``):
+
+* page size 1: ``TokenToKVPoolAllocator`` (``token.py``). Decode's PD pre-allocation
+  (``disaggregation/decode.py`` ``alloc_for_decode_prealloc``) calls ``alloc(delta_len)``; token slots
+  are pages. ``params.pages`` = N token slots aliased.
+* page size > 1: ``PagedTokenToKVPoolAllocator`` (``paged.py``). The same pre-allocation calls
+  ``alloc_extend(prefix_lens, …, seq_lens=[fill_len], last_loc, extend_num_tokens)`` (never ``alloc``;
+  per-step decode growth is ``alloc_decode``, one token per request). ``params.pages`` is still N
+  *tokens* (the same request works on every layout): ``max(1, N // page_size)`` whole pages are
+  aliased. Every page release funnels through ``_release_page_ids`` (from ``free`` after
+  ``torch.unique(index // page_size)``, ``free_segment`` / ``free_page_ids`` and ``free_group_end``),
+  where the second owner's release is swallowed; ``free`` dedups pages, so two owners freed in one
+  call (a free group that ended) count as two there.
+"""
+
+from __future__ import annotations
+
+from . import control as _ctl
+from .control import _wrap, register_fault
+
+register_fault("double_alloc", mutation=True)
+
+
+def _hook_allocator(mod):
+    cls = getattr(mod, "TokenToKVPoolAllocator", None)
+    if cls is None:
+        return
+
+    def make(orig):
+        def alloc(self, need_size):
+            out = orig(self, need_size)
+            if out is None or _ctl.ROLE != "decode":
+                return out
+            AGENT = _ctl.AGENT
+            st = AGENT.tls.__dict__.setdefault("alloc_state", {})
+            f = None
+            armed = AGENT.switched_on("double_alloc")
+            n = int(armed["params"].get("pages", 8)) if armed else 0
+            if armed and st.get("fid") != armed["id"]:  # a newly armed fault starts fresh: only
+                st["fid"], st["last"] = armed["id"], None  # allocations made since it was armed
+            if armed and len(out) >= n:  # a prefill-sized allocation, not a 1-token decode step
+                prev = st.get("last")
+                if prev is not None and len(prev) >= n:
+                    f = AGENT.match("double_alloc")
+                if f is not None:
+                    import torch
+
+                    shared = prev[:n].clone()
+                    displaced = out[:n].clone()
+                    out = torch.cat([shared, out[n:]])
+                    self.free(displaced)  # nothing leaks from the pool: only the sharing is wrong
+                    # both owners will free the shared pages; the second free is swallowed (see
+                    # free() below) so the pool's accounting stays whole and only the aliasing is
+                    # wrong — otherwise SGLang's idle invariant check ("pool memory leak detected",
+                    # available > total) crashes decode, which we saw and do not want as a side effect
+                    with AGENT.lock:
+                        for p in shared.tolist():
+                            AGENT.shared_pages[p] = AGENT.shared_pages.get(p, 0) + 1
+                    AGENT.emit("fault_fired", fault=f["id"], kind="double_alloc", pages=n,
+                               shared=shared.tolist()[:64], need_size=int(need_size))
+                st["last"] = out
+            return out
+        return alloc
+
+    _wrap(cls, "alloc", make)
+
+    def make_free(orig):
+        def free(self, free_index):
+            AGENT = _ctl.AGENT
+            if AGENT.shared_pages and free_index is not None and free_index.numel():
+                with AGENT.lock:
+                    idx = free_index.tolist()
+                    keep = []
+                    for p in idx:
+                        c = AGENT.shared_pages.get(p, 0)
+                        if c > 0:  # first free of an aliased page: the other owner frees it later
+                            if c == 1:
+                                AGENT.shared_pages.pop(p)
+                            else:
+                                AGENT.shared_pages[p] = c - 1
+                        else:
+                            keep.append(p)
+                if len(keep) != len(idx):
+                    import torch
+
+                    free_index = torch.tensor(keep, dtype=free_index.dtype, device=free_index.device)
+            return orig(self, free_index)
+        return free
+
+    _wrap(cls, "free", make_free)
+
+
+# ---------------------------------------------------------------- page size > 1
+def _shared(alloc, create: bool = False) -> dict | None:
+    """Pages of this allocator handed to two owners: page id -> extra owner frees still to swallow
+    (per allocator instance: a hybrid pool has several paged allocators with their own page ids).
+    None while nothing of it is shared (and ``create`` is False)."""
+    if create:
+        return _ctl.AGENT.state("double_alloc.paged", dict).setdefault(id(alloc), {})
+    by_alloc = _ctl.AGENT.peek("double_alloc.paged")
+    return by_alloc.get(id(alloc)) if by_alloc else None
+
+
+def _whole_pages(out, ps: int):
+    """(positions in ``out``, page ids) of the pages ``out`` covers entirely, in order (the partial
+    page after a cached prefix, and a partial last page, are not whole)."""
+    import torch
+
+    n = len(out)
+    if n < ps:
+        empty = torch.empty((0,), dtype=torch.int64)
+        return empty, empty
+    starts = torch.nonzero(out[: n - ps + 1] % ps == 0).flatten()
+    starts = starts[out[starts + ps - 1] == out[starts] + ps - 1]
+    return starts, out[starts] // ps
+
+
+def _hook_paged_allocator(mod):
+    cls = getattr(mod, "PagedTokenToKVPoolAllocator", None)
+    if cls is None:
+        return
+
+    def make_extend(orig):
+        def alloc_extend(self, *a, **k):
+            out = orig(self, *a, **k)
+            if out is None or _ctl.ROLE != "decode":
+                return out
+            AGENT = _ctl.AGENT
+            armed = AGENT.switched_on("double_alloc")
+            if not armed:
+                self.__dict__.pop("_kvchaos_double_alloc", None)
+                return out
+            # per allocator instance: the last prefill-sized allocation made while this fault is armed,
+            # as page ids; forgotten when any of its pages is released (only live allocations are shared)
+            st = self.__dict__.setdefault("_kvchaos_double_alloc", {})
+            if st.get("fid") != armed["id"]:  # a newly armed fault starts fresh
+                st["fid"], st["last"] = armed["id"], None
+            ps = int(self.page_size)
+            tokens = int(armed["params"].get("pages", 8))
+            n = max(1, tokens // ps)
+            pos, pages = _whole_pages(out, ps)
+            if len(pages) < n:  # not a prefill-sized allocation
+                return out
+            prev = st.get("last")
+            f = AGENT.match("double_alloc") if prev is not None and len(prev) >= n else None
+            if f is not None:
+                import torch
+
+                shared = prev[:n].clone()
+                displaced = pages[:n].clone()
+                out = out.clone()
+                offs = torch.arange(ps, dtype=out.dtype, device=out.device)
+                rows = pos[:n].to(out.device)[:, None] + offs.to(torch.int64)
+                out[rows.reshape(-1)] = (shared.to(out.device)[:, None] * ps + offs).reshape(-1).to(out.dtype)
+                # the pages handed out in their place go back: nothing leaks, only the sharing is wrong
+                self.free((displaced.to(out.device)[:, None] * ps + offs).reshape(-1).to(out.dtype))
+                with AGENT.lock:
+                    sh = _shared(self, create=True)
+                    for p in shared.tolist():
+                        sh[p] = sh.get(p, 0) + 1
+                AGENT.emit("fault_fired", fault=f["id"], kind="double_alloc", pages=n, page_size=ps,
+                           tokens=n * ps, shared=shared.tolist()[:64], need_size=int(len(out)),
+                           note="shared = page ids (page_size tokens each)")
+                pages = torch.cat([shared, pages[n:]])
+            st["last"] = pages
+            return out
+        return alloc_extend
+
+    _wrap(cls, "alloc_extend", make_extend)
+
+    def make_free(orig):
+        def free(self, free_index):
+            # free() dedups pages (torch.unique(index // page_size)) before _release_page_ids: when
+            # k owners of a shared page are freed in one call (a free group ended), k - 1 of those
+            # frees are folded away here, so count them as swallowed now
+            sh = _shared(self)
+            if sh and getattr(self, "free_group", None) is None and free_index is not None and free_index.numel():
+                import torch
+
+                tok, cnt = torch.unique(free_index, return_counts=True)
+                page = (tok // int(self.page_size)).tolist()
+                with _ctl.AGENT.lock:
+                    k = {}
+                    for p, c in zip(page, cnt.tolist()):
+                        if p in sh:
+                            k[p] = max(k.get(p, 0), c)
+                    for p, owners in k.items():
+                        folded = min(owners - 1, sh.get(p, 0))
+                        if folded > 0:
+                            _swallow(sh, p, folded)
+            return orig(self, free_index)
+        return free
+
+    _wrap(cls, "free", make_free)
+
+    if hasattr(cls, "_release_page_ids"):
+        def make_release(orig):
+            def _release_page_ids(self, *page_ids):
+                sh = _shared(self)
+                st = self.__dict__.get("_kvchaos_double_alloc")
+                last = st.get("last") if st else None
+                if sh or last is not None:
+                    import torch
+
+                    kept = []
+                    with _ctl.AGENT.lock:
+                        for ids in page_ids:
+                            if sh:
+                                lst = ids.tolist()
+                                keep = [p for p in lst if not _swallow(sh, p)]
+                                if len(keep) != len(lst):
+                                    ids = torch.tensor(keep, dtype=ids.dtype, device=ids.device)
+                            kept.append(ids)
+                            if last is not None and ids.numel() and bool(torch.isin(ids, last.to(ids.device)).any()):
+                                st["last"] = last = None  # its owner gave it back: no longer a live allocation
+                    page_ids = tuple(kept)
+                return orig(self, *page_ids)
+            return _release_page_ids
+
+        _wrap(cls, "_release_page_ids", make_release)
+
+
+def _swallow(sh: dict, p: int, n: int = 1) -> bool:
+    """Consume up to ``n`` pending extra frees of page ``p``; True if one was pending."""
+    c = sh.get(p, 0)
+    if c <= 0:
+        return False
+    if c <= n:
+        sh.pop(p)
+    else:
+        sh[p] = c - n
+    return True
+
+
+HOOKS = {
+    "sglang.srt.mem_cache.allocator.token": _hook_allocator,
+    "sglang.srt.mem_cache.allocator.paged": _hook_paged_allocator,
+}

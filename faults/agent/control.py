@@ -1,0 +1,292 @@
+"""The agent itself: fault registry, arm / heal / release, targets, events, the control socket, and
+the patching helpers every subsystem module uses.
+
+Subsystem modules (``transfer``, ``scheduler``, ``allocator``) declare their fault kinds with
+:func:`register_fault` and read the live agent as ``control.AGENT`` at call time — never a copied
+name: :func:`faults.agent.boot` (and the unit tests) set it after the hooks are defined.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import socketserver
+import sys
+import threading
+import time
+import weakref
+
+ROLE = os.environ.get("KVCHAOS_AGENT_ROLE", "")
+
+# Filled by register_fault() as the subsystem modules import (faults/agent/__init__.py imports them all).
+KINDS: tuple[str, ...] = ()
+# switched on at arm time, off at heal (engine-bug replays, and one configuration fault)
+MUTATIONS: tuple[str, ...] = ()
+_UNLIMITED: set[str] = set()  # kinds whose ``count`` defaults to unlimited instead of 1
+_MUT_ON: dict = {}  # mutation kind -> fn(agent, fault) at arm
+_MUT_OFF: dict = {}  # kind -> fn(agent, fault) at heal (mutations, and kinds with something to undo)
+
+
+def register_fault(kind: str, *, unlimited: bool = False, mutation: bool = False, on=None, off=None) -> None:
+    """Declare a fault kind. ``mutation``: a switch (no target, no count; ``on`` runs at arm). ``off``
+    runs at heal for any kind that has something to undo. ``unlimited``: ``count`` defaults to
+    unlimited (else 1)."""
+    global KINDS, MUTATIONS
+    if kind in KINDS:
+        raise ValueError(f"fault kind {kind!r} registered twice")
+    KINDS += (kind,)
+    if unlimited:
+        _UNLIMITED.add(kind)
+    if mutation:
+        MUTATIONS += (kind,)
+        _MUT_ON[kind] = on or _noop
+    if mutation or off is not None:
+        _MUT_OFF[kind] = off or _noop
+
+
+def _noop(agent, f):
+    pass
+
+
+class Agent:
+    def __init__(self, ctl_dir: str):
+        self.dir = ctl_dir
+        self.pid = os.getpid()
+        self.lock = threading.RLock()
+        self.faults: dict[str, dict] = {}
+        self.events: list[dict] = []
+        self.hooks: list[str] = []
+        self.room_rid: dict[int, str] = {}
+        self.started_rooms: set[int] = set()
+        self.holds: dict[str, threading.Event] = {}
+        self.shared_pages: dict[int, int] = {}  # double_alloc (page size 1): token slot -> extra owners still to free
+        self.admitted: dict[str, str] = {}  # reject_admitted: rid -> fault id
+        self.admitted_seen: set[str] = set()
+        self.tls = threading.local()
+        self.instances: dict[str, weakref.WeakSet] = {}
+        self._state: dict[str, object] = {}
+        self._srv = None
+        self._efile = None
+        self._seq = 0
+
+    def state(self, key: str, factory=dict):
+        """Per-process state a subsystem keeps on the agent (created on first use)."""
+        with self.lock:
+            if key not in self._state:
+                self._state[key] = factory()
+            return self._state[key]
+
+    def peek(self, key: str):
+        """That state if a subsystem created it, else None (no lock: a cheap test on hot paths)."""
+        return self._state.get(key)
+
+    # ------------------------------------------------------------- events
+    def emit(self, ev: str, **fields) -> dict:
+        with self.lock:
+            self._seq += 1
+            rec = {"t": time.monotonic(), "wall": time.time(), "ev": ev, "seq": self._seq, "pid": self.pid,
+                   "role": ROLE, "source": "agent", **fields}
+            self.events.append(rec)
+            if len(self.events) > 20000:
+                del self.events[:5000]
+            if self._efile is None:
+                self._efile = open(os.path.join(self.dir, f"events-{self.pid}.jsonl"), "a", buffering=1)
+            self._efile.write(json.dumps(rec, default=str) + "\n")
+        return rec
+
+    # ------------------------------------------------------------- faults
+    def match(self, kind: str, room=None, rid=None) -> dict | None:
+        """The first live fault of ``kind`` whose target matches; consumes one of its count."""
+        now = time.monotonic()
+        with self.lock:
+            for f in list(self.faults.values()):
+                if f["kind"] != kind:
+                    continue
+                if now > f["expires"]:
+                    self.faults.pop(f["id"], None)
+                    self.emit("fault_expired", fault=f["id"], kind=kind)
+                    continue
+                if not _target_ok(f["target"], room, rid):
+                    continue
+                if f["count"] is not None and f["fired"] >= f["count"]:
+                    continue
+                f["fired"] += 1
+                return f
+        return None
+
+    def switched_on(self, kind: str, fire: bool = False) -> dict | None:
+        """The first armed fault of ``kind`` (mutations are switches: no target, no count);
+        ``fire`` counts a firing on it."""
+        with self.lock:
+            f = next((x for x in self.faults.values() if x["kind"] == kind), None)
+            if f is not None and fire:
+                f["fired"] += 1
+            return f
+
+    def armed(self) -> list[dict]:
+        with self.lock:
+            return [_public(f) for f in self.faults.values()]
+
+    def arm(self, req: dict) -> dict:
+        kind = req.get("kind")
+        if kind not in KINDS:
+            raise ValueError(f"unknown fault kind {kind!r}; one of {KINDS}")
+        target = req.get("target") or {"any": True}
+        _check_target(target)
+        fid = str(req.get("id") or f"f{int(time.time() * 1000) % 10**9}-{random.randrange(10**6)}")
+        params = dict(req.get("params") or {})
+        count = req.get("count", None if kind in _UNLIMITED else 1)
+        f = {"id": fid, "kind": kind, "target": target, "params": params, "count": count, "fired": 0,
+             "armed_at": time.time(), "expires": time.monotonic() + float(req.get("ttl_s", 600))}
+        with self.lock:
+            if fid in self.faults:
+                raise ValueError(f"fault id {fid!r} already armed")
+            self.faults[fid] = f
+            if kind == "hold":
+                self.holds[fid] = threading.Event()
+            if kind in MUTATIONS:
+                _MUT_ON[kind](self, f)
+        self.emit("armed", fault=fid, kind=kind, target=target, params=params)
+        return _public(f)
+
+    def heal(self, fid: str | None = None) -> list[str]:
+        with self.lock:
+            ids = [fid] if fid else list(self.faults)
+            healed = []
+            for i in ids:
+                f = self.faults.pop(i, None)
+                if f is None:
+                    continue
+                if i in self.holds:
+                    self.holds.pop(i).set()  # never leave a write parked
+                if f["kind"] in _MUT_OFF:
+                    _MUT_OFF[f["kind"]](self, f)
+                healed.append(i)
+                self.emit("healed", fault=i, kind=f["kind"], fired=f["fired"])
+        return healed
+
+    def release(self, fid: str) -> bool:
+        with self.lock:
+            ev = self.holds.get(fid)
+        if ev is None:
+            return False
+        ev.set()
+        return True
+
+    # ------------------------------------------------------------- control server
+    def serve(self):
+        if self._srv is not None:
+            return
+        path = os.path.join(self.dir, f"agent-{self.pid}.sock")
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+        agent = self
+
+        class H(socketserver.StreamRequestHandler):
+            def handle(self):
+                line = self.rfile.readline(1 << 20)
+                try:
+                    req = json.loads(line)
+                    out = {"ok": True, **agent.command(req)}
+                except Exception as e:  # noqa: BLE001 - every error goes back to the caller, named
+                    out = {"ok": False, "error": f"{type(e).__name__}: {e}"}
+                self.wfile.write((json.dumps(out, default=str) + "\n").encode())
+
+        class S(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
+            daemon_threads = True
+
+        self._srv = S(path, H)
+        threading.Thread(target=self._srv.serve_forever, name="kvchaos-agent", daemon=True).start()
+        info = {"pid": self.pid, "role": ROLE, "sock": path, "argv": sys.argv[:3], "hooks": self.hooks}
+        tmp = os.path.join(self.dir, f".agent-{self.pid}.json")
+        with open(tmp, "w") as fh:
+            json.dump(info, fh)
+        os.replace(tmp, os.path.join(self.dir, f"agent-{self.pid}.json"))
+        self.emit("agent_up", hooks=list(self.hooks))
+
+    def command(self, req: dict) -> dict:
+        cmd = req.get("cmd")
+        if cmd == "ping":
+            return {"pid": self.pid, "role": ROLE, "hooks": list(self.hooks), "armed": self.armed()}
+        if cmd == "arm":
+            return {"fault": self.arm(req)}
+        if cmd == "heal":
+            return {"healed": self.heal(req.get("id"))}
+        if cmd == "release":
+            return {"released": self.release(req["id"])}
+        if cmd == "armed":
+            return {"armed": self.armed()}
+        if cmd == "events":
+            since = int(req.get("since", 0))
+            with self.lock:
+                return {"events": [e for e in self.events if e["seq"] > since]}
+        raise ValueError(f"unknown command {cmd!r}; one of ping arm heal release armed events")
+
+    def track(self, name: str, obj) -> None:
+        self.instances.setdefault(name, weakref.WeakSet()).add(obj)
+
+    def live(self, name: str) -> list:
+        return list(self.instances.get(name, ()))
+
+
+def _public(f: dict) -> dict:
+    return {k: v for k, v in f.items() if k != "expires" and not k.startswith("_")}
+
+
+def _check_target(t: dict) -> None:
+    if not isinstance(t, dict) or len(t) != 1:
+        raise ValueError(f"target must be one of {{any|room|rid|rid_regex|tenant: value}}, got {t!r}")
+    (k, v), = t.items()
+    if k not in ("any", "room", "rid", "rid_regex", "tenant"):
+        raise ValueError(f"unknown target key {k!r}; one of any, room, rid, rid_regex, tenant")
+    if k == "rid_regex":
+        re.compile(v)
+
+
+def _target_ok(t: dict, room, rid) -> bool:
+    (k, v), = t.items()
+    if k == "any":
+        return bool(v)
+    if k == "room":
+        return room is not None and int(v) == int(room)
+    if rid is None:
+        return False
+    if k == "rid":
+        return rid == v
+    if k == "rid_regex":
+        return re.search(v, rid) is not None
+    if k == "tenant":
+        return re.search(rf"(^|-){re.escape(v)}(-|$)", rid) is not None
+    return False
+
+
+# The live agent of this process: set by faults.agent.boot(); hooks read it as ``control.AGENT``.
+AGENT: Agent | None = None
+
+
+# ================================================================== patching helpers
+def _wrap(cls, name, make):
+    orig = getattr(cls, name)
+    if getattr(orig, "_kvchaos_orig", None) is not None:
+        return
+    new = make(orig)
+    new._kvchaos_orig = orig
+    new.__name__ = getattr(orig, "__name__", name)
+    setattr(cls, name, new)
+    AGENT.hooks.append(f"{cls.__module__}.{cls.__qualname__}.{name}")
+
+
+def _track_instances(cls, name: str) -> None:
+    """Wrap ``cls.__init__`` so the agent keeps a weak reference to every instance (mutations switch
+    attributes on live engine objects)."""
+    def make_init(orig):
+        def __init__(self, *a, **k):
+            orig(self, *a, **k)
+            AGENT.track(name, self)
+        return __init__
+
+    _wrap(cls, "__init__", make_init)

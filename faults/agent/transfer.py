@@ -1,0 +1,234 @@
+"""KV transfer (prefill → decode): chunk tracking, the transfer faults on every KV write path of the
+Mooncake and NIXL managers, ``transfer_start`` / ``write_end`` evidence, and where the ``early_free``
+mutation fires in the Mooncake manager.
+
+Units: SGLang hands every KV write path *page* indices (``kv_to_page_indices``: ``token // page_size``
+of each page's first token, prefill.py ``send_kv_chunk`` and decode.py ``_send_kv_metadata``), so
+``pages``, ``reserved``, ``pages_sent`` / ``pages_reserved`` and the ``short`` fault's ``pages``
+param are KV pages of ``page_size`` tokens (the events carry ``page_size`` when the manager's
+``kv_args`` has it). With page size 1 a page is a token slot.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+import weakref
+
+from . import control as _ctl
+from .control import _track_instances, _wrap, register_fault
+
+# sglang.srt.disaggregation.base.conn.KVPoll (a plain int class in 0.5.23)
+_KVPOLL = {0: "Failed", 1: "Bootstrapping", 2: "WaitingForInput", 3: "Transferring", 4: "Success"}
+
+
+def _fail_off(agent, f: dict):
+    """SGLang reacts to one failed send by blacklisting the decode session (every later request to that
+    decode fails until its probe loop clears it); heal undoes that for the sessions this fault failed,
+    so the next test starts clean."""
+    for ref, sess in f.pop("_sessions", []):
+        mgr = ref()
+        if mgr is not None and hasattr(mgr, "_unblacklist_session"):
+            mgr._unblacklist_session(sess)
+            agent.emit("session_unblacklisted", fault=f["id"], session=str(sess))
+
+
+register_fault("delay", unlimited=True)
+register_fault("fail", off=_fail_off)
+register_fault("short")
+register_fault("hold")
+
+
+def _page_size(mgr):
+    ps = getattr(getattr(mgr, "kv_args", None), "page_size", None)
+    try:
+        return int(ps) if ps is not None else None
+    except (TypeError, ValueError):
+        return None
+
+
+# ================================================================== hooks
+def _hook_common_utils(mod):
+    FQ = getattr(mod, "FastQueue", None)
+    if FQ is None:
+        return
+
+    def make(orig):
+        def get(self):
+            item = orig(self)
+            if hasattr(item, "room") and hasattr(item, "index_slice"):
+                _ctl.AGENT.tls.chunk = item
+            return item
+        return get
+
+    _wrap(FQ, "get", make)
+
+
+def _guarded_write(mgr, backend: str, session_id, src, dst, write, path: str = "send_kvcache"):
+    """One KV write of the chunk the transfer worker dequeued: evidence and the transfer faults.
+    ``src`` / ``dst``: the prefill and decode page indices; ``write(src, dst)`` performs the real
+    write (with ``short``: the first N pages of each)."""
+    AGENT = _ctl.AGENT
+    chunk = getattr(AGENT.tls, "chunk", None)
+    room = getattr(chunk, "room", None)
+    with AGENT.lock:
+        rid = AGENT.room_rid.get(int(room)) if room is not None else None
+        first = room is not None and room not in AGENT.started_rooms
+        if first:
+            AGENT.started_rooms.add(room)
+    pages = int(len(src))
+    reserved = int(len(dst))
+    ps = _page_size(mgr)
+    extra = {} if path == "send_kvcache" else {"path": path}
+    if first:
+        AGENT.emit("transfer_start", room=room, rid=rid, pages=pages, reserved=reserved,
+                   is_last=getattr(chunk, "is_last_chunk", None), backend=backend, page_size=ps, **extra)
+    f = AGENT.match("delay", room, rid)
+    if f is not None:
+        p = f["params"]
+        ms = float(p.get("ms", 100)) + random.uniform(-1, 1) * float(p.get("jitter_ms", 0))
+        AGENT.emit("fault_fired", fault=f["id"], kind="delay", room=room, rid=rid, ms=round(ms, 2),
+                   pages=pages)
+        time.sleep(max(ms, 0) / 1000.0)
+    f = AGENT.match("fail", room, rid)
+    if f is not None:
+        # heal un-blacklists the sessions this fault failed (_fail_off)
+        f.setdefault("_sessions", []).append((weakref.ref(mgr), session_id))
+        AGENT.emit("fault_fired", fault=f["id"], kind="fail", room=room, rid=rid, pages=pages,
+                   ret=-1, session=str(session_id), note="no byte written; transfer reported failed")
+        if backend == "nixl":  # NIXL returns transfer handles, not a status: fail by raising
+            raise RuntimeError("kvchaos injected KV transfer failure")
+        return -1
+    f = AGENT.match("short", room, rid)
+    if f is not None:
+        keep = max(0, min(pages, int(f["params"].get("pages", 1))))
+        src = src[:keep]
+        dst = dst[:keep]
+        AGENT.emit("fault_fired", fault=f["id"], kind="short", room=room, rid=rid, pages_sent=keep,
+                   pages_reserved=reserved, page_size=ps, **extra,
+                   note="success reported; remaining decode pages unwritten")
+    f = AGENT.match("hold", room, rid)
+    if f is not None:
+        ev = AGENT.holds.get(f["id"])
+        limit = float(f["params"].get("max_hold_s", 60))
+        AGENT.emit("fault_fired", fault=f["id"], kind="hold", phase="held", room=room, rid=rid,
+                   pages=pages)
+        released = ev.wait(limit) if ev is not None else True
+        try:
+            if room in mgr.request_status:
+                st = mgr.check_status(room)
+                status = getattr(st, "name", None) or _KVPOLL.get(int(st), str(st))
+            else:
+                status = "gone"
+        except Exception as e:  # noqa: BLE001
+            status = f"unknown: {e}"
+        w0 = time.time()
+        ret = write(src, dst)
+        AGENT.emit("fault_fired", fault=f["id"], kind="hold", phase="late_write", room=room, rid=rid,
+                   pages=pages, released=released, room_status_at_write=status,
+                   ret=ret if isinstance(ret, int) else "handles")
+        _write_end(room, rid, pages, w0, ret, ps, extra)
+        return ret
+    w0 = time.time()
+    ret = write(src, dst)
+    _write_end(room, rid, pages, w0, ret, ps, extra)
+    return ret
+
+
+def _make_send(orig, backend: str):
+    """Wrap ``<Backend>KVManager.send_kvcache(self, session/peer, prefill_kv_indices, dst_kv_ptrs,
+    dst_kv_indices, ...)`` — the same leading arguments in the Mooncake and NIXL managers (and in
+    Mooncake's ``send_kvcache_slice``, the heterogeneous-TP MHA path)."""
+    path = getattr(orig, "__name__", "send_kvcache")
+
+    def send_kvcache(self, session_id, prefill_kv_indices, dst_kv_ptrs, dst_kv_indices, *a, **k):
+        def write(src, dst):
+            kk = k
+            if len(src) < len(prefill_kv_indices) and k.get("dst_device_kv_indices") is not None:
+                # HiSparse: a second destination index list pairs page by page with the source
+                kk = {**k, "dst_device_kv_indices": k["dst_device_kv_indices"][:len(src)]}
+            return orig(self, session_id, src, dst_kv_ptrs, dst, *a, **kk)
+        return _guarded_write(self, backend, session_id, prefill_kv_indices, dst_kv_indices, write, path)
+    return send_kvcache
+
+
+def _make_send_dcp(orig, backend: str):
+    """Wrap Mooncake's ``send_kvcache_dcp(self, session, prefill_kv_indices, dst_kv_ptrs, dst_kv_indices,
+    *, num_kv_tokens, ...)`` — the MLA-only write path when decode runs decode-context-parallel
+    (``requires_dcp_relayout``: prefill dcp 1, decode dcp > 1, MLA). ``dst_kv_indices`` is then the
+    request's whole decode reservation, addressed through ``src_page_offset``, so ``short`` cuts the
+    source pages and ``num_kv_tokens`` and leaves the destination list whole."""
+    def send_kvcache_dcp(self, session_id, prefill_kv_indices, dst_kv_ptrs, dst_kv_indices, *a, **k):
+        def write(src, _dst):
+            kk = k
+            if len(src) < len(prefill_kv_indices) and k.get("num_kv_tokens") is not None:
+                kk = {**k, "num_kv_tokens": min(int(k["num_kv_tokens"]), len(src) * (_page_size(self) or 1))}
+            return orig(self, session_id, src, dst_kv_ptrs, dst_kv_indices, *a, **kk)
+        return _guarded_write(self, backend, session_id, prefill_kv_indices, dst_kv_indices, write,
+                              "send_kvcache_dcp")
+    return send_kvcache_dcp
+
+
+def _make_send_peer(orig, backend: str):
+    """Wrap NIXL's ``send_kvcache_mixed`` / ``send_kvcache_slice(self, peer, prefill_kv_indices,
+    dst_kv_indices)`` (no pointer list: the peer's prepared transfer handles hold it)."""
+    path = getattr(orig, "__name__", "send_kvcache")
+
+    def send(self, peer_name, prefill_kv_indices, dst_kv_indices, *a, **k):
+        return _guarded_write(self, backend, peer_name, prefill_kv_indices, dst_kv_indices,
+                              lambda src, dst: orig(self, peer_name, src, dst, *a, **k), path)
+    return send
+
+
+def _write_end(room, rid, pages, wall_start, ret, page_size=None, extra=None):
+    """Every KV write prefill made into decode's pages, with its time span: the ``kv_lifecycle``
+    oracle pairs it with decode's ``kv_released`` for the same room (a write that ends after decode
+    gave the pages back landed in pages that may already belong to someone else). ``pages`` are KV
+    pages of ``page_size`` tokens. NIXL: the write was posted, not completed (it returns handles the
+    transfer worker waits on later)."""
+    if room is not None:
+        _ctl.AGENT.emit("write_end", room=room, rid=rid, pages=pages, wall_start=wall_start,
+                        ret=ret if isinstance(ret, int) else "handles", page_size=page_size, **(extra or {}))
+
+
+def _hook_mooncake(mod):
+    mgr = getattr(mod, "MooncakeKVManager", None)
+    if mgr is None:
+        return
+    _track_instances(mgr, "MooncakeKVManager")
+    _wrap(mgr, "send_kvcache", lambda orig: _make_send(orig, "mooncake"))
+    if hasattr(mgr, "send_kvcache_dcp"):  # MLA with decode context parallel
+        _wrap(mgr, "send_kvcache_dcp", lambda orig: _make_send_dcp(orig, "mooncake"))
+    if hasattr(mgr, "send_kvcache_slice"):  # MHA/GQA with prefill attn TP != decode attn TP
+        _wrap(mgr, "send_kvcache_slice", lambda orig: _make_send(orig, "mooncake"))
+
+    if hasattr(mgr, "_handle_legacy_abort_notification"):
+        def make_legacy(orig):
+            def _handle_legacy_abort_notification(self, notification, room_active):
+                on = _ctl.AGENT.switched_on("early_free", fire=True)
+                if on is not None:
+                    _ctl.AGENT.emit("fault_fired", fault=on["id"], kind="early_free",
+                                    room=getattr(notification, "room", None), room_active=room_active,
+                                    note="decode released pages without waiting for the drain ack")
+                return orig(self, notification, room_active)
+            return _handle_legacy_abort_notification
+        _wrap(mgr, "_handle_legacy_abort_notification", make_legacy)
+
+
+def _hook_nixl(mod):
+    """NIXL backend: same transfer faults on ``NixlKVManager.send_kvcache`` and, where present, the
+    mixed-memory and heterogeneous-TP paths (not exercised on CPU machines)."""
+    mgr = getattr(mod, "NixlKVManager", None)
+    if mgr is None or not hasattr(mgr, "send_kvcache"):
+        return
+    _wrap(mgr, "send_kvcache", lambda orig: _make_send(orig, "nixl"))
+    for name in ("send_kvcache_mixed", "send_kvcache_slice"):
+        if hasattr(mgr, name):
+            _wrap(mgr, name, lambda orig: _make_send_peer(orig, "nixl"))
+
+
+HOOKS = {
+    "sglang.srt.disaggregation.common.utils": _hook_common_utils,
+    "sglang.srt.disaggregation.mooncake.conn": _hook_mooncake,
+    "sglang.srt.disaggregation.nixl.conn": _hook_nixl,
+}
