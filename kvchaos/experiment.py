@@ -86,7 +86,10 @@ class Experiment:
         self.concurrency, self.timeout_s, self.settle_s = concurrency, timeout_s, settle_s
         self.drive_fn, self.model_name, self.probe_before = drive, model_name, probe_before
         self.policy = policy or Policy()
-        self.path = _fresh(Path(path) if path else self.run_dir / "suites" / f"{name}.events.jsonl")
+        # the same suite on another KV layout writes beside it, named by that layout
+        self.kv_layout = kv_layout(cluster)
+        stem = name if self.kv_layout in (None, DEFAULT_LAYOUT) else f"{name}@{self.kv_layout}"
+        self.path = _fresh(Path(path) if path else self.run_dir / "suites" / f"{stem}.events.jsonl")
         self.verdicts_path = _verdicts_for(self.path)
         self.id = f"{name}-{uuid.uuid4().hex[:8]}"
         self.log: EventLog | None = None
@@ -204,6 +207,7 @@ class Experiment:
         self.verdicts_path.write_text(json.dumps([i.to_dict() for i in j.items], indent=2, default=str))
         ctx = j.ctx
         rec = {"id": self.id, "name": self.name, "test": self.test_id, "engine": ctx.engine, "version": ctx.version,
+               "kv_layout": self.kv_layout,
                "status": j.status, "planted": j.planted, "known": sorted({i.finding.id for i in j.known}),
                "accepted": sorted({i.finding.id for i in j.known if i.accepted}),
                "verdicts": {i.verdict.oracle: i.verdict.status for i in j.items},
@@ -276,10 +280,20 @@ def _engine(cluster) -> dict:
     return out
 
 
+DEFAULT_LAYOUT = "mha-p1-fp32"  # the CPU profile's own: its files keep their plain names
+
+
+def kv_layout(cluster) -> str | None:
+    """The KV layout name of the cluster's spec (``kvchaos.cluster.layouts``), None without a spec."""
+    spec = getattr(cluster, "spec", None)
+    return getattr(spec, "layout", None) if spec is not None and hasattr(spec, "model") else None
+
+
 def _layout(cluster) -> dict:
     spec = getattr(cluster, "spec", None)
     ep = getattr(cluster, "endpoints", None)
     keep = ("name", "model", "device", "dtype", "pool_tokens", "context_length", "page_size", "transfer_backend",
             "router", "network_proxy", "agent")
-    return {"spec": {k: getattr(spec, k) for k in keep if spec is not None and hasattr(spec, k)},
+    return {"kv_layout": kv_layout(cluster),
+            "spec": {k: getattr(spec, k) for k in keep if spec is not None and hasattr(spec, k)},
             "endpoints": ep.as_dict() if ep is not None and hasattr(ep, "as_dict") else None}

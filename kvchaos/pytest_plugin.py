@@ -7,6 +7,9 @@ Options
   --kvchaos-model   tiny:SEED|DIR   override the profile's model
   --kvchaos-reports DIR         where run directories go (default: ./reports)
   --kvchaos-backends A,B        run the cluster tests once per KV transfer backend (mooncake_tcp,nixl)
+  --kvchaos-layouts A,B         run the suites once per KV layout (kvchaos.cluster.layouts: mha-p1-fp32,
+                                gqa-p64-bf16, mla-p64-bf16, ...), one session cluster each; without it the
+                                profile's [suites] layouts apply to tests marked every_layout only
   --kvchaos-releases A,B        releases the release matrix runs the unmodified incident on (marker bisect)
   --kvchaos-trials N            trials per release (default 3; a fresh cluster each)
   --kvchaos-deployment D        incident | auto-truncate: how the release matrix deploys each release
@@ -40,6 +43,10 @@ blind model is declared.
 Markers
   gpu   needs CUDA; skipped with the reason when no CUDA device is visible
   slow  long sweeps; deselected by the default ``make test`` (run with ``-m slow``)
+  every_layout  runs on every layout of the profile's ``[suites] layouts`` in a default run (smoke,
+        incident, detection matrix); other tests run on the profile's own layout unless
+        ``--kvchaos-layouts`` names layouts (then every suite runs on each)
+  layouts(*names)  the only layouts this test applies to
 """
 
 from __future__ import annotations
@@ -89,6 +96,10 @@ def pytest_addoption(parser):
                      "auto-truncate (the same with --allow-auto-truncate on both roles)")
     g.addoption("--kvchaos-trials", type=int, default=int(os.environ.get("KVCHAOS_TRIALS", "3")),
                 help="trials per release in the release matrix (a fresh cluster each)")
+    g.addoption("--kvchaos-layouts", default=os.environ.get("KVCHAOS_LAYOUTS"),
+                help="comma-separated KV layouts to run the suites over, one cluster each (e.g. "
+                     "mha-p1-fp32,gqa-p64-bf16,mla-p64-bf16) [the profile's [suites] layouts, for tests "
+                     "marked every_layout]")
     g.addoption("--kvchaos-backends", default=os.environ.get("KVCHAOS_BACKENDS"),
                 help="comma-separated KV transfer backends to run the suites over, one cluster each "
                      "(e.g. mooncake_tcp,nixl) [the profile's]")
@@ -101,6 +112,9 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "cluster: uses the real cluster")
     config.addinivalue_line("markers", "bisect: the release matrix (kvchaos bisect): one cluster per release and trial")
     config.addinivalue_line("markers", "disruptive: leaves the engine busy on purpose; run at the end of the session")
+    config.addinivalue_line("markers", "every_layout: runs on every layout of the profile's [suites] layouts "
+                            "in a default run (without --kvchaos-layouts)")
+    config.addinivalue_line("markers", "layouts(*names): the only KV layouts this test applies to")
     config.addinivalue_line("markers", "backends(*names): the KV transfer backends this test applies to "
                             "(default: every backend for suites/, the first one for the harness's own tests)")
     # the cluster layer does not import the fault layer: the network fault proxy is wired in here
@@ -299,12 +313,55 @@ def _backends(config) -> list[str]:
     return names
 
 
+def _profile_path(config) -> Path:
+    from kvchaos.cluster.spec import PROFILE_DIR
+
+    prof = config.getoption("--kvchaos-profile")
+    return Path(prof) if prof.endswith(".toml") else PROFILE_DIR / f"{prof}.toml"
+
+
+def _layouts(config) -> tuple[list[str], bool]:
+    """(layout names, named explicitly). The first is the one every test runs on; explicitly named
+    layouts run every suite on each; the profile's ``[suites] layouts`` only the every_layout tests."""
+    cached = getattr(config, "_kvchaos_layouts", None)
+    if cached is not None:
+        return cached
+    import tomllib
+
+    from kvchaos.cluster.layouts import LayoutError, parse_list
+
+    raw = config.getoption("--kvchaos-layouts")
+    explicit = bool(raw)
+    if not raw:
+        path = _profile_path(config)
+        try:
+            table = tomllib.loads(path.read_text()).get("suites", {}) if path.exists() else {}
+        except tomllib.TOMLDecodeError as e:
+            raise pytest.UsageError(f"profile {path}: invalid TOML: {e}") from None
+        raw = ",".join(table.get("layouts", []))
+        # a model of one's own, or an attached cluster, has the layout it has
+        if config.getoption("--kvchaos-model") or config.getoption("--kvchaos-attach"):
+            raw = ""
+    elif config.getoption("--kvchaos-model") or config.getoption("--kvchaos-attach"):
+        raise pytest.UsageError("--kvchaos-layouts picks each layout's probe model and launches a cluster for it: "
+                                "it cannot be combined with --kvchaos-model or --kvchaos-attach")
+    try:
+        names = [x.name for x in parse_list(raw)] if raw else []
+    except LayoutError as e:
+        raise pytest.UsageError(f"--kvchaos-layouts: {e}") from None
+    config._kvchaos_layouts = (names, explicit)
+    return names, explicit
+
+
 def pytest_generate_tests(metafunc):
-    # with several backends every cluster test runs once per backend (a session cluster each;
-    # pytest finishes one backend's tests and stops its cluster before starting the next)
+    # with several backends / layouts every cluster test runs once per backend and layout (a session
+    # cluster each; pytest finishes one cluster's tests and stops it before starting the next)
     names = _backends(metafunc.config)
     if len(names) > 1 and "kvchaos_backend" in metafunc.fixturenames:
         metafunc.parametrize("kvchaos_backend", names, scope="session")
+    layouts, _ = _layouts(metafunc.config)
+    if len(layouts) > 1 and "kvchaos_layout" in metafunc.fixturenames:
+        metafunc.parametrize("kvchaos_layout", layouts, scope="session")
 
 
 def _backend_of(item):
@@ -312,27 +369,48 @@ def _backend_of(item):
     return cs.params.get("kvchaos_backend") if cs else None
 
 
+def _layout_of(item):
+    cs = getattr(item, "callspec", None)
+    return cs.params.get("kvchaos_layout") if cs else None
+
+
+def _in_suites(item) -> bool:
+    return "suites" in Path(str(item.fspath)).parts
+
+
 def pytest_collection_modifyitems(config, items):
     names = _backends(config)
-    if names:
-        keep, drop = [], []
-        for it in items:
-            if "kvchaos_backend" not in getattr(it, "fixturenames", ()):
-                keep.append(it)
-                continue
+    layouts, explicit = _layouts(config)
+    keep, drop = [], []
+    for it in items:
+        fx = getattr(it, "fixturenames", ())
+        ok = True
+        if names and "kvchaos_backend" in fx:
             b = _backend_of(it) or names[0]
             m = it.get_closest_marker("backends")
-            allowed = (set(m.args) if m else
-                       set(names) if "suites" in Path(str(it.fspath)).parts else {names[0]})
-            (keep if b in allowed else drop).append(it)
-        if drop:
-            config.hook.pytest_deselected(items=drop)
-            items[:] = keep
+            allowed = set(m.args) if m else set(names) if _in_suites(it) else {names[0]}
+            ok = b in allowed
+        if ok and layouts and "kvchaos_layout" in fx:
+            lay = _layout_of(it) or layouts[0]
+            m = it.get_closest_marker("layouts")
+            if m:
+                allowed = set(m.args)
+            elif explicit:
+                allowed = set(layouts) if _in_suites(it) else {layouts[0]}
+            else:
+                allowed = set(layouts) if it.get_closest_marker("every_layout") else {layouts[0]}
+            ok = lay in allowed
+        (keep if ok else drop).append(it)
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+        items[:] = keep
     # tests that leave the engine busy on purpose (hung requests the router keeps retrying) run last,
-    # so no other test's exact counters or pool baselines see their stray work; with several backends,
-    # one backend's tests (disruptive last) before the next backend's
+    # so no other test's exact counters or pool baselines see their stray work; with several layouts
+    # or backends, one cluster's tests (disruptive last) before the next cluster's
+    lorder = {n: i for i, n in enumerate(layouts)}
     order = {n: i for i, n in enumerate(names)}
-    items.sort(key=lambda it: (order.get(_backend_of(it), 0), it.get_closest_marker("disruptive") is not None))
+    items.sort(key=lambda it: (lorder.get(_layout_of(it), 0), order.get(_backend_of(it), 0),
+                               it.get_closest_marker("disruptive") is not None))
     if not any(item.get_closest_marker("gpu") for item in items):
         return
     ok, why = cuda_available()
@@ -358,6 +436,27 @@ def kvchaos_base_spec(pytestconfig) -> ClusterSpec:
 
 
 @pytest.fixture(scope="session")
+def kvchaos_layout(pytestconfig, kvchaos_base_spec) -> str:
+    """The KV layout of this cluster (parametrized when several layouts apply)."""
+    layouts, _ = _layouts(pytestconfig)
+    return layouts[0] if layouts else kvchaos_base_spec.layout
+
+
+@pytest.fixture(scope="session")
+def kvchaos_layout_spec(kvchaos_base_spec, kvchaos_layout) -> ClusterSpec:
+    """The profile with this session's layout applied (what the single reference server runs)."""
+    from kvchaos.cluster.layouts import LayoutError, apply, parse
+
+    if kvchaos_layout == kvchaos_base_spec.layout:
+        return kvchaos_base_spec
+    try:
+        data = apply(kvchaos_base_spec.to_dict(), parse(kvchaos_layout))
+    except LayoutError as e:
+        raise pytest.UsageError(str(e)) from None
+    return ClusterSpec.from_dict(data)
+
+
+@pytest.fixture(scope="session")
 def kvchaos_backend(pytestconfig, kvchaos_base_spec) -> str:
     """The KV transfer backend of this cluster (parametrized when --kvchaos-backends names several)."""
     names = _backends(pytestconfig)
@@ -365,11 +464,11 @@ def kvchaos_backend(pytestconfig, kvchaos_base_spec) -> str:
 
 
 @pytest.fixture(scope="session")
-def kvchaos_spec(kvchaos_base_spec, kvchaos_backend) -> ClusterSpec:
-    if kvchaos_backend == kvchaos_base_spec.transfer_backend:
-        return kvchaos_base_spec
-    return ClusterSpec.from_dict({**kvchaos_base_spec.to_dict(), "transfer_backend": kvchaos_backend,
-                                  "name": f"{kvchaos_base_spec.name}-{kvchaos_backend}"})
+def kvchaos_spec(kvchaos_layout_spec, kvchaos_backend) -> ClusterSpec:
+    if kvchaos_backend == kvchaos_layout_spec.transfer_backend:
+        return kvchaos_layout_spec
+    return ClusterSpec.from_dict({**kvchaos_layout_spec.to_dict(), "transfer_backend": kvchaos_backend,
+                                  "name": f"{kvchaos_layout_spec.name}-{kvchaos_backend}"})
 
 
 @pytest.fixture(scope="session")
@@ -384,11 +483,9 @@ def kvchaos_policy(pytestconfig):
     """The verdict policy of this session: the findings registry, what is accepted, strictness and a
     declared blind model (flags, or the profile's [policy] table), and — once the cluster is up — the
     planted-leak self-test's result."""
-    from kvchaos.cluster.spec import PROFILE_DIR
     from kvchaos.policy import FINDINGS_FILE, Policy, PolicyError, Registry, load_policy_table
 
-    prof = pytestconfig.getoption("--kvchaos-profile")
-    path = Path(prof) if prof.endswith(".toml") else PROFILE_DIR / f"{prof}.toml"
+    path = _profile_path(pytestconfig)
     try:
         table = load_policy_table(path if path.exists() else None)
         p = Policy(registry=Registry.load(pytestconfig.getoption("--kvchaos-findings") or FINDINGS_FILE),
@@ -436,6 +533,8 @@ def cluster(pytestconfig, kvchaos_base_spec, kvchaos_spec, kvchaos_run_dir, kvch
         workdir = kvchaos_run_dir if kvchaos_spec is kvchaos_base_spec else kvchaos_run_dir / kvchaos_spec.name
         c = Cluster(kvchaos_spec, workdir, reaper=kvchaos_reaper).start()
     (kvchaos_run_dir / "cluster.json").write_text(json.dumps(c.describe(), indent=2, default=str))
+    if getattr(c, "workdir", kvchaos_run_dir) != kvchaos_run_dir:  # one per layout / backend besides
+        (Path(c.workdir) / "cluster.json").write_text(json.dumps(c.describe(), indent=2, default=str))
     try:
         # every session proves the harness can see a leak on this cluster before trusting a PASS
         from kvchaos.selftest import planted_leak_selftest
@@ -455,15 +554,16 @@ def cluster(pytestconfig, kvchaos_base_spec, kvchaos_spec, kvchaos_run_dir, kvch
 
 
 @pytest.fixture(scope="session")
-def reference_server(pytestconfig, kvchaos_base_spec, kvchaos_run_dir, kvchaos_reaper):
+def reference_server(pytestconfig, kvchaos_base_spec, kvchaos_layout_spec, kvchaos_run_dir, kvchaos_reaper):
     ref = pytestconfig.getoption("--kvchaos-reference")
     if ref:
-        s = AttachedCluster(Endpoints(router=ref, prefill=ref, decode=ref), kvchaos_base_spec)
+        s = AttachedCluster(Endpoints(router=ref, prefill=ref, decode=ref), kvchaos_layout_spec)
         yield s
         return
     if pytestconfig.getoption("--kvchaos-attach"):
         pytest.skip("attach mode without --kvchaos-reference: no reference server to compare against")
-    s = SingleServer(kvchaos_base_spec, kvchaos_run_dir, reaper=kvchaos_reaper).start()
+    workdir = kvchaos_run_dir if kvchaos_layout_spec is kvchaos_base_spec else kvchaos_run_dir / kvchaos_layout_spec.name
+    s = SingleServer(kvchaos_layout_spec, workdir, reaper=kvchaos_reaper).start()
     try:
         yield s
     finally:

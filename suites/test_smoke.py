@@ -6,7 +6,8 @@ How we know decode used the transferred KV (three independent pieces of evidence
 1. *Counters.* Per request, decode's ``decode_transferred`` stage count rises by one and decode
    computes exactly ``max_new_tokens - 1`` tokens in decode mode (the first token comes from
    prefill) and no prompt tokens at all, while prefill computes every prompt token and its
-   ``kv_transfer_total_mb`` grows by exactly the KV bytes of those prompts (±1 %).
+   ``kv_transfer_total_mb`` grows by exactly the KV bytes of those prompts' pages (±1 %; KV moves in
+   whole pages, and an MLA layer's page holds one latent plus the shared rope key per token).
 2. *Context dependence.* The probe model recites the canaries of its context, so for each prompt
    the single server's output changes when only the early part of the prompt (where the canaries
    are) is changed, the last 16 characters kept. Decode never saw the early part of the prompt
@@ -28,7 +29,7 @@ from kvchaos.probe import prompt
 
 N_PROMPTS = 12
 MAX_NEW = 40  # up to 3 canaries (12 tokens each) + closing "[" + EOS
-pytestmark = pytest.mark.cluster
+pytestmark = [pytest.mark.cluster, pytest.mark.every_layout]  # CI runs it on every layout of the profile
 
 
 def _prompts(seed: int = 1234) -> list[tuple[str, list[str]]]:
@@ -77,9 +78,12 @@ def test_decode_generated_from_transferred_kv(cluster, reference_server):
     info = cluster.server_info("prefill")
     kv_bytes_per_token = _kv_bytes_per_token(info)
     sent_bytes = post_p.delta(pre_p, "sglang:kv_transfer_total_mb_sum") * 2**20  # SGLang's "MB" is MiB
-    expected = total_prompt * kv_bytes_per_token
+    ps = cluster.spec.page_size  # KV moves in whole pages: a prompt's last page goes whole, partly filled
+    slots = sum(-(-t // ps) * ps for t in prompt_tokens)
+    expected = slots * kv_bytes_per_token
     assert abs(sent_bytes - expected) <= 0.01 * expected, (
-        f"prefill sent {sent_bytes:.0f} KV bytes for {total_prompt} prompt tokens; expected {expected}")
+        f"prefill sent {sent_bytes:.0f} KV bytes for {total_prompt} prompt tokens in {slots // ps} pages of "
+        f"{ps}; expected {expected}")
 
     # 2. context dependence on the single server: same last 16 chars, different beginning
     changed = 0
@@ -100,7 +104,9 @@ def _kv_bytes_per_token(info: dict) -> int:
     from pathlib import Path
 
     cfg = json.loads((Path(info["model_path"]) / "config.json").read_text())
+    dtype_bytes = {"float32": 4, "bfloat16": 2, "float16": 2}[info.get("dtype") if info.get("dtype") != "auto" else "bfloat16"]
+    if cfg.get("kv_lora_rank"):  # MLA: one compressed latent plus the shared rope key per token and layer
+        return cfg["num_hidden_layers"] * (cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"]) * dtype_bytes
     heads = cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
-    dtype_bytes = {"float32": 4, "bfloat16": 2, "float16": 2}[info.get("dtype") if info.get("dtype") != "auto" else "bfloat16"]
     return cfg["num_hidden_layers"] * 2 * heads * head_dim * dtype_bytes

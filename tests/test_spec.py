@@ -54,7 +54,7 @@ def test_engine_env_loads_boot_dir_and_compat():
     ({"pool_tokens": 100, "page_size": 64}, "multiple of page_size"),
     ({"transfer_backend": "mooncake"}, "needs device='cuda'"),
     ({"model": "tiny:abc"}, "seed after 'tiny:'"),
-    ({"model": "/nonexistent/model"}, "neither 'tiny:<seed>', 'probe' nor an existing model directory"),
+    ({"model": "/nonexistent/model"}, "neither 'tiny:<seed>', 'probe[:<kind>]' nor an existing model directory"),
     ({"device": "cuda"}, "cpu_compat=true only makes sense"),
 ])
 def test_bad_values_name_the_problem(override, needle):

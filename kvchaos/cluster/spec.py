@@ -33,7 +33,7 @@ class ClusterSpec:
     name: str = "cpu"
     engine: str = "sglang"
     engine_python: str = ""  # interpreter that runs the engine; "" = the harness's own
-    model: str = "tiny:0"  # "tiny:<seed>" or "probe" (generated locally) or a model directory
+    model: str = "tiny:0"  # "tiny:<seed>", "probe" / "probe:<mha|gqa|mla>" (built locally) or a model directory
     device: str = "cpu"
     dtype: str = "float32"
     pool_tokens: int = 2048  # --max-total-tokens on each server
@@ -133,8 +133,13 @@ class ClusterSpec:
             bad(f"pool_tokens={self.pool_tokens} must be a multiple of page_size={self.page_size}")
         if self.startup_timeout_s <= 0 or self.request_timeout_s <= 0:
             bad("timeouts must be > 0")
-        if not (self.model.startswith("tiny:") or self.model == "probe" or Path(self.model).expanduser().exists()):
-            bad(f"model={self.model!r} is neither 'tiny:<seed>', 'probe' nor an existing model directory")
+        from .layouts import ATTENTION, attention_of_model
+
+        probe = attention_of_model(self.model)
+        if probe is not None and probe not in ATTENTION:
+            bad(f"model={self.model!r}: probe kind {probe!r} is not one of {ATTENTION}")
+        if not (self.model.startswith("tiny:") or probe or Path(self.model).expanduser().exists()):
+            bad(f"model={self.model!r} is neither 'tiny:<seed>', 'probe[:<kind>]' nor an existing model directory")
         if self.network_proxy not in ("", "embedded"):
             host, _, port = self.network_proxy.rpartition(":")
             if not host or not port.isdigit():
@@ -150,10 +155,13 @@ class ClusterSpec:
     def resolve_model(self) -> str:
         """Model directory; a ``tiny:<seed>`` model is generated on first use in the engine's
         interpreter (which has torch), so the harness itself never imports torch."""
-        if self.model == "probe":
-            from kvchaos.probe.build import COMMITTED
+        from .layouts import attention_of_model
 
-            return str(COMMITTED)
+        kind = attention_of_model(self.model)
+        if kind is not None:
+            from kvchaos.probe import ensure_probe
+
+            return str(ensure_probe(kind))
         if self.model.startswith("tiny:"):
             import subprocess
 
@@ -168,6 +176,13 @@ class ClusterSpec:
                     raise SpecError(f"generating tiny model (seed {seed}) failed:\n{r.stderr[-3000:]}")
             return str(path)
         return str(Path(self.model).expanduser().resolve())
+
+    @property
+    def layout(self) -> str:
+        """The KV layout name (``kvchaos.cluster.layouts``): attention kind, page size, dtype."""
+        from .layouts import of_spec
+
+        return of_spec(self)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -38,13 +38,13 @@ import pytest
 from faults import FaultKit
 from kvchaos import releases
 from kvchaos.cluster import ClusterSpec
-from kvchaos.experiment import FAIL, PASS
+from kvchaos.experiment import DEFAULT_LAYOUT, FAIL, PASS
 from kvchaos.oracles import HttpSemantics, Isolation, Liveness, kv_pages_written
 from kvchaos.suite import own_cluster, server_field
 from kvchaos.workload import EventLog
 from kvchaos.workload.probes import wait_quiet
 
-pytestmark = pytest.mark.cluster
+pytestmark = [pytest.mark.cluster, pytest.mark.every_layout]  # CI runs it on every layout of the profile
 SEED = releases.GLM53_SEED
 PREFILL_LIMIT = 512
 PREFIX_VERSION = "0.5.19"  # newest release without PR #36988
@@ -56,9 +56,14 @@ def _plans():
     return releases.glm53_plans(SEED)
 
 
-def _run(experiment, faults, kvchaos_run_dir, mode: str, **kw):
+def _out(kvchaos_run_dir, mode: str, layout: str):
+    """``incidents/glm53-<mode>``, ``...@<layout>`` on a layout other than the profile's own."""
+    return kvchaos_run_dir / "incidents" / (f"glm53-{mode}" if layout == DEFAULT_LAYOUT else f"glm53-{mode}@{layout}")
+
+
+def _run(experiment, faults, kvchaos_run_dir, mode: str, layout: str, **kw):
     plans, victim = _plans()
-    out = kvchaos_run_dir / "incidents" / f"glm53-{mode}"
+    out = _out(kvchaos_run_dir, mode, layout)
     checks = [Isolation(), HttpSemantics(), Liveness(bound_s=30)]
     t0 = time.monotonic()
     with experiment(f"glm53-{mode}", plans, checks, faults=faults, path=out / "events.jsonl", seed=SEED,
@@ -126,8 +131,8 @@ def prefix_cluster(kvchaos_spec, kvchaos_run_dir, kvchaos_reaper):
         pytest.skip("the pinned pre-fix environment is built for the CPU profile")
     py = releases.engine_python(PREFIX_VERSION)
     spec = ClusterSpec.from_dict({**releases.deployment_spec(kvchaos_spec.to_dict(), "incident"),
-                                  "name": f"cpu-sglang-{PREFIX_VERSION}", "engine_python": py})
-    with own_cluster(spec, kvchaos_run_dir / f"sglang-{PREFIX_VERSION}", kvchaos_reaper) as (c, _):
+                                  "name": f"{kvchaos_spec.name}-sglang-{PREFIX_VERSION}", "engine_python": py})
+    with own_cluster(spec, kvchaos_run_dir / spec.name, kvchaos_reaper) as (c, _):
         yield c
 
 
@@ -142,7 +147,7 @@ def test_prefix_release_leaks_another_tenants_data_with_http_200(experiment, pre
     with EventLog(kvchaos_run_dir / "events" / "glm53-prefix-faults.jsonl") as flog:
         kit = FaultKit(c, flog)
         try:
-            ex, summary, victim, plans = _run(experiment, kit, kvchaos_run_dir, "prefix", cluster=c)
+            ex, summary, victim, plans = _run(experiment, kit, kvchaos_run_dir, "prefix", c.spec.layout, cluster=c)
         finally:
             problems = kit.heal_all()
     assert not problems, problems
@@ -151,7 +156,7 @@ def test_prefix_release_leaks_another_tenants_data_with_http_200(experiment, pre
     from kvchaos.audit import audit
 
     res = audit(c.endpoints.prefill, c.endpoints.decode)
-    (kvchaos_run_dir / "incidents" / "glm53-prefix" / "audit.json").write_text(json.dumps(res, indent=2, default=str))
+    (_out(kvchaos_run_dir, "prefix", c.spec.layout) / "audit.json").write_text(json.dumps(res, indent=2, default=str))
     st = {(x["id"], x["role"]): x for x in res["checks"]}
     ver = st[("engine_version", "both")]
     assert ver["status"] == "fail" and "#36988" in ver["detail"] and "#38935" in ver["detail"], ver
@@ -163,18 +168,18 @@ def test_prefix_release_leaks_another_tenants_data_with_http_200(experiment, pre
     _assert_leak(ex, "prefix", victim, plans)
 
 
-def test_replay_leaks_another_tenants_data_with_http_200(experiment, faults, kvchaos_run_dir):
-    ex, summary, victim, plans = _run(experiment, faults, kvchaos_run_dir, "replay")
+def test_replay_leaks_another_tenants_data_with_http_200(experiment, faults, kvchaos_run_dir, kvchaos_spec):
+    ex, summary, victim, plans = _run(experiment, faults, kvchaos_run_dir, "replay", kvchaos_spec.layout)
     _assert_one_page_handoff(summary)
     _assert_leak(ex, "replay", victim, plans)
 
 
 @pytest.mark.disruptive
-def test_fixed_engine_does_not_leak(experiment, cluster, faults, kvchaos_run_dir):
+def test_fixed_engine_does_not_leak(experiment, cluster, faults, kvchaos_run_dir, kvchaos_spec):
     """The fix holds: no foreign canary anywhere, and (once fixed) each oversized prompt gets a 400.
     On 0.5.23 they hang instead: the registry's ``sglang-intake-reject-hang`` (KNOWN with its
     witness signature; it covers liveness and http_semantics, never isolation)."""
-    ex, summary, victim, plans = _run(experiment, faults, kvchaos_run_dir, "fixed")
+    ex, summary, victim, plans = _run(experiment, faults, kvchaos_run_dir, "fixed", kvchaos_spec.layout)
     # the router keeps retrying the hung requests after their clients gave up: wait until the
     # engines are quiet so the next test does not see stray work (bounded)
     q = wait_quiet(cluster, timeout_s=120, stable_s=10)
