@@ -26,7 +26,7 @@ import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvchaos.oracles import FAIL, PASS, UNKNOWN, Verdict, agent_kind, kv_pages_written
+from kvchaos.oracles import FAIL, PASS, UNKNOWN, Verdict, agent_kind, kv_page_size, kv_pages_written, pages_for
 
 KNOWN = "known"
 FINDINGS_FILE = Path(__file__).resolve().parent / "findings.toml"
@@ -137,13 +137,15 @@ def _sig_oversized_all_hung(v, ctx, want):
 def _sig_victims_truncated(v, ctx, want):
     """Every victim is an oversized request whose KV prefill wrote, by its own transfer events (the
     pages of every chunk), was short of the prompt but more than the one-page placeholder of the
-    reject path: the prompt was truncated on prefill (``--allow-auto-truncate``), not rejected."""
+    reject path: the prompt was truncated on prefill (``--allow-auto-truncate``), not rejected. Pages
+    of the layout's page size: fewer than the whole prompt needs."""
     plans = ctx.plans()
     sent = kv_pages_written(ctx.events)
+    ps = kv_page_size(ctx.events)
     bad = [w.get("victim_rid") for w in v.witnesses
            if not (plans.get(w.get("victim_rid"), {}).get("oversized")
                    and isinstance(sent.get(w.get("victim_rid")), int)
-                   and 1 < sent[w["victim_rid"]] < (plans[w["victim_rid"]].get("n_tokens") or 0))]
+                   and 1 < sent[w["victim_rid"]] < pages_for(plans[w["victim_rid"]].get("n_tokens") or 0, ps))]
     ok = bool(v.witnesses) and not bad
     return ok == bool(want), f"victims that are not oversized prompts prefill sent truncated: {bad[:5]}"
 

@@ -45,7 +45,7 @@ from faults import FaultKit
 from kvchaos import canary, releases
 from kvchaos.cluster import ClusterSpec
 from kvchaos.experiment import PASS
-from kvchaos.oracles import HttpSemantics, Isolation, Liveness, Sensitivity, kv_pages_written
+from kvchaos.oracles import HttpSemantics, Isolation, Liveness, Sensitivity, kv_page_size, kv_pages_written, pages_for
 from kvchaos.suite import own_cluster, server_field
 from kvchaos.workload import EventLog
 from kvchaos.workload import Workload
@@ -190,8 +190,9 @@ def test_auto_truncated_prompt_is_not_decoded_over_stale_pages(experiment, trunc
                         concurrency=8, timeout_s=BOUND_S, settle_s=0) as ex:
             pass
         assert not kit.heal_all()
-    sent = kv_pages_written(ex.events)
+    sent, ps = kv_pages_written(ex.events), kv_page_size(ex.events)
     limit = server_field(c.server_info("prefill"), "max_req_input_len")
     # the path really ran: prefill wrote every oversized prompt truncated to its limit, not rejected
-    assert all(sent.get(p.rid) == limit for p in plans if p.oversized), (limit, {p.rid: sent.get(p.rid) for p in plans if p.oversized})
+    assert all(sent.get(p.rid) == pages_for(limit, ps) for p in plans if p.oversized), (
+        limit, ps, {p.rid: sent.get(p.rid) for p in plans if p.oversized})
     ex.require(isolation=PASS, liveness=PASS)

@@ -75,14 +75,15 @@ def test_short_transfer_leak_is_known_only_with_its_witness_and_red_unless_accep
 
 # the auto-truncation leak is KNOWN only when the victim is an oversized prompt prefill sent truncated;
 # the same leak through the reject path's one-page placeholder (the GLM-5.3 incident) stays a FAIL
-def _truncated_log(pages):
+def _truncated_log(pages, page_size=None):
     rng = random.Random(3)
     ev = [HEADER] + crowd()
     own, foreign = canary.mint(rng, 3), ev[1]["canaries"]
     ev += [plan("big1", "t15", own, oversized=True, n_tokens=900)] + reply("big1", foreign[0][1:-1] + "][")
     # a chunked transfer: the pages of every chunk count
     chunks = [] if pages is None else [min(pages, 5), pages - min(pages, 5)] if pages > 5 else [pages]
-    return ev + [{"ev": "agent", "agent_ev": "write_end", "rid": "big1", "pages": n} for n in chunks]
+    ps = {} if page_size is None else {"page_size": page_size}
+    return ev + [{"ev": "agent", "agent_ev": "write_end", "rid": "big1", "pages": n, **ps} for n in chunks]
 
 
 def test_auto_truncate_leak_is_known_only_when_prefill_sent_the_prompt_truncated():
@@ -91,6 +92,11 @@ def test_auto_truncate_leak_is_known_only_when_prefill_sent_the_prompt_truncated
     for pages in (1, 900, None):  # the reject path's placeholder, a whole prompt, no transfer evidence
         j = judge(_truncated_log(pages), {"isolation": PASS}, accept_known=True)
         assert j.status == FAIL and j.red and not j.known, pages
+    # paged layout (64 tokens a page): 9 pages is the 570-token truncation of the 900-token prompt
+    # (15 pages); the placeholder's 1 page and the whole prompt's 15 stay FAIL
+    assert judge(_truncated_log(9, 64), {"isolation": PASS}, accept_known=True).status == "known"
+    for pages in (1, 15):
+        assert judge(_truncated_log(pages, 64), {"isolation": PASS}, accept_known=True).status == FAIL, pages
 
 
 def test_no_test_or_harness_module_xfails_imperatively():
