@@ -1,4 +1,4 @@
-"""Harness side of the in-engine agent (``faults/agent.py``): find the agents, arm, prove, heal.
+"""Harness side of the in-engine agent (``faults/agent/``): find the agents, arm, prove, heal.
 
 Every engine process that patched something listens on ``<ctl dir>/agent-<pid>.sock``. An
 :class:`AgentClient` broadcasts a command to the agents of one role (``prefill``/``decode``) and

@@ -1,6 +1,6 @@
 """Detection matrix: does each suite catch the engine bug it exists for?
 
-For every engine mutation the in-engine agent provides (``faults/agent.py``: re-opened bugs, not
+For every engine mutation the in-engine agent provides (``faults/agent/``: re-opened bugs, not
 faults a correct engine should survive) and for the short transfer, the scenario of the matching
 suite runs with the bug armed and must be caught — by the right oracle, with a witness that names
 the bug's victim — in EVERY trial. The clean arm runs the same scenario down the same engine path

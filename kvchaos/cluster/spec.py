@@ -50,7 +50,7 @@ class ClusterSpec:
     decode_args: list = field(default_factory=list)
     router_args: list = field(default_factory=list)
     ib_device: str = ""  # RDMA device for transfer_backend=mooncake (GPU profile)
-    agent: bool = True  # load the in-engine fault agent (faults/agent.py) into every server process
+    agent: bool = True  # load the in-engine fault agent (faults/agent/) into every server process
     # fault proxy between client and router and between router and each server:
     # "" = none, "embedded" = faults/proxy.py in the harness, "host:port" = a real toxiproxy-server
     network_proxy: str = ""
