@@ -34,6 +34,21 @@ Patches (each is a no-op when its precondition is absent):
    got: [4, 80]``. A ``torch_native`` handler is registered that sends every pass down the absorbed
    MLA path (``_dispatch_mla_subtype`` → ``forward_mla``: ``torch.bmm`` + ``set_kv_buffer``), the
    path decode always takes, so the latent KV is written and read through the real MLA pool.
+6. ``sglang.srt.mem_cache.allocator.paged`` — paged layouts (``--page-size`` > 1) on 0.5.19-0.5.21:
+   ``PagedTokenToKVPoolAllocator.alloc_extend`` / ``alloc_decode`` launch the Triton kernels
+   ``alloc_extend_kernel`` / ``alloc_decode_kernel`` unconditionally and the first paged allocation
+   (prefill's extend, decode's pre-allocation) dies with ``0 active drivers ([]). There should only
+   be one.`` 0.5.22 and 0.5.23 gate them on ``current_platform.capabilities.supports_triton`` and take
+   ``alloc_extend_naive`` / ``alloc_decode_naive`` on CPU. Where the module has no
+   ``alloc_decode_naive`` (the gate's absence) and torch has no CUDA, the two kernel names in the
+   module are replaced by launchers with the kernels' call shape (``kernel[grid](*args)``) that run
+   torch instead: extend runs the release's own ``alloc_extend_naive`` (present, unused, in
+   0.5.19-0.5.21); decode runs ``alloc_decode_naive``'s semantics as 0.5.22 ships them (a request
+   whose new token opens a page gets the first slot of the next free page, in batch order; the
+   others continue at ``last_loc + 1``). Where the pool is short of the pages the batch needs, the
+   launchers write nothing: the unpatched method then finds the shortfall and returns None, as after
+   the Triton kernel's out-of-bounds read. The allocator methods themselves are untouched (the fault
+   agent hooks those).
 """
 
 from __future__ import annotations
@@ -188,8 +203,64 @@ def _patch_mla_handler(mod) -> None:
     APPLIED.append("mla-torch-native-absorbed")
 
 
+class _TorchLaunch:
+    """Stands in for a ``@triton.jit`` kernel: ``kernel[grid](*args)`` calls ``fn(*args)``."""
+
+    def __init__(self, fn, kernel):
+        self.fn, self.kernel = fn, kernel  # the Triton kernel it replaces, kept for reference
+        self.__name__ = getattr(kernel, "__name__", fn.__name__)
+
+    def __getitem__(self, grid):
+        return self.fn
+
+
+def _new_pages(prefix_lens, seq_lens, page_size):
+    return (seq_lens + page_size - 1) // page_size - (prefix_lens + page_size - 1) // page_size
+
+
+def _alloc_decode_torch(seq_lens, last_loc, free_pages, out_indices, bs_upper, page_size):
+    """``alloc_decode_kernel`` in torch (as 0.5.22's ``alloc_decode_naive``): one new token per
+    request; request i opens a page iff ``(seq_lens[i] - 1) % page_size == 0`` and then gets
+    ``free_pages[k] * page_size``, k = how many requests before it opened one."""
+    import torch
+
+    del bs_upper  # a Triton block size
+    need = ((seq_lens - 1) % page_size == 0).to(torch.int64)
+    total = int(need.sum())
+    if total == 0:
+        out_indices.copy_(last_loc + 1)
+        return
+    if total > free_pages.numel():
+        return  # the caller sees the short pool and returns None
+    rank = (torch.cumsum(need, 0) - need).clamp_(max=total - 1)
+    out_indices.copy_(torch.where(need.bool(), free_pages[rank] * page_size, last_loc + 1))
+
+
+def _patch_paged_allocator(mod) -> None:
+    naive = getattr(mod, "alloc_extend_naive", None)
+    if (hasattr(mod, "alloc_decode_naive") or naive is None
+            or not hasattr(mod, "alloc_extend_kernel") or not hasattr(mod, "alloc_decode_kernel")
+            or isinstance(mod.alloc_extend_kernel, _TorchLaunch)):
+        return  # a release with its own non-Triton path (0.5.22+), or one this was not read for
+    import torch
+
+    if torch.cuda.is_available():
+        return  # Triton has a driver here
+
+    def alloc_extend_torch(prefix_lens, seq_lens, last_loc, free_pages, out_indices, bs_upper, page_size):
+        del bs_upper  # a Triton block size
+        if int(_new_pages(prefix_lens, seq_lens, page_size).sum()) > free_pages.numel():
+            return  # the caller sees the short pool and returns None
+        naive(prefix_lens, seq_lens, last_loc, free_pages, out_indices, page_size, out_indices.device)
+
+    mod.alloc_extend_kernel = _TorchLaunch(alloc_extend_torch, mod.alloc_extend_kernel)
+    mod.alloc_decode_kernel = _TorchLaunch(_alloc_decode_torch, mod.alloc_decode_kernel)
+    APPLIED.append("paged-alloc-torch")
+
+
 POST_IMPORT = {
     "sglang.srt.models.deepseek_common.attention_backend_handler": _patch_mla_handler,
+    "sglang.srt.mem_cache.allocator.paged": _patch_paged_allocator,
     "sglang.srt.disaggregation.mooncake.conn": _patch_mooncake_conn,
     "sglang.srt.disaggregation.nixl.conn": _patch_nixl_conn,
 }

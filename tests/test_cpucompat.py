@@ -1,5 +1,6 @@
 """The CPU compatibility layer: each patch is needed (fails without) and works (passes with)."""
 
+import json
 import os
 import subprocess
 import sys
@@ -149,3 +150,197 @@ def test_mla_torch_native_handler(patch):
     assert r.returncode == 0, r.stderr[-2000:]
     assert "handler handle_attention_torch_native" in r.stdout
     assert "method True" in r.stdout and "mla-torch-native-absorbed" in r.stdout
+
+
+# ------------------------------------------------------------------ patch 6: paged allocation
+_PAGED = r'''
+import json, sys, types
+from kvchaos import cpucompat
+if sys.argv[1] == "off":
+    cpucompat.POST_IMPORT.pop("sglang.srt.mem_cache.allocator.paged", None)
+cpucompat.install()
+import sglang, torch
+from sglang.srt.disaggregation.decode import alloc_for_decode_prealloc
+from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
+from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+
+PS, SIZE = 16, 1024  # 64 pages; page 0 is SGLang's padding page
+out = {"version": sglang.__version__, "steps": []}
+
+
+def T(v):
+    return torch.tensor(v, dtype=torch.int64)
+
+
+def allocator(need_sort):  # need_sort: as PD decode; without: as prefill
+    kv = MHATokenToKVPool(SIZE, PS, torch.float32, 1, 4, 1, "cpu", False, enable_alt_stream=False)
+    return PagedTokenToKVPoolAllocator(SIZE, PS, torch.float32, "cpu", kv, need_sort)
+
+
+def record(name, a, kind, reqs, fn):
+    free = a.free_pages.tolist()
+    r = fn()
+    out["steps"].append({"name": name, "kind": kind, "reqs": reqs, "free_before": free,
+                         "out": None if r is None else r.tolist()})
+    return r
+
+
+def prealloc(a, name, n):  # decode's own pre-allocation of a transferred prompt (alloc_extend at page > 1)
+    req = types.SimpleNamespace(kv=types.SimpleNamespace())
+    return record(name, a, "extend", [[0, n, -1]], lambda: alloc_for_decode_prealloc(
+        a, req=req, fill_len=n, delta_len=n, prefix_len=0, total_prefix_len=0, prefix_indices=None,
+        uses_swa_tail=False, swa_tail_len=0))
+
+
+def extend(a, name, reqs):  # [prefix_len, seq_len, last_loc] per request
+    pre, seq, last = (T([r[i] for r in reqs]) for i in range(3))
+    return record(name, a, "extend", reqs, lambda: a.alloc_extend(
+        pre, pre.clone(), seq, seq.clone(), last, int((seq - pre).sum())))
+
+
+def decode(a, name, reqs):  # [seq_len with the new token, last_loc] per request
+    seq, last = T([r[0] for r in reqs]), T([r[1] for r in reqs])
+    return record(name, a, "decode", reqs, lambda: a.alloc_decode(seq, seq.clone(), last))
+
+
+a = allocator(True)
+x = prealloc(a, "prealloc_100", 100)  # 6 whole pages + 4 tokens of a 7th
+x2 = extend(a, "continue_partial_page", [[100, 140, int(x[-1])]])  # 12 in x's page, 1 whole, 12 in a new one
+y = prealloc(a, "prealloc_32", 32)
+b = extend(a, "batch", [[140, 141, int(x2[-1])], [0, 33, -1], [32, 50, int(y[-1])], [0, 16, -1]])
+e, f, g = (prealloc(a, f"prealloc_{n}", n) for n in (48, 20, 32))
+decode(a, "decode_batch", [[49, int(e[-1])], [21, int(f[-1])], [33, int(g[-1])], [142, int(b[0])]])
+extend(a, "pool_short_extend", [[0, SIZE, -1]])
+
+full = allocator(False)
+z = full.alloc(SIZE)  # every page
+decode(full, "pool_empty_decode_new_page", [[17, int(z[15])]])
+decode(full, "pool_empty_decode_in_page", [[18, int(z[16])]])
+extend(full, "pool_empty_extend_in_page", [[17, 20, int(z[16])]])
+
+s = allocator(False)  # a scrambled free list: pages are taken in its order, not by number
+p = [s.alloc(32) for _ in range(4)]  # pages 1-2, 3-4, 5-6, 7-8
+for i in (2, 0, 3):
+    s.free(p[i])  # free list: 7 8 1 2 5 6 9 ...
+r = extend(s, "scrambled_batch", [[0, 40, -1], [0, 17, -1], [32, 36, int(p[1][-1])]])
+q, w = s.alloc(16), s.alloc(32)  # pages 9 and 10-11
+decode(s, "scrambled_decode", [[41, int(r[39])], [17, int(q[-1])], [18, int(r[56])], [33, int(w[-1])],
+                               [37, int(r[-1])]])
+out["applied"] = cpucompat.APPLIED
+print("RESULT " + json.dumps(out))
+'''
+
+# the two steps on the scrambled free list, by hand: request by request in batch order, whole pages
+# from the head of the free list (7 8 1 2 5 6 9 ...), a partial last page is the request's last new one
+_SCRAMBLED = {
+    "scrambled_batch": [*range(7 * 16, 9 * 16), *range(16, 24),  # 40 tokens: pages 7, 8 whole, 8 in page 1
+                        *range(2 * 16, 3 * 16), 5 * 16,  # 17 tokens: page 2 whole, 1 in page 5
+                        *range(6 * 16, 6 * 16 + 4)],  # prefix 32 (pages 3-4, page-aligned): 4 in page 6
+    # free list then 12 13 ...: 41 and 18 and 37 continue in-page; 17 and 33 open pages 12 and 13
+    "scrambled_decode": [24, 12 * 16, 81, 13 * 16, 100],
+}
+
+
+def _engine_python(version: str) -> Path:
+    return Path.home() / ".cache" / "kvchaos" / f"venv-sglang-{version}" / "bin" / "python"
+
+
+def _paged(python, patch: str) -> tuple[subprocess.CompletedProcess, dict | None]:
+    env = {k: v for k, v in os.environ.items() if k not in ("KVCHAOS_CPU_COMPAT", "KVCHAOS_AGENT")}
+    env["PYTHONPATH"] = str(REPO)
+    r = subprocess.run([str(python), "-c", _PAGED, patch], env=env, capture_output=True, text=True, timeout=300,
+                       cwd="/")
+    line = next((x for x in r.stdout.splitlines() if x.startswith("RESULT ")), None)
+    return r, (json.loads(line[len("RESULT "):]) if line else None)
+
+
+def _reference(kind, reqs, free, ps=16):
+    """alloc_extend_kernel / alloc_decode_kernel's semantics in plain Python."""
+    if kind == "decode":
+        need = sum((seq - 1) % ps == 0 for seq, _ in reqs)
+    else:
+        need = sum(-(-seq // ps) - -(-pre // ps) for pre, seq, _ in reqs)
+    if need > len(free):
+        return None  # the pool is short: the allocator returns None
+    out, k = [], 0
+    for req in reqs:
+        if kind == "decode":
+            seq, last = req
+            if (seq - 1) % ps == 0:
+                out.append(free[k] * ps)
+                k += 1
+            else:
+                out.append(last + 1)
+            continue
+        pre, seq, last = req
+        n1 = min(seq, -(-pre // ps) * ps) - pre  # the rest of the prefix's partial page
+        out += [last + 1 + j for j in range(n1)]
+        pos = pre + n1
+        while pos < seq:  # then whole new pages, the last possibly partial, from the free list in order
+            take = min(ps, seq - pos)
+            out += [free[k] * ps + j for j in range(take)]
+            k, pos = k + 1, pos + take
+    assert k == need
+    return out
+
+
+def _check_semantics(res):
+    steps = {s["name"]: s for s in res["steps"]}
+    for s in res["steps"]:
+        assert s["out"] == _reference(s["kind"], s["reqs"], s["free_before"]), s
+    for name, want in _SCRAMBLED.items():
+        assert steps[name]["out"] == want, (name, steps[name]["out"])
+    assert steps["pool_short_extend"]["out"] is None and steps["pool_empty_decode_new_page"]["out"] is None
+    assert steps["pool_empty_decode_in_page"]["out"] == [steps["pool_empty_decode_in_page"]["reqs"][0][1] + 1]
+    # no slot handed out twice on the decode-like allocator (all its requests are alive at the end)
+    live = [i for s in res["steps"] if s["out"] and not s["name"].startswith(("pool_", "scrambled"))
+            for i in s["out"]]
+    assert len(live) == len(set(live)) and 0 not in {i // 16 for i in live}
+    # new pages are whole pages: every page a step opened starts at its first slot and is filled in order
+    x = steps["prealloc_100"]["out"]
+    assert x[:96] == [p * 16 + j for p in range(1, 7) for j in range(16)] and x[96:] == [112, 113, 114, 115]
+    assert steps["continue_partial_page"]["out"] == [*range(116, 128), *range(128, 144), *range(144, 156)]
+
+
+@pytest.fixture(scope="module")
+def paged_reference():
+    """0.5.23 (this environment) on CPU: its own non-Triton path (``alloc_extend_naive`` /
+    ``alloc_decode_naive``), patch 6 a no-op."""
+    r, res = _paged(sys.executable, "on")
+    assert res, r.stderr[-3000:]
+    assert "paged-alloc-torch" not in res["applied"], res["applied"]
+    return res
+
+
+def test_paged_allocation_reference_is_the_kernel_semantics(paged_reference):
+    _check_semantics(paged_reference)
+
+
+def test_paged_allocation_on_0519_needs_patch_6(paged_reference):
+    """0.5.19's paged allocator launches Triton unconditionally: decode's pre-allocation of the first
+    prompt dies on CPU without patch 6; with it, every step gives the slots 0.5.23 gives (and the
+    kernels' semantics by hand)."""
+    py = _engine_python("0.5.19")
+    if not py.exists():
+        pytest.skip(f"no sglang 0.5.19 environment at {py} (scripts/setup-engine.sh 0.5.19 builds it)")
+    bad, res = _paged(py, "off")
+    assert bad.returncode != 0 and res is None and "0 active drivers" in bad.stderr, bad.stderr[-2000:]
+    ok, res = _paged(py, "on")
+    assert ok.returncode == 0 and res, ok.stderr[-3000:]
+    assert res["version"] == "0.5.19" and "paged-alloc-torch" in res["applied"]
+    _check_semantics(res)
+    assert res["steps"] == paged_reference["steps"]
+
+
+@pytest.mark.parametrize("version", ["0.5.20", "0.5.21", "0.5.22"])
+def test_paged_allocation_on_the_releases_between(version, paged_reference):
+    """0.5.20 and 0.5.21 launch Triton unconditionally too (patched); 0.5.22 gates it like 0.5.23
+    (patch 6 a no-op). Either way the slots equal 0.5.23's."""
+    py = _engine_python(version)
+    if not py.exists():
+        pytest.skip(f"no sglang {version} environment at {py} (scripts/setup-engine.sh {version} builds it)")
+    r, res = _paged(py, "on")
+    assert r.returncode == 0 and res, r.stderr[-3000:]
+    assert res["version"] == version
+    assert ("paged-alloc-torch" in res["applied"]) == (version in ("0.5.20", "0.5.21")), res["applied"]
+    assert res["steps"] == paged_reference["steps"]
