@@ -6,7 +6,9 @@ export KVCHAOS_VENV := $(VENV)
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: setup run test test-unit bench clean-reports
+LAYOUTS ?= mha-p1-fp32,gqa-p16-bf16,gqa-p64-bf16,mla-p64-bf16
+
+.PHONY: setup run test test-unit test-layouts bench clean-reports
 setup:
 	@bash scripts/setup.sh >/dev/null
 	@bash scripts/setup-engine.sh 0.5.19 >/dev/null  # pre-fix release for the GLM-5.3 reproduction
@@ -16,6 +18,9 @@ run: setup
 
 test: setup
 	$(PY) -m pytest -m "not slow and not gpu" -p no:cacheprovider $(PYTEST_ARGS)
+
+test-layouts: setup  # every default suite on every KV layout, one cluster each (hours on 2 cores)
+	$(PY) -m pytest suites -m "not slow and not gpu" -p no:cacheprovider --kvchaos-layouts $(LAYOUTS) $(PYTEST_ARGS)
 
 test-unit: setup
 	$(PY) -m pytest tests -m "not cluster" -p no:cacheprovider $(PYTEST_ARGS)

@@ -69,6 +69,7 @@ def test_prefill_killed_while_a_write_is_in_flight(experiment, faults):
     _wave2(experiment, "kill_prefill", 311)
 
 
+@pytest.mark.slow  # CI time (the KV layouts' suites took its place); prefill's kill runs by default
 def test_decode_killed_mid_stream(experiment, faults):
     proc = faults.need("proc")
     wl = Workload(302, n_tenants=8, prefix="kd")
@@ -93,6 +94,7 @@ def test_decode_killed_mid_stream(experiment, faults):
         _wave2(experiment, "kill_decode", 312)  # recovered, whatever wave 1 showed
 
 
+@pytest.mark.slow  # CI time
 def test_decode_frozen_then_resumed(experiment, faults):
     proc = faults.need("proc")
     wl = Workload(303, n_tenants=8, prefix="kf")

@@ -67,6 +67,7 @@ def safe_cluster(kvchaos_spec, kvchaos_run_dir, kvchaos_reaper):
         yield c
 
 
+@pytest.mark.slow  # CI time (its own cluster); the unsafe-cluster audit runs by default
 @pytest.mark.backends("mooncake_tcp")
 def test_audit_passes_the_safe_cluster(safe_cluster):
     e = safe_cluster.endpoints
@@ -111,6 +112,7 @@ def delayed_nonstream_probe(c, kit):
     return p, A.check_lb_first_token([p])
 
 
+@pytest.mark.slow  # CI time (a mini-lb cluster of its own)
 @pytest.mark.backends("mooncake_tcp")
 def test_lb_first_token_sglang_router_fails_and_mini_lb_passes(cluster, faults, minilb_cluster, kvchaos_run_dir):
     """The same probe on two load balancers: sglang-router 0.3.2 drops both upstream connections when

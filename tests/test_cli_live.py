@@ -19,6 +19,7 @@ from tests.util import child_env
 pytestmark = [pytest.mark.cluster, pytest.mark.backends("mooncake_tcp")]
 
 
+@pytest.mark.slow  # CI time; Ctrl-C cleanup is also tests/test_teardown_real.py (default)
 def test_up_serves_until_ctrl_c_and_leaves_nothing(tmp_path):
     urls_file = tmp_path / "up.json"
     env = child_env()

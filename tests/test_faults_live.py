@@ -323,6 +323,7 @@ def test_sigstop_handle_proves_and_heals_itself(cluster, faults):
     assert _own_echo(_req(cluster, "stop-handle-after"))
 
 
+@pytest.mark.slow  # CI time; suites/test_process_kill.py kills prefill mid-write by default
 def test_sigkill_prefill_mid_transfer_then_restart_and_rejoin(cluster, faults):
     proc = faults.need("proc")
     h = faults.agent.arm("prefill", "hold", target={"rid": "kill-1"}, params={"max_hold_s": 60})
