@@ -7,6 +7,15 @@ of each page's first token, prefill.py ``send_kv_chunk`` and decode.py ``_send_k
 ``pages``, ``reserved``, ``pages_sent`` / ``pages_reserved`` and the ``short`` fault's ``pages``
 param are KV pages of ``page_size`` tokens (the events carry ``page_size`` when the manager's
 ``kv_args`` has it). With page size 1 a page is a token slot.
+
+Decode page indices: ``transfer_start`` carries ``dst_pages`` (the decode pages reserved for that chunk,
+as ints, in the request's token order: the chunk's page j holds its tokens from
+``(dst_page_offset + j) * page_size``), ``write_end`` the ``dst_pages`` actually written (after a
+``short`` truncation) and the ``short`` firing the chunk's reserved ``dst_pages``; each list is bounded
+to its first ``DST_PAGES_MAX`` entries, with ``dst_pages_total`` the full count and
+``dst_page_offset`` the chunk's first page in the request's page list (``TransferKVChunk.index_slice``).
+With them the stale pages a ``short`` leaves behind can be traced to the request that last wrote them
+(``kvchaos.probe.measure.stale_map``).
 """
 
 from __future__ import annotations
@@ -37,6 +46,34 @@ register_fault("delay", unlimited=True)
 register_fault("fail", off=_fail_off)
 register_fault("short")
 register_fault("hold")
+
+
+DST_PAGES_MAX = 4096  # decode page indices listed per event (dst_pages_total has the full count)
+
+
+def _dst_fields(pages, offset, upto: int | None = None) -> dict:
+    """``dst_pages`` (the first ``upto`` of ``pages``, at most DST_PAGES_MAX of them, as ints),
+    ``dst_pages_total`` (how many there are), ``dst_page_offset``."""
+    try:
+        if upto is not None:
+            pages = pages[:upto]
+        n = int(len(pages))
+        head = pages[:DST_PAGES_MAX]
+        head = head.tolist() if hasattr(head, "tolist") else list(head)
+        listed = [int(p) for p in head]
+    except Exception:  # noqa: BLE001 - evidence must never break a transfer
+        return {"dst_pages": None, "dst_pages_total": None, "dst_page_offset": offset}
+    return {"dst_pages": listed, "dst_pages_total": n, "dst_page_offset": offset}
+
+
+def _chunk_offset(chunk):
+    """First page of the chunk in the request's page list (``index_slice.start``), or None."""
+    sl = getattr(chunk, "index_slice", None)
+    start = getattr(sl, "start", None)
+    try:
+        return int(start) if start is not None else 0 if sl is not None else None
+    except (TypeError, ValueError):
+        return None
 
 
 def _page_size(mgr):
@@ -80,9 +117,18 @@ def _guarded_write(mgr, backend: str, session_id, src, dst, write, path: str = "
     reserved = int(len(dst))
     ps = _page_size(mgr)
     extra = {} if path == "send_kvcache" else {"path": path}
+    off = _chunk_offset(chunk)
+    chunk_dst = dst
+    if path == "send_kvcache_dcp":
+        # dst is the request's whole reservation, addressed by the chunk's page offset
+        try:
+            chunk_dst = dst[(off or 0):(off or 0) + pages]
+        except Exception:  # noqa: BLE001
+            chunk_dst = ()
     if first:
         AGENT.emit("transfer_start", room=room, rid=rid, pages=pages, reserved=reserved,
-                   is_last=getattr(chunk, "is_last_chunk", None), backend=backend, page_size=ps, **extra)
+                   is_last=getattr(chunk, "is_last_chunk", None), backend=backend, page_size=ps,
+                   **_dst_fields(chunk_dst, off), **extra)
     f = AGENT.match("delay", room, rid)
     if f is not None:
         p = f["params"]
@@ -105,7 +151,7 @@ def _guarded_write(mgr, backend: str, session_id, src, dst, write, path: str = "
         src = src[:keep]
         dst = dst[:keep]
         AGENT.emit("fault_fired", fault=f["id"], kind="short", room=room, rid=rid, pages_sent=keep,
-                   pages_reserved=reserved, page_size=ps, **extra,
+                   pages_reserved=reserved, page_size=ps, **_dst_fields(chunk_dst, off), **extra,
                    note="success reported; remaining decode pages unwritten")
     f = AGENT.match("hold", room, rid)
     if f is not None:
@@ -127,11 +173,11 @@ def _guarded_write(mgr, backend: str, session_id, src, dst, write, path: str = "
         AGENT.emit("fault_fired", fault=f["id"], kind="hold", phase="late_write", room=room, rid=rid,
                    pages=pages, released=released, room_status_at_write=status,
                    ret=ret if isinstance(ret, int) else "handles")
-        _write_end(room, rid, pages, w0, ret, ps, extra)
+        _write_end(room, rid, pages, w0, ret, ps, extra, _dst_fields(chunk_dst, off, len(src)))
         return ret
     w0 = time.time()
     ret = write(src, dst)
-    _write_end(room, rid, pages, w0, ret, ps, extra)
+    _write_end(room, rid, pages, w0, ret, ps, extra, _dst_fields(chunk_dst, off, len(src)))
     return ret
 
 
@@ -180,15 +226,16 @@ def _make_send_peer(orig, backend: str):
     return send
 
 
-def _write_end(room, rid, pages, wall_start, ret, page_size=None, extra=None):
+def _write_end(room, rid, pages, wall_start, ret, page_size=None, extra=None, dst=None):
     """Every KV write prefill made into decode's pages, with its time span: the ``kv_lifecycle``
     oracle pairs it with decode's ``kv_released`` for the same room (a write that ends after decode
     gave the pages back landed in pages that may already belong to someone else). ``pages`` are KV
-    pages of ``page_size`` tokens. NIXL: the write was posted, not completed (it returns handles the
-    transfer worker waits on later)."""
+    pages of ``page_size`` tokens; ``dst`` the decode pages written (``_dst_fields``). NIXL: the write
+    was posted, not completed (it returns handles the transfer worker waits on later)."""
     if room is not None:
         _ctl.AGENT.emit("write_end", room=room, rid=rid, pages=pages, wall_start=wall_start,
-                        ret=ret if isinstance(ret, int) else "handles", page_size=page_size, **(extra or {}))
+                        ret=ret if isinstance(ret, int) else "handles", page_size=page_size,
+                        **(dst or {}), **(extra or {}))
 
 
 def _hook_mooncake(mod):
