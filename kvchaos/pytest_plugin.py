@@ -44,7 +44,8 @@ Markers
   gpu   needs CUDA; skipped with the reason when no CUDA device is visible
   slow  long sweeps; deselected by the default ``make test`` (run with ``-m slow``)
   every_layout  runs on every layout of the profile's ``[suites] layouts`` in a default run (smoke,
-        incident, detection matrix); other tests run on the profile's own layout unless
+        incident, detection matrix); ``every_layout(own=False)``: on the profile's other layouts only in
+        a default run (CI time); other tests run on the profile's own layout unless
         ``--kvchaos-layouts`` names layouts (then every suite runs on each)
   layouts(*names)  the only layouts this test applies to
 """
@@ -112,8 +113,8 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "cluster: uses the real cluster")
     config.addinivalue_line("markers", "bisect: the release matrix (kvchaos bisect): one cluster per release and trial")
     config.addinivalue_line("markers", "disruptive: leaves the engine busy on purpose; run at the end of the session")
-    config.addinivalue_line("markers", "every_layout: runs on every layout of the profile's [suites] layouts "
-                            "in a default run (without --kvchaos-layouts)")
+    config.addinivalue_line("markers", "every_layout(own=True): runs on every layout of the profile's [suites] "
+                            "layouts in a default run (without --kvchaos-layouts); own=False: on the others only")
     config.addinivalue_line("markers", "layouts(*names): the only KV layouts this test applies to")
     config.addinivalue_line("markers", "backends(*names): the KV transfer backends this test applies to "
                             "(default: every backend for suites/, the first one for the harness's own tests)")
@@ -398,7 +399,13 @@ def pytest_collection_modifyitems(config, items):
             elif explicit:
                 allowed = set(layouts) if _in_suites(it) else {layouts[0]}
             else:
-                allowed = set(layouts) if it.get_closest_marker("every_layout") else {layouts[0]}
+                every = it.get_closest_marker("every_layout")
+                if every is None:
+                    allowed = {layouts[0]}
+                elif every.kwargs.get("own", True) or len(layouts) == 1:
+                    allowed = set(layouts)
+                else:  # CI time: on the profile's other layouts only (the own one under --kvchaos-layouts)
+                    allowed = set(layouts[1:])
             ok = lay in allowed
         (keep if ok else drop).append(it)
     if drop:

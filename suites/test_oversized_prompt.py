@@ -130,6 +130,7 @@ def test_edges_answered_or_rejected_with_other_tenants_running(experiment, fault
     _check_answer_and_reject(ex, table)
 
 
+@pytest.mark.slow  # CI time; the intake-reject hang (same router join) is exercised by the incident's fixed arm
 @pytest.mark.disruptive
 def test_hang_band(experiment, faults, cluster, edges):
     """Whatever happens to the band prompts, nobody gets foreign data (isolation is always held to

@@ -52,8 +52,12 @@ def _collect(*args, env=None):
 
 
 def test_default_run_puts_only_every_layout_tests_on_the_profiles_other_layouts():
-    r, ids = _collect("suites/test_smoke.py", "suites/test_transfer_delay.py")
+    r, ids = _collect("suites/test_smoke.py", "suites/test_transfer_delay.py", "suites/test_detection_matrix.py")
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    # every_layout(own=False): the matrix goes on the profile's other layouts only
+    matrix = [i for i in ids if "test_detection_matrix" in i]
+    assert matrix and all("[mla-p64-bf16-" in i for i in matrix), matrix
+    ids = [i for i in ids if "test_detection_matrix" not in i]
     smoke = [i for i in ids if "test_smoke" in i and "token_identical" in i]
     assert [i.split("[")[1] for i in smoke] == ["mha-p1-fp32]", "mla-p64-bf16]"]
     delay = [i for i in ids if "test_transfer_delay" in i]
@@ -71,6 +75,9 @@ def test_named_layouts_run_every_suite_on_each_and_harness_tests_on_the_first():
     assert len([i for i in delay if i.endswith("[mla-p64-bf16]")]) == len(delay) // 2 > 0
     live = [i for i in ids if "through_the_pd_cluster" in i]
     assert live == ["tests/test_probe_model.py::test_probe_through_the_pd_cluster[gqa-p16-bf16]"]
+    # named layouts: every_layout(own=False) tests run on each named layout, the first included
+    r, ids = _collect("suites/test_detection_matrix.py", "--kvchaos-layouts", "mha-p1-fp32,mla-p64-bf16")
+    assert any("[mha-p1-fp32-" in i for i in ids) and any("[mla-p64-bf16-" in i for i in ids), ids
 
 
 @pytest.mark.parametrize("args, msg", [
