@@ -33,6 +33,7 @@ import uuid
 from pathlib import Path
 
 from kvchaos import oracles
+from kvchaos.cluster.layouts import DEFAULT_LAYOUT
 from kvchaos.oracles import FAIL, PASS, UNKNOWN  # noqa: F401 - re-exported for suites
 from kvchaos.policy import KNOWN, Context, Judgement, Policy
 from kvchaos.workload import EventLog, run_plans
@@ -278,9 +279,6 @@ def _engine(cluster) -> dict:
     vs = {v for v in out["roles"].values() if v and not str(v).startswith("unreachable")}
     out["version"] = vs.pop() if len(vs) == 1 else (sorted(vs)[0] if vs else None)
     return out
-
-
-DEFAULT_LAYOUT = "mha-p1-fp32"  # the CPU profile's own: its files keep their plain names
 
 
 def kv_layout(cluster) -> str | None:

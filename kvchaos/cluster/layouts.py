@@ -28,6 +28,8 @@ import re
 from dataclasses import dataclass
 
 ATTENTION = ("mha", "gqa", "mla")
+# the CPU profile's own layout: every run's files before layouts existed; theirs keep their plain names
+DEFAULT_LAYOUT = "mha-p1-fp32"
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 _NAME = re.compile(r"^(?P<att>[a-z]+)-p(?P<page>[0-9]+)-(?P<dt>[a-z0-9]+)$")
 

@@ -38,7 +38,8 @@ import pytest
 from faults import FaultKit
 from kvchaos import releases
 from kvchaos.cluster import ClusterSpec
-from kvchaos.experiment import DEFAULT_LAYOUT, FAIL, PASS
+from kvchaos.cluster.layouts import DEFAULT_LAYOUT
+from kvchaos.experiment import FAIL, PASS
 from kvchaos.oracles import HttpSemantics, Isolation, Liveness, kv_pages_written
 from kvchaos.suite import own_cluster, server_field
 from kvchaos.workload import EventLog
