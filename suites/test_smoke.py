@@ -61,9 +61,9 @@ def test_pd_output_token_identical_to_single_server(cluster, reference_server):
 def test_decode_generated_from_transferred_kv(cluster, reference_server):
     items = _prompts(seed=99)
     prompts = [p for p, _ in items]
-    pre_p, pre_d = Metrics.fetch(cluster.endpoints.prefill), Metrics.fetch(cluster.endpoints.decode)
+    pre_p, pre_d = _settled(cluster.endpoints.prefill), _settled(cluster.endpoints.decode)
     pd, prompt_tokens, completion, texts = zip(*[_gen(cluster, p) for p in prompts])
-    post_p, post_d = Metrics.fetch(cluster.endpoints.prefill), Metrics.fetch(cluster.endpoints.decode)
+    post_p, post_d = _settled(cluster.endpoints.prefill), _settled(cluster.endpoints.decode)
     n, total_prompt = len(prompts), sum(prompt_tokens)
     # the replies recite the canaries that were only in the (transferred) prompt KV
     for (_, cs), text in zip(items, texts):
@@ -97,6 +97,25 @@ def test_decode_generated_from_transferred_kv(cluster, reference_server):
     # 3. equality with the single server
     ref = [_gen(reference_server, p)[0] for p in prompts]
     assert [list(x) for x in pd] == ref
+
+
+def _settled(url: str, timeout_s: float = 15.0) -> Metrics:
+    """The server's counters once they stop moving: a request's stage counters can be recorded just
+    after its reply was sent (seen under load: an earlier test's last request counted inside this
+    test's window). Two reads 0.5 s apart with equal stage and token counters, bounded."""
+    import time
+
+    keys = ("sglang:per_stage_req_latency_seconds_count", "sglang:realtime_tokens_total",
+            "sglang:prefill_effective_tokens_total", "sglang:kv_transfer_total_mb_count")
+    last = Metrics.fetch(url)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        time.sleep(0.5)
+        now = Metrics.fetch(url)
+        if all(now.value(k) == last.value(k) for k in keys):
+            return now
+        last = now
+    raise AssertionError(f"{url}/metrics still moving after {timeout_s} s with no request of this test in flight")
 
 
 def _kv_bytes_per_token(info: dict) -> int:
