@@ -39,19 +39,24 @@ def trigrams(s: str) -> set[str]:
     return {s[i:i + 3] for i in range(len(s) - 2)}
 
 
-def mint(rng: random.Random, n: int = 1, distinct_first: bool = True, avoid_first=()) -> list[str]:
+def mint(rng: random.Random, n: int = 1, distinct_first: bool = True, avoid_first=(), beside=()) -> list[str]:
     """``n`` fresh canaries minted together (for one request).
 
     With ``distinct_first`` their first payload characters differ (the probe model recites in
     ascending order of it), and no trigram occurs twice across the set (the probe copies by
-    trigram; a repeated one would make the recitation ambiguous).
+    trigram; a repeated one would make the recitation ambiguous). ``beside``: canaries already in
+    the same context (a shared system prompt, earlier turns): the new ones avoid their first
+    characters and trigrams too.
     """
-    if distinct_first and n + len(set(avoid_first)) > len(ALPHABET):
-        raise ValueError(f"cannot mint {n} canaries with distinct first characters (max {len(ALPHABET)})")
-    firsts = [c for c in ALPHABET if c not in set(avoid_first)]
+    beside = list(beside)
+    avoid_first = set(avoid_first) | {c[1] for c in beside}
+    if distinct_first and n + len(avoid_first) > len(ALPHABET):
+        raise ValueError(f"cannot mint {n} canaries with distinct first characters beside {len(avoid_first)} "
+                         f"others (max {len(ALPHABET)} in one context)")
+    firsts = [c for c in ALPHABET if c not in avoid_first]
     rng.shuffle(firsts)
     out: list[str] = []
-    seen: set[str] = set()
+    seen: set[str] = {c[j:j + 3] for c in beside for j in range(len(c) - 2)}
     for i in range(n):
         while True:
             first = firsts[i] if distinct_first else rng.choice(ALPHABET)

@@ -31,6 +31,7 @@ import threading
 import time
 import uuid
 from pathlib import Path
+from urllib.parse import urlsplit
 
 from kvchaos import oracles
 from kvchaos.cluster.layouts import DEFAULT_LAYOUT
@@ -39,6 +40,7 @@ from kvchaos.policy import KNOWN, Context, Judgement, Policy
 from kvchaos.workload import EventLog, run_plans
 from kvchaos.workload.probes import server_field, snapshot
 
+VIAS = ("router", "pd")  # how plans reach the engines: the router, or prefill + decode directly
 SETTLE_S = 45.0  # SGLang holds a failed/aborted transfer's decode pages up to 30 s (deferred release)
 DURING_JOIN_S = 180.0
 
@@ -76,7 +78,7 @@ class Experiment:
     def __init__(self, name: str, plans, checks, *, cluster, run_dir, faults=None, test_id: str | None = None,
                  seed=None, concurrency: int = 8, timeout_s: float = 60.0, settle_s: float = SETTLE_S,
                  drive=None, path: str | Path | None = None, model_name: str | None = None,
-                 policy: Policy | None = None, probe_before: bool = True):
+                 policy: Policy | None = None, probe_before: bool = True, via: str = "router"):
         if not isinstance(checks, oracles.Composite):
             checks = oracles.compose(*checks)
         if not name or any(c in name for c in "/\\"):
@@ -87,6 +89,9 @@ class Experiment:
         self.concurrency, self.timeout_s, self.settle_s = concurrency, timeout_s, settle_s
         self.drive_fn, self.model_name, self.probe_before = drive, model_name, probe_before
         self.policy = policy or Policy()
+        if via not in VIAS:
+            raise ValueError(f"via={via!r}: one of {', '.join(VIAS)}")
+        self.via = via
         # the same suite on another KV layout writes beside it, named by that layout
         self.kv_layout = kv_layout(cluster)
         stem = name if self.kv_layout in (None, DEFAULT_LAYOUT) else f"{name}@{self.kv_layout}"
@@ -107,7 +112,7 @@ class Experiment:
         _engine_errors(self.cluster)  # what happened before this experiment is not its own
         self.log = EventLog(self.path)
         self.log.emit("experiment", id=self.id, name=self.name, test=self.test_id, seed=self.seed,
-                      n=len(self.plans), engine=_engine(self.cluster), layout=_layout(self.cluster),
+                      n=len(self.plans), engine=_engine(self.cluster), layout=_layout(self.cluster), via=self.via,
                       checkers=[repr(c) for c in self.checks.checkers])
         if self.probe_before:
             snapshot(self.cluster, self.log, "before", answer=False, settle_s=self.settle_s)
@@ -120,10 +125,20 @@ class Experiment:
         self._during = During(fn)
         return self._during
 
-    def send(self, plans, concurrency: int | None = None, timeout_s: float | None = None) -> list[dict]:
-        """Drive ``plans`` through the router into this experiment's log (for custom ``drive``)."""
+    def send(self, plans, concurrency: int | None = None, timeout_s: float | None = None,
+             via: str | None = None) -> list[dict]:
+        """Drive ``plans`` into this experiment's log (for custom ``drive``): through the router, or
+        (``via="pd"``) straight to prefill and decode as SGLang's mini load balancer does."""
         ep = self.cluster.endpoints
+        via = via or self.via
         kw = {"model_name": self.model_name} if self.model_name else {}
+        if via == "pd":
+            if not ep.bootstrap_port or ep.prefill == ep.decode:
+                raise ValueError(f"experiment {self.name}: via='pd' needs a prefill/decode cluster with a bootstrap port")
+            kw["pd_direct"] = {"prefill": ep.prefill, "decode": ep.decode, "bootstrap_port": ep.bootstrap_port,
+                               "bootstrap_host": urlsplit(ep.prefill).hostname}
+        elif via != "router":
+            raise ValueError(f"via={via!r}: one of {', '.join(VIAS)}")
         return run_plans(ep.router, plans, self.log, concurrency=concurrency or self.concurrency,
                          timeout_s=timeout_s or self.timeout_s, abort_urls=(ep.prefill, ep.decode), **kw)
 

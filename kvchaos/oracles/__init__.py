@@ -570,3 +570,6 @@ def compose(*checkers) -> Composite:
 def default_checkers(bound_s: float = 60.0) -> Composite:
     """What ``kvchaos judge`` applies to a log: every oracle that needs nothing but the log."""
     return compose(Isolation(), Sensitivity(), HttpSemantics(), Liveness(bound_s=bound_s), KVLifecycle())
+
+
+from .cache import CacheIsolation, TimingIsolation, cache_isolation, timing_isolation  # noqa: E402

@@ -20,6 +20,7 @@ utf-8 with replacement, partial last line included — what the isolation oracle
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import time
 from dataclasses import dataclass, field
@@ -31,16 +32,26 @@ from .plan import RequestPlan
 
 
 class Driver:
+    """``pd_direct``: ``{"prefill": url, "decode": url, "bootstrap_host": h, "bootstrap_port": p}`` —
+    drive prefill and decode directly, as SGLang's own mini load balancer does (the same body to
+    both, plus the bootstrap address and a room; the reply is decode's), bypassing the router:
+    the engines' behaviour without whatever the router adds or drops. ``/generate`` only."""
+
     def __init__(self, base_url: str, log: EventLog, concurrency: int = 64, timeout_s: float = 60.0,
-                 abort_urls: tuple[str, ...] = (), model_name: str = "default"):
+                 abort_urls: tuple[str, ...] = (), model_name: str = "default", pd_direct: dict | None = None):
         if concurrency < 1:
             raise ValueError(f"concurrency must be >= 1, got {concurrency}")
+        if pd_direct is not None:
+            missing = {"prefill", "decode", "bootstrap_host", "bootstrap_port"} - set(pd_direct)
+            if missing:
+                raise ValueError(f"pd_direct needs {sorted(missing)} too (got {sorted(pd_direct)})")
         self.base_url = base_url.rstrip("/")
         self.log = log
         self.concurrency = concurrency
         self.timeout_s = timeout_s
         self.abort_urls = abort_urls
         self.model_name = model_name
+        self.pd_direct = pd_direct
 
     async def run(self, plans: list[RequestPlan]) -> list[dict]:
         sem = asyncio.Semaphore(self.concurrency)
@@ -49,24 +60,42 @@ class Driver:
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=10.0, sock_read=self.timeout_s)
         async with aiohttp.ClientSession(connector=conn, timeout=timeout, read_bufsize=2**20) as client:
             self.client = client
+            rids = {p.rid for p in plans}
+            for p in plans:
+                if p.after is not None and p.after not in rids:
+                    raise ValueError(f"plan {p.rid} is to be sent after {p.after}, which is not in this run")
+                if self.pd_direct is not None and p.endpoint != "generate":
+                    raise ValueError(f"plan {p.rid}: pd_direct drives /generate only, not {p.endpoint}")
             for p in plans:
                 self.log.emit("plan", rid=p.rid, **{k: v for k, v in p.to_dict().items() if k != "rid"})
+            done = {p.rid: asyncio.Event() for p in plans}
 
             async def one(p):
-                async with sem:
-                    return await self._run_one(p)
+                try:
+                    if p.after is not None:  # a conversation's next turn: once the previous one ended
+                        await done[p.after].wait()
+                    async with sem:
+                        return await self._run_one(p)
+                finally:
+                    done[p.rid].set()
 
-            return await asyncio.gather(*(one(p) for p in plans))
+            self._legs: set = set()
+            try:
+                return await asyncio.gather(*(one(p) for p in plans))
+            finally:
+                if self._legs:  # pd_direct: prefill's halves still running (bounded: timeout_s each)
+                    await asyncio.wait(self._legs, timeout=self.timeout_s + 5)
 
     # ------------------------------------------------------------------ one request
     def _request(self, p: RequestPlan) -> tuple[str, dict, bool]:
         stream = p.kind in ("stream", "abort_after", "disconnect_before_first_token")
+        salt = {} if p.cache_salt is None else {"cache_salt": p.cache_salt}
         if p.endpoint == "generate":
             body = {"text": p.prompt, "rid": p.rid, "stream": stream,
-                    "sampling_params": {"max_new_tokens": p.max_new_tokens, "temperature": 0.0}}
+                    "sampling_params": {"max_new_tokens": p.max_new_tokens, "temperature": 0.0}, **salt}
             return "/generate", body, stream
         common = {"model": self.model_name, "max_tokens": p.max_new_tokens, "temperature": 0.0, "stream": stream,
-                  "rid": p.rid}
+                  "rid": p.rid, **salt}
         if p.endpoint == "completions":
             return "/v1/completions", {**common, "prompt": p.prompt}, stream
         return "/v1/chat/completions", {**common, "messages": [{"role": "user", "content": p.prompt}]}, stream
@@ -105,7 +134,16 @@ class Driver:
 
     async def _exchange(self, p: RequestPlan, path: str, body: dict, reply: _Reply) -> dict:
         t0 = time.monotonic()
-        r = await self.client.post(self.base_url + path, json=body)  # returns once the headers are in
+        url = self.base_url + path
+        if self.pd_direct is not None:
+            d = self.pd_direct
+            body = {**body, "bootstrap_host": d["bootstrap_host"], "bootstrap_port": d["bootstrap_port"],
+                    "bootstrap_room": _room(p.rid)}
+            url = d["decode"].rstrip("/") + path
+            leg = asyncio.ensure_future(self._prefill_leg(p, d["prefill"].rstrip("/") + path, body))
+            self._legs.add(leg)
+            leg.add_done_callback(self._legs.discard)
+        r = await self.client.post(url, json=body)  # returns once the headers are in
         reply.status = r.status
         try:
             if reply.stream:
@@ -200,6 +238,18 @@ class Driver:
                       chunks=reply.chunks if reply.sse else None, raw=raw, complete=reply.complete)
         return len(data)
 
+    async def _prefill_leg(self, p: RequestPlan, url: str, body: dict) -> None:
+        """pd_direct: prefill's half of the request (its reply says nothing to the client; how it
+        ended is logged as a ``prefill_leg`` event)."""
+        try:
+            async with self.client.post(url, json={**body, "stream": False},
+                                        timeout=aiohttp.ClientTimeout(total=self.timeout_s)) as r:
+                data = await r.read()
+                self.log.emit("prefill_leg", rid=p.rid, status=r.status,
+                              error=None if r.status == 200 else data[:500].decode("utf-8", "replace"))
+        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+            self.log.emit("prefill_leg", rid=p.rid, status=None, error=repr(e))
+
     async def _abort(self, p: RequestPlan, method: str) -> None:
         self.log.emit("abort", rid=p.rid, method=method)
         for url in self.abort_urls:
@@ -274,6 +324,11 @@ def _extract(parsed, endpoint):
         text = ch.get("text") if "text" in ch else (ch.get("message") or {}).get("content", "")
         return text or "", None, parsed.get("usage"), None
     return parsed.get("text", ""), None, None, None
+
+
+def _room(rid: str) -> int:
+    """A bootstrap room per request (pd_direct), stable for a rid (a replay uses the same)."""
+    return int.from_bytes(hashlib.blake2b(rid.encode(), digest_size=8).digest(), "big") >> 1
 
 
 def run_plans(base_url: str, plans, log: EventLog, **kw) -> list[dict]:
