@@ -30,7 +30,7 @@ from kvchaos.oracles import FAIL, PASS, UNKNOWN, Verdict, agent_kind, kv_page_si
 
 KNOWN = "known"
 FINDINGS_FILE = Path(__file__).resolve().parent / "findings.toml"
-LEAK_CHECKERS = ("isolation", "kv_lifecycle", "differential")
+LEAK_CHECKERS = ("isolation", "kv_lifecycle", "differential", "cache_isolation", "timing_isolation")
 STATUSES = (PASS, FAIL, UNKNOWN)
 
 
@@ -162,6 +162,19 @@ def _sig_process_fault_fired(v, ctx, what):
     return ok, f"no {kind} of {role or 'any role'} fired in this experiment"
 
 
+def _sig_salts_lost_before_engine(v, ctx, want):
+    """Every witness is a request whose cache_salt the engine never received (the agent's
+    ``prefix_match``): cache_isolation witnesses carry ``engine_salt``; timing_isolation counts the
+    timed requests whose salt was lost (``salts_lost`` of ``salted``)."""
+    if v.oracle == "timing_isolation":
+        lost, salted = v.stats.get("salts_lost"), v.stats.get("salted")
+        ok = bool(salted) and lost == salted
+        return ok == bool(want), f"{lost} of {salted} timed salted requests reached the engine without their salt"
+    bad = [w.get("victim_rid") for w in v.witnesses if not (w.get("victim_salt") and w.get("engine_salt") is None)]
+    ok = bool(v.witnesses) and not bad
+    return ok == bool(want), f"witnesses whose salt the engine did receive (or no agent evidence): {bad[:5]}"
+
+
 def _sig_engine_error(v, ctx, sig):
     ok = any(e.get("signature") == sig for e in ctx.engine_errors)
     return ok, f"no {sig!r} engine error in the servers' logs during this experiment"
@@ -178,6 +191,7 @@ SIGNATURES = {
     "victims_truncated": _sig_victims_truncated,
     "process_fault_fired": _sig_process_fault_fired,
     "engine_error": _sig_engine_error,
+    "salts_lost_before_engine": _sig_salts_lost_before_engine,
 }
 
 

@@ -29,6 +29,8 @@ module           what
 ``scheduler``    prefill bootstrap queue, the intake reject path, decode's transfer queue, ``Scheduler``
                  tracking; mutations ``reject_admitted``, ``input_limit``, ``early_free``
 ``allocator``    decode's KV allocator (page size 1 and paged); mutation ``double_alloc``
+``cache``        the prefix cache (``UnifiedRadixCache``): ``prefix_match`` evidence (salt received and
+                 used, cached tokens); mutations ``salt_ignored``, ``prefix_collision``
 ``__init__``     ``boot``, the ``HOOKS`` table assembled from the modules, the import machinery
 ================ =====================================================================================
 
@@ -115,6 +117,7 @@ from . import control  # noqa: I001
 from . import transfer
 from . import scheduler
 from . import allocator
+from . import cache
 from .allocator import _hook_allocator, _hook_paged_allocator, _shared, _swallow, _whole_pages
 from .control import (
     KINDS,
@@ -153,8 +156,28 @@ from .transfer import (
     _write_end,
 )
 
+def _merged(*tables) -> dict:
+    """module name -> one hook running every subsystem's hook for that module, in table order."""
+    fns: dict = {}
+    for t in tables:
+        for name, fn in t.items():
+            fns.setdefault(name, []).append(fn)
+
+    def chain(hooks):
+        if len(hooks) == 1:
+            return hooks[0]
+
+        def run(mod):
+            for h in hooks:
+                h(mod)
+        run.__name__ = "+".join(h.__name__ for h in hooks)
+        return run
+
+    return {name: chain(hs) for name, hs in fns.items()}
+
+
 # module name -> hook, in the order the original single-module table had them
-HOOKS = {**transfer.HOOKS, **scheduler.HOOKS, **allocator.HOOKS}
+HOOKS = _merged(transfer.HOOKS, scheduler.HOOKS, allocator.HOOKS, cache.HOOKS)
 
 
 # ================================================================== import machinery

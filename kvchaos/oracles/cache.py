@@ -197,8 +197,12 @@ def ttfts(events: list[dict]) -> dict[str, list[float]]:
 def timing_isolation(events: list[dict], alpha: float = 1e-3, min_n: int = 15) -> Verdict:
     arms = ttfts(events)
     n = {a: len(v) for a, v in arms.items()}
+    run, got = Run(events), _engine_salts(events)
+    salted = [r for r, p in run.plans.items() if p.get("timing") and p.get("cache_salt")]
+    lost = [r for r in salted if got.get(r) and all(s != run.plans[r]["cache_salt"] for s in got[r])]
     stats = {"alpha": alpha, "n": n, "median_ms": {a: round(1000 * sorted(v)[len(v) // 2], 1) if v else None
-                                                  for a, v in arms.items()}}
+                                                  for a, v in arms.items()},
+             "salted": len(salted), "salts_lost": len(lost) if got else None}
     short = [a for a in TIMING_ARMS if n[a] < min_n]
     if short:
         return Verdict("timing_isolation", UNKNOWN, f"too few timed requests in {short} ({n}; need >= {min_n} each)",
@@ -216,6 +220,7 @@ def timing_isolation(events: list[dict], alpha: float = 1e-3, min_n: int = 15) -
                        f"from a never-cached one by time to first token — {what}",
                        [{"arms": ["cross_salt", "never_cached"], "D": d_x, "p": p_x, "n": [n["cross_salt"],
                          n["never_cached"]], "median_ms": [med["cross_salt"], med["never_cached"]],
+                         "salts_lost": stats["salts_lost"], "salted": len(salted),
                          "problem": "TTFT distinguishes another salt's cached prefix"}], stats)
     if p_ctl >= alpha:
         return Verdict("timing_isolation", UNKNOWN, f"no power: a same-salt hit is not told apart from a miss either "

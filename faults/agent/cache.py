@@ -1,0 +1,231 @@
+"""Prefix cache: ``prefix_match`` evidence and the mutations ``salt_ignored`` and ``prefix_collision``.
+
+SGLang 0.5.23 (read in the installed source): the prefix tree is ``UnifiedRadixCache``
+(``mem_cache/unified_radix_cache.py``) over a Rust core; its Python methods ``match_prefix(params)``,
+``insert(params)`` and ``touch_prefix(key)`` carry a ``RadixKey`` (token ids, ``extra_key``,
+``cache_salt``: the core keys every child edge by (extra_key, cache_salt), so salts are separate
+namespaces). ``checkpoint_into_tree(req, up_to)`` is where a request's tokens are inserted.
+Prefill reports a request's cached prefix to decode in ``MetadataBuffers.set_buf(req)``
+(``disaggregation/utils.py``, once per request, last chunk): ``req.cached_tokens`` there is what the
+client later reads as ``meta_info.cached_tokens``. With ``--disaggregation-decode-enable-radix-cache``
+decode matches its own tree in ``DecodePreallocQueue._match_prefix_and_lock(req)``.
+
+Evidence: ``prefix_match`` (rid, ``cache_salt`` the engine received, ``lookup_salt`` its tree lookups
+used, ``cached_tokens``, ``input_len``, role) — prefill at ``set_buf``, decode at its own match.
+
+Mutations (deliberate engine bugs for the detection matrix):
+
+* ``salt_ignored`` (switch): every lookup and insert drops ``cache_salt`` (a key copy with
+  ``cache_salt=None``): requests of different salts share cached prefixes — the engine-side twin of
+  a proxy that drops the field.
+* ``prefix_collision`` (targeted by victim: ``{"tenant": ...}`` / rid): a targeted request whose
+  lookup stops at ``d`` tokens (its tokens part there from a cached sequence A of the same namespace)
+  is handed A's KV for positions ``d..m`` (``m``: A's length, capped at the request's length − 1,
+  whole pages): the lookup is re-run with A's tokens, as a block hash that collides would (vLLM
+  CVE-2025-25183). The request computes only its tokens after ``m``; it is not inserted back into the
+  tree (``skip_radix_cache_insert``), so the pool's accounting stays whole and only the KV is wrong.
+  Prefill only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from array import array
+from collections import deque
+
+from . import control as _ctl
+from .control import _target_ok, _wrap, register_fault
+
+register_fault("salt_ignored", mutation=True)
+register_fault("prefix_collision", unlimited=True)
+SEQS_KEPT = 256  # inserted sequences remembered per process (prefix_collision's candidates)
+
+
+def _targeted(agent, kind: str, rid) -> dict | None:
+    """The first live fault of ``kind`` aimed at ``rid``; not consumed (a lookup repeats every
+    scheduling round until the request is admitted: it must be forged the same way each time)."""
+    if rid is None or not agent.faults:
+        return None
+    with agent.lock:
+        for f in agent.faults.values():
+            if f["kind"] == kind and _target_ok(f["target"], None, rid):
+                return f
+    return None
+
+
+def _unsalted(key):
+    if key is None or getattr(key, "cache_salt", None) is None:
+        return key
+    return type(key)(key.token_ids, key.extra_key, is_bigram=key.is_bigram, limit=key.limit, cache_salt=None)
+
+
+def _salt_ignored(agent, key, rid=None):
+    """``key`` without its salt while ``salt_ignored`` is switched on (first firing per rid logged)."""
+    if getattr(key, "cache_salt", None) is None:
+        return key
+    f = agent.switched_on("salt_ignored")
+    if f is None:
+        return key
+    seen = agent.state("salt_ignored_rids", set)
+    if rid is not None and rid not in seen:
+        seen.add(rid)
+        agent.switched_on("salt_ignored", fire=True)
+        agent.emit("fault_fired", fault=f["id"], kind="salt_ignored", rid=rid, cache_salt=key.cache_salt,
+                   note="prefix lookup and insert without the request's cache_salt")
+    return _unsalted(key)
+
+
+def _ns(key):
+    return (key.extra_key, key.cache_salt)
+
+
+def _forge(self, orig, params, r, f):
+    """prefix_collision: re-run the lookup with the tokens of a cached sequence that parts from the
+    request's exactly where its own match stopped."""
+    key, req = params.key, params.req
+    if getattr(key, "is_bigram", False):
+        return r
+    d = int(r.device_prefix_len)
+    toks = key.raw_token_ids()
+    n = len(key)
+    ps = max(1, int(getattr(self, "page_size", 1) or 1))
+    full = len(getattr(req, "origin_input_ids", toks) or toks)
+    cap = min(n, full - 1)
+    seqs = _ctl.AGENT.peek("cache_seqs") or ()
+    for ns, a, owner in reversed(list(seqs)):
+        if ns != _ns(key) or len(a) <= d or owner == req.rid:
+            continue
+        if a[:d] != toks[:d] or (d < len(toks) and a[d] == toks[d]):
+            continue
+        m = min(len(a), cap) // ps * ps
+        if m <= d:
+            continue
+        forged = dataclasses.replace(params, key=type(key)(array("q", a[:m]), key.extra_key, cache_salt=key.cache_salt))
+        r2 = orig(self, forged)
+        if int(r2.device_prefix_len) <= d:
+            continue  # A's tail was evicted meanwhile
+        req.skip_radix_cache_insert = True
+        fired = _ctl.AGENT.state("collision_rids", dict)
+        if req.rid not in fired:
+            fired[req.rid] = owner
+            with _ctl.AGENT.lock:
+                f["fired"] += 1
+            _ctl.AGENT.emit("fault_fired", fault=f["id"], kind="prefix_collision", rid=req.rid, owner_rid=owner,
+                            matched=d, forged=int(r2.device_prefix_len), input_len=full, page_size=ps,
+                            note="prefix lookup handed the KV of another cached sequence past the divergence")
+        return r2
+    return r
+
+
+def _hook_unified(mod):
+    cls = getattr(mod, "UnifiedRadixCache", None)
+    if cls is None:
+        return
+
+    def make_match(orig):
+        def match_prefix(self, params):
+            AGENT = _ctl.AGENT
+            req = getattr(params, "req", None)
+            rid = getattr(req, "rid", None)
+            key = _salt_ignored(AGENT, params.key, rid)
+            if key is not params.key:
+                params = dataclasses.replace(params, key=key)
+            if rid is not None:
+                lookups = AGENT.state("lookup_salt", dict)
+                lookups[rid] = getattr(key, "cache_salt", None)
+                if len(lookups) > 50000:
+                    for k in list(lookups)[:25000]:
+                        lookups.pop(k, None)
+            r = orig(self, params)
+            if rid is not None and _ctl.ROLE != "decode" and params.key is not None:
+                f = _targeted(AGENT, "prefix_collision", rid)
+                if f is not None:
+                    return _forge(self, orig, params, r, f)
+            return r
+        return match_prefix
+
+    def make_insert(orig):
+        def insert(self, params):
+            AGENT = _ctl.AGENT
+            rid = getattr(AGENT.tls, "cache_rid", None)
+            key = _salt_ignored(AGENT, params.key)
+            if key is not params.key:
+                params = dataclasses.replace(params, key=key)
+            if key is not None and not getattr(key, "is_bigram", False):
+                AGENT.state("cache_seqs", lambda: deque(maxlen=SEQS_KEPT)).append(
+                    (_ns(key), array("q", key.raw_token_ids()), rid))
+            return orig(self, params)
+        return insert
+
+    def make_touch(orig):
+        def touch_prefix(self, key):
+            return orig(self, _salt_ignored(_ctl.AGENT, key))
+        return touch_prefix
+
+    def make_checkpoint(orig):
+        def checkpoint_into_tree(self, req, *a, **k):
+            tls = _ctl.AGENT.tls
+            tls.cache_rid = getattr(req, "rid", None)
+            try:
+                return orig(self, req, *a, **k)
+            finally:
+                tls.cache_rid = None
+        return checkpoint_into_tree
+
+    _wrap(cls, "match_prefix", make_match)
+    _wrap(cls, "insert", make_insert)
+    if hasattr(cls, "touch_prefix"):
+        _wrap(cls, "touch_prefix", make_touch)
+    if hasattr(cls, "checkpoint_into_tree"):
+        _wrap(cls, "checkpoint_into_tree", make_checkpoint)
+
+
+def _emit_match(req, cached, where):
+    AGENT = _ctl.AGENT
+    rid = getattr(req, "rid", None)
+    AGENT.emit("prefix_match", rid=rid, where=where, cache_salt=getattr(req, "cache_salt", None),
+               lookup_salt=(AGENT.peek("lookup_salt") or {}).get(rid, getattr(req, "cache_salt", None)),
+               extra_key=getattr(req, "extra_key", None), input_len=len(getattr(req, "origin_input_ids", ()) or ()),
+               cached_tokens=None if cached is None else int(cached))
+
+
+def _hook_disagg_utils(mod):
+    mb = getattr(mod, "MetadataBuffers", None)
+    if mb is None or not hasattr(mb, "set_buf"):
+        return
+
+    def make(orig):
+        def set_buf(self, req):
+            try:
+                _emit_match(req, getattr(req, "cached_tokens", None), "prefill_report")
+            except Exception as e:  # noqa: BLE001 - evidence must never break the engine
+                _ctl.AGENT.emit("hook_error", module=mod.__name__, error=repr(e))
+            return orig(self, req)
+        return set_buf
+
+    _wrap(mb, "set_buf", make)
+
+
+def _hook_decode_match(mod):
+    q = getattr(mod, "DecodePreallocQueue", None)
+    if q is None or not hasattr(q, "_match_prefix_and_lock"):
+        return
+
+    def make(orig):
+        def _match_prefix_and_lock(self, req, *a, **k):
+            out = orig(self, req, *a, **k)
+            try:
+                _emit_match(req, getattr(out, "l1_prefix_len", None), "decode_match")  # DecodePrefixMatch
+            except Exception as e:  # noqa: BLE001
+                _ctl.AGENT.emit("hook_error", module=mod.__name__, error=repr(e))
+            return out
+        return _match_prefix_and_lock
+
+    _wrap(q, "_match_prefix_and_lock", make)
+
+
+HOOKS = {
+    "sglang.srt.mem_cache.unified_radix_cache": _hook_unified,
+    "sglang.srt.disaggregation.utils": _hook_disagg_utils,
+    "sglang.srt.disaggregation.decode": _hook_decode_match,
+}

@@ -1,0 +1,102 @@
+"""Prefix-cache isolation: shared-prefix traffic, ``cache_salt``, and the timing side channel.
+
+Tenants send what a prefix cache is built to reuse — a public system prompt, their own system prompt
+(with a canary of theirs), multi-turn conversations that resend their history, pairs that share a
+long prefix and part right at a canary (on a KV page boundary and mid-page), identical prompts — each
+tenant under its own ``cache_salt``. A correct engine reuses a tenant's own prefixes (the same-salt
+control must show hits), never another salt's (``cache_isolation``: every reported cached token
+explained by the request's own salt's earlier prefixes), never serves one tenant's canary to another
+(``isolation``), and does not answer faster because another salt cached the prefix
+(``timing_isolation``: two-sample KS on time to first token, with the same-salt hit-vs-miss control
+as its power check).
+
+``via="pd"`` drives prefill and decode directly (the body as the client sent it, as SGLang's mini
+load balancer does): the engines' behaviour. Through sglang-router 0.3.2 the salt never reaches the
+engines (``test_router_keeps_salts_apart``: the registry's ``sglang-router-drops-cache-salt``).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from kvchaos.cluster.layouts import parse
+from kvchaos.cluster.metrics import Metrics
+from kvchaos.experiment import PASS
+from kvchaos.oracles import CacheIsolation, Isolation, Liveness, Sensitivity, TimingIsolation
+from kvchaos.workload import Workload
+
+pytestmark = pytest.mark.cluster
+BOUND_S = 60
+EVICTIONS = "sglang:eviction_duration_seconds_count"
+
+
+def checks():
+    return [Isolation(), Sensitivity(), CacheIsolation(), Liveness(bound_s=BOUND_S)]
+
+
+def workload(seed, layout, prefix):
+    return Workload(seed, n_tenants=8, prefix=prefix, salts="tenant", page_size=parse(layout).page_size)
+
+
+def test_salted_tenants_reuse_only_their_own_prefixes(experiment, kvchaos_layout):
+    wl = workload(201, kvchaos_layout, "pc")
+    plans = wl.mix(96, lengths=(200, 600)) + [p for i in range(4) for p in _pair(wl, i)]
+    with experiment("prefix_cache", plans, checks(), seed=201, timeout_s=BOUND_S, via="pd") as ex:
+        pass
+    ex.require(isolation=PASS, cache_isolation=PASS, liveness=PASS)
+
+
+def test_timing_does_not_tell_another_salts_prefix(experiment, kvchaos_layout, faults):
+    wl = workload(202, kvchaos_layout, "pt")
+    plans = wl.timing_probe("t000", "t001", n_per_arm=20, prefix=800, suffix=100)
+    with experiment("prefix_timing", plans, [TimingIsolation(), Isolation(), CacheIsolation()], seed=202,
+                    timeout_s=BOUND_S, via="pd") as ex:
+        pass
+    t = ex.by["timing_isolation"]
+    faults.log.emit("observed", ks=t.stats)  # the power check and the cross-salt test, on record
+    print("timing_isolation:", t.summary)
+    ex.require(timing_isolation=PASS, isolation=PASS, cache_isolation=PASS)
+
+
+def test_router_keeps_salts_apart(experiment, kvchaos_layout):
+    """The same traffic through the router: salts must still separate the tenants' caches."""
+    wl = workload(203, kvchaos_layout, "pr")
+    plans = wl.mix(48, lengths=(200, 600)) + wl.timing_probe("t000", "t001", n_per_arm=20, prefix=800, suffix=100)
+    with experiment("prefix_cache_router", plans, [Isolation(), CacheIsolation(), TimingIsolation()], seed=203,
+                    timeout_s=BOUND_S) as ex:
+        pass
+    ex.require(isolation=PASS, cache_isolation=PASS, timing_isolation=PASS)
+
+
+def test_aborts_and_transfer_delays_on_cache_hits(experiment, kvchaos_layout, faults):
+    wl = workload(204, kvchaos_layout, "pa")
+    plans = wl.mix(90, weights={"plain": 3, "abort_after": 1}, lengths=(200, 600))
+    hitters = sorted({p.tenant for p in plans if p.sharing in ("conversation", "tenant") and p.kind == "plain"})[:2]
+    with experiment("prefix_cache_faults", plans, checks(), seed=204, timeout_s=BOUND_S, via="pd") as ex:
+        fs = [faults.agent.arm("prefill", "delay", target={"tenant": t}, params={"ms": 300, "jitter_ms": 200})
+              for t in hitters]
+    assert all(f.fired_events() for f in fs), "the delays never fired"
+    assert sum(p.kind == "abort_after" for p in plans) >= 10
+    ex.require(isolation=PASS, cache_isolation=PASS, liveness=PASS)
+
+
+def test_eviction_pressure_keeps_isolation(experiment, kvchaos_layout, cluster):
+    """Prompts of 300-1000 tokens, 12 in flight, against a 2048-token prefill pool: cached prefixes
+    are evicted and rebuilt while other tenants' requests run."""
+    wl = workload(205, kvchaos_layout, "pe")
+    plans = wl.mix(96, lengths=(300, 1000), sharing={"tenant": 3, "conversation": 2, "diverge": 1, "identical": 1})
+    before = Metrics.fetch(cluster.endpoints.prefill)
+    with experiment("prefix_cache_eviction", plans, checks(), seed=205, concurrency=12, timeout_s=BOUND_S,
+                    via="pd") as ex:
+        pass
+    evictions = Metrics.fetch(cluster.endpoints.prefill).delta(before, EVICTIONS)
+    assert evictions > 0, "no prefix was evicted: the pressure this test exists for did not happen"
+    ex.require(isolation=PASS, cache_isolation=PASS, liveness=PASS)
+
+
+def _pair(wl, i):
+    """Two tenants' prompts parting at a canary (page boundary, then mid-page); the second is sent
+    once the first ended (its prefix is cached by then)."""
+    a, b = wl.diverging(wl.tenants[i], wl.tenants[i + 4], shared=300, at=("page", "mid")[i % 2])
+    b.after = a.rid
+    return [a, b]
