@@ -170,7 +170,8 @@ def _sig_salts_lost_before_engine(v, ctx, want):
         lost, salted = v.stats.get("salts_lost"), v.stats.get("salted")
         ok = bool(salted) and lost == salted
         return ok == bool(want), f"{lost} of {salted} timed salted requests reached the engine without their salt"
-    bad = [w.get("victim_rid") for w in v.witnesses if not (w.get("victim_salt") and w.get("engine_salt") is None)]
+    bad = [w.get("victim_rid") for w in v.witnesses
+           if not (w.get("victim_salt") and "engine_salt" in w and w["engine_salt"] is None)]
     ok = bool(v.witnesses) and not bad
     return ok == bool(want), f"witnesses whose salt the engine did receive (or no agent evidence): {bad[:5]}"
 

@@ -36,6 +36,12 @@ double_alloc     A's write parked; B (other tenant) isolation /    A's reply hol
 short_transfer   three requests' KV sends stop      isolation /    a shorted request answered over
                  after one page (test_transfer_      differential  pages nobody wrote. Clean: the
                  delay)                                            same requests, sends whole
+salt_ignored     four prompts resent by a tenant    cache_         the resender, cached tokens of the
+                 of another salt once the first     isolation      first sender's prefix (another
+                 ended (test_prefix_cache)                         salt). Clean: the same, salts kept
+prefix_collision four pairs part at a canary (page  isolation      the pair's second request recites
+                 boundary, mid-page); the second                   the first's canary. Clean: the same
+                 looked up once the first ended                    pairs, lookups honest
 =============== ================================== ============== ==================================
 """
 
@@ -44,15 +50,16 @@ from __future__ import annotations
 import concurrent.futures as cf
 import json
 import os
+import re
 import time
 
 import httpx
 import pytest
 
 from kvchaos.experiment import FAIL, PASS
-from kvchaos.oracles import Differential, HttpSemantics, Isolation, KVLifecycle, Liveness
+from kvchaos.oracles import CacheIsolation, Differential, HttpSemantics, Isolation, KVLifecycle, Liveness
 from kvchaos.suite import abort_in_flight, server_field
-from kvchaos.workload import Workload
+from kvchaos.workload import SHARED_MIX, Workload
 
 # a default run (CI) puts it on the profile's other layouts — MLA, paged, bf16 — and not again on the
 # profile's own (committed results: reports/); --kvchaos-layouts / make test-layouts run it on any layout
@@ -61,6 +68,9 @@ TRIALS = int(os.environ.get("KVCHAOS_MATRIX_TRIALS", "5"))
 CLEAN_TRIALS = int(os.environ.get("KVCHAOS_MATRIX_CLEAN_TRIALS", "2"))
 PREFILL_LIMIT = 512
 BOUND_S = 60
+# the prefix-cache classes: few requests in flight, so a 2048-token pool keeps a finished prompt cached
+# until its pair-mate looks it up (more, and eviction decides what the clean arm's control sees)
+CACHE_CONCURRENCY = 2
 def background(mutate: bool) -> int:
     """Other tenants' requests per trial: a clean arm must give isolation the sensitivity floor (it
     must PASS); a mutated arm is judged by its detector only, so it stays small (CI time)."""
@@ -217,11 +227,88 @@ def scenario_short_transfer(experiment, faults, cluster, trial, mutate, referenc
             "witness": wit[:1]}
 
 
+def _pairs(ex_plans_a, ex_plans_b):
+    return {b.rid: a.rid for a, b in zip(ex_plans_a, ex_plans_b)}
+
+
+def scenario_salt_ignored(experiment, faults, cluster, trial, mutate):
+    """Four tenants each send a prompt another tenant (another salt) sends again once it ended: with
+    the mutation the second reuses the first's cached prefix. Driven past the router (which drops
+    salts: sglang-router-drops-cache-salt), as SGLang's mini load balancer does."""
+    wl = Workload(780 + trial, n_tenants=8, prefix=f"xk{'m' if mutate else 'c'}{trial}", salts="tenant",
+                  page_size=cluster.spec.page_size)
+    firsts, seconds, again = [], [], []
+    for i in range(4):  # a sends, b (another salt) sends the same once a ended, then a again (the control)
+        a, b, c = wl.identical([wl.tenants[i], wl.tenants[i + 4], wl.tenants[i]], n_tokens=300)
+        b.after, c.after = a.rid, b.rid
+        firsts.append(a)
+        seconds.append(b)
+        again.append(c)
+    plans = [*firsts, *seconds, *again, *wl.mix(background(mutate) // 2, lengths=(200, 500), sharing=SHARED_MIX)]
+    with experiment(f"matrix_salt_ignored_{'mut' if mutate else 'clean'}_{trial}", plans,
+                    [Isolation(), CacheIsolation(), Liveness(bound_s=BOUND_S)], seed=780 + trial,
+                    concurrency=CACHE_CONCURRENCY, timeout_s=BOUND_S, via="pd") as ex:
+        if mutate:
+            faults.agent.arm("prefill", "salt_ignored")
+    cache = ex.by["cache_isolation"]
+    pairs = _pairs(firsts, seconds)
+    wit = cache.witnesses
+    # the pairs named, and every witness a reuse across salts (the bug's only effect)
+    ok_witness = (any(pairs.get(w["victim_rid"]) == w["owner_rid"] for w in wit)
+                  and all(w["owner_rid"] and w["owner_salt"] != w["victim_salt"] for w in wit))
+    return {"detected": cache.status == FAIL, "oracle": "cache_isolation", "witness_ok": ok_witness,
+            "time_to_detection_s": _first_end(ex, {w["victim_rid"] for w in wit}),
+            "judgement": _judge(ex, "salt_ignored", mutate, "cache_isolation").status,
+            "verdicts": {k: v.status for k, v in ex.by.items()}, "witness": wit[:1]}
+
+
+def scenario_prefix_collision(experiment, faults, cluster, trial, mutate):
+    """Four pairs of tenants whose prompts share a long prefix and part at a canary (page boundary
+    and mid-page); the second of a pair is sent once the first ended. With the mutation the
+    second's prefix lookup is handed the first's KV past the divergence, as a colliding block hash
+    would: its context then holds the first's canary. Pair-mates share a salt (else no lookup of
+    one could reach the other's prefix)."""
+    names = [f"t{i:03d}" for i in range(8)]
+    nonce = os.urandom(3).hex()  # a namespace of this trial's own: no earlier sequence can be a candidate
+    salts = {n: f"xc{trial}-{nonce}-{i % 4}" for i, n in enumerate(names)}
+    wl = Workload(800 + trial, n_tenants=8, prefix=f"xc{'m' if mutate else 'c'}{trial}", salts=salts,
+                  page_size=cluster.spec.page_size)
+    firsts, seconds = [], []
+    for i in range(4):
+        a, b = wl.diverging(wl.tenants[i], wl.tenants[i + 4], shared=300, at=("page", "mid")[i % 2])
+        b.after = a.rid
+        firsts.append(a)
+        seconds.append(b)
+    # the mutated arm is the pairs alone (the colliding lookup picks the latest cached sequence that
+    # parts where the request's own match stops: only the pair-mate); the clean arm adds the background
+    plans = [*firsts, *seconds, *([] if mutate else wl.mix(background(False) // 2, lengths=(200, 500), sharing=SHARED_MIX))]
+    with experiment(f"matrix_prefix_collision_{'mut' if mutate else 'clean'}_{trial}", plans,
+                    [Isolation(), CacheIsolation(), Liveness(bound_s=BOUND_S)], seed=800 + trial,
+                    concurrency=CACHE_CONCURRENCY, timeout_s=BOUND_S, via="pd") as ex:
+        if mutate:
+            f = faults.agent.arm("prefill", "prefix_collision",
+                                 target={"rid_regex": "|".join(re.escape(b.rid) for b in seconds)})
+    if mutate:
+        f.verify(at_least=1)
+    iso = ex.by["isolation"]
+    pairs = _pairs(firsts, seconds)
+    wit = iso.witnesses
+    ok_witness = (bool(wit) and all(w["victim_rid"] in pairs for w in wit)
+                  and any(pairs[w["victim_rid"]] == w["owner_rid"] for w in wit))
+    return {"detected": iso.status == FAIL, "oracle": "isolation", "witness_ok": ok_witness,
+            "time_to_detection_s": _first_end(ex, {w["victim_rid"] for w in wit}),
+            "cache_isolation": ex.by["cache_isolation"].status,
+            "judgement": _judge(ex, "prefix_collision", mutate, "isolation").status,
+            "verdicts": {k: v.status for k, v in ex.by.items()}, "witness": wit[:1]}
+
+
 CLASSES = {
     "reject_admitted": scenario_oversized,
     "early_free": scenario_abort_in_flight,
     "double_alloc": scenario_shared_pages,
     "short_transfer": scenario_short_transfer,
+    "salt_ignored": scenario_salt_ignored,
+    "prefix_collision": scenario_prefix_collision,
 }
 NEEDS_REFERENCE = {"double_alloc", "short_transfer"}
 

@@ -239,15 +239,19 @@ def test_subsystem_modules_declare_the_kinds_and_hooks_read_the_live_agent(agent
     """faults.agent is a package, one module per SGLang subsystem; its KINDS / MUTATIONS / HOOKS are
     assembled from them, and ``faults.agent.AGENT`` is a live view of ``control.AGENT`` (what every
     hook reads at call time — the fixture set it through ``faults.agent``)."""
-    from faults.agent import allocator, control, scheduler, transfer
+    from faults.agent import allocator, cache, control, scheduler, transfer
 
     assert agent_mod.AGENT is agent and control.AGENT is agent
     assert set(agent_mod.KINDS) == {"delay", "fail", "short", "hold", "reject_admitted", "early_free",
-                                    "double_alloc", "input_limit"}
-    assert set(agent_mod.MUTATIONS) == {"reject_admitted", "early_free", "double_alloc", "input_limit"}
-    mods = (transfer, scheduler, allocator)
-    assert agent_mod.HOOKS == {k: v for m in mods for k, v in m.HOOKS.items()}
-    assert sum(len(m.HOOKS) for m in mods) == len(agent_mod.HOOKS)  # no module claims another's
+                                    "double_alloc", "input_limit", "salt_ignored", "prefix_collision"}
+    assert set(agent_mod.MUTATIONS) == {"reject_admitted", "early_free", "double_alloc", "input_limit", "salt_ignored"}
+    mods = (transfer, scheduler, allocator, cache)
+    # a module two subsystems hook gets one hook running both, in table order
+    want = {}
+    for m in mods:
+        for k, v in m.HOOKS.items():
+            want.setdefault(k, []).append(v.__name__)
+    assert {k: v.__name__ for k, v in agent_mod.HOOKS.items()} == {k: "+".join(v) for k, v in want.items()}
     assert "sglang.srt.mem_cache.allocator.paged" in allocator.HOOKS
     with pytest.raises(ValueError, match="registered twice"):
         control.register_fault("delay")

@@ -20,9 +20,9 @@ Mutations (deliberate engine bugs for the detection matrix):
   a proxy that drops the field.
 * ``prefix_collision`` (targeted by victim: ``{"tenant": ...}`` / rid): a targeted request whose
   lookup stops at ``d`` tokens (its tokens part there from a cached sequence A of the same namespace)
-  is handed A's KV for positions ``d..m`` (``m``: A's length, capped at the request's length − 1,
-  whole pages): the lookup is re-run with A's tokens, as a block hash that collides would (vLLM
-  CVE-2025-25183). The request computes only its tokens after ``m``; it is not inserted back into the
+  is handed A's KV for positions ``d..m`` (``m``: ``d`` + ``params.span`` tokens, default 32, rounded
+  up to whole pages, capped at A's length and the request's length − 1): the lookup is re-run with
+  A's tokens, as a block hash that collides would (vLLM CVE-2025-25183: one block of another prompt). The request computes only its tokens after ``m``; it is not inserted back into the
   tree (``skip_radix_cache_insert``), so the pool's accounting stays whole and only the KV is wrong.
   Prefill only.
 """
@@ -97,7 +97,8 @@ def _forge(self, orig, params, r, f):
             continue
         if a[:d] != toks[:d] or (d < len(toks) and a[d] == toks[d]):
             continue
-        m = min(len(a), cap) // ps * ps
+        span = int(f["params"].get("span", 32))  # foreign tokens handed over: one colliding block
+        m = min(len(a), cap, -(-(d + span) // ps) * ps) // ps * ps
         if m <= d:
             continue
         forged = dataclasses.replace(params, key=type(key)(array("q", a[:m]), key.extra_key, cache_salt=key.cache_salt))

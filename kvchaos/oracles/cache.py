@@ -52,7 +52,10 @@ def _engine_salts(events: list[dict]) -> dict[str, list]:
 def cache_isolation(events: list[dict], min_hits: int = 5, min_cross: int = 3) -> Verdict:
     run = Run(events)
     page = kv_page_size(events)
-    flushed = bool(run.by_ev.get("cache_flushed"))
+    # unsalted requests are judged only when sent after the prefix cache was flushed (before that,
+    # the unsalted namespace holds traffic from outside this log)
+    flushes = [e["t"] for e in run.by_ev.get("cache_flushed", [])]
+    flushed = bool(flushes)
     seen_salts = _engine_salts(events)
     reqs = []  # (rid, plan, send t, end t, cached, reply text)
     no_prompt, no_report, untokenized = [], [], []
@@ -97,7 +100,7 @@ def cache_isolation(events: list[dict], min_hits: int = 5, min_cross: int = 3) -
             lost_salts.append((rid, salt, got[0]))
         if cached is None:
             continue
-        if salt is None and not flushed:
+        if salt is None and not (flushes and min(flushes) < t_send):
             skipped += 1  # the unsalted namespace holds traffic from outside this log: no bound
             continue
         judged += 1

@@ -2,6 +2,6 @@
 
 from .driver import Driver, run_plans
 from .events import EventLog, load_events
-from .plan import KINDS, RequestPlan, Tenant, Workload
+from .plan import KINDS, SHARED_MIX, RequestPlan, Tenant, Workload
 
-__all__ = ["Driver", "EventLog", "KINDS", "RequestPlan", "Tenant", "Workload", "load_events", "run_plans"]
+__all__ = ["Driver", "EventLog", "KINDS", "SHARED_MIX", "RequestPlan", "Tenant", "Workload", "load_events", "run_plans"]

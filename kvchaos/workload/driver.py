@@ -77,9 +77,13 @@ class Driver:
                     async with sem:
                         return await self._run_one(p)
                 finally:
+                    leg = self._legs_by_rid.pop(p.rid, None)
+                    if leg is not None:  # pd_direct: ended means both halves (prefill caches the prompt last)
+                        await asyncio.wait({leg}, timeout=self.timeout_s + 5)
                     done[p.rid].set()
 
             self._legs: set = set()
+            self._legs_by_rid: dict = {}
             try:
                 return await asyncio.gather(*(one(p) for p in plans))
             finally:
@@ -104,7 +108,8 @@ class Driver:
         path, body, stream = self._request(p)
         t0 = time.monotonic()
         reply = _Reply(stream)
-        self.log.emit("send", rid=p.rid, url=self.base_url + path, stream=stream)
+        url = (self.pd_direct["decode"].rstrip("/") if self.pd_direct else self.base_url) + path
+        self.log.emit("send", rid=p.rid, url=url, stream=stream, **({"pd_direct": True} if self.pd_direct else {}))
         task = asyncio.ensure_future(self._exchange(p, path, body, reply))
         try:
             if p.kind == "abort_after":
@@ -142,6 +147,7 @@ class Driver:
             url = d["decode"].rstrip("/") + path
             leg = asyncio.ensure_future(self._prefill_leg(p, d["prefill"].rstrip("/") + path, body))
             self._legs.add(leg)
+            self._legs_by_rid[p.rid] = leg
             leg.add_done_callback(self._legs.discard)
         r = await self.client.post(url, json=body)  # returns once the headers are in
         reply.status = r.status

@@ -181,9 +181,10 @@ class Workload:
         srng = random.Random(f"{self.seed}/{gid}")
         common = self.public[:d - 1] if d - 1 <= len(self.public) else self.public + canary.filler(srng, d - 1 - len(self.public))
         common += " "
-        out = []
+        out, firsts = [], []
         for t in (ta, tb):
-            c = canary.mint(t.rng, 1)[0]
+            c = canary.mint(t.rng, 1, avoid_first=firsts)[0]  # the pair parts at this character
+            firsts.append(c[1])
             rest = prompt(t.rng, tail, canary.mint(t.rng, 1, beside=[c]))
             cs_rest = [x for _o, x in canary.find(rest)]
             text = common + c + " " + rest
@@ -274,9 +275,8 @@ class Workload:
     def mix(self, n: int, weights: dict | None = None, lengths=(64, 600), endpoints=("generate",),
             sharing: dict | None = None) -> list[RequestPlan]:
         """``n`` plans over all tenants; ``weights`` maps kind -> relative frequency, ``sharing``
-        maps a sharing mode (module doc) -> relative frequency (default :data:`DEFAULT_SHARING`:
-        most traffic shares a prefix with other traffic, so every suite exercises the prefix cache;
-        ``{"none": 1}`` for the old all-unique mix). Oversized requests never share. A
+        maps a sharing mode (module doc) -> relative frequency (default :data:`DEFAULT_SHARING`;
+        :data:`SHARED_MIX`: most traffic shares a prefix with other traffic). Oversized requests never share. A
         conversation adds 2 turns, a diverging pair 2 plans, identical prompts 2; the mix stops at
         ``n`` plans."""
         weights = weights or {"plain": 1.0}
@@ -312,17 +312,22 @@ class Workload:
                 turns = min(3, room)
                 first = max(64, min(hi, length) - head - 120 * (turns - 1))
                 out += self.conversation(t, turns=turns, first=first, step=120, kind=kind, endpoint=endpoint)
-            elif mode == "diverge":
-                out += self.diverging(t, u, shared=max(64, min(length, hi) - 120), at=self.rng.choice(("page", "mid")),
-                                      tail=96, kind=kind)
-            else:
-                out += self.identical([t, u], n_tokens=length, kind=kind)
+            else:  # a pair: the second is sent once the first ended (its prefix is then cached)
+                pair = (self.diverging(t, u, shared=max(64, min(length, hi) - 120), at=self.rng.choice(("page", "mid")),
+                                       tail=96, kind=kind) if mode == "diverge" else
+                        self.identical([t, u], n_tokens=length, kind=kind))
+                pair[1].after = pair[0].rid
+                out += pair
         return out[:n]
 
 
-# per draw (a conversation is 3 plans, a pair or identical prompts 2): about a quarter of the plans
-# share nothing, the rest share a public, a tenant's or a conversation's prefix
-DEFAULT_SHARING = {"none": 4, "public": 3, "tenant": 3, "conversation": 1, "diverge": 1, "identical": 1}
+# per draw (a conversation is 3 plans, a pair or identical prompts 2); a draw too short for a shared
+# head shares nothing: with lengths (200, 600) about a third of the plans share nothing
+SHARED_MIX = {"none": 4, "public": 3, "tenant": 3, "conversation": 1, "diverge": 1, "identical": 1}
+# what mix() uses unless told: still all-unique prompts. The fault suites were written and their
+# known-finding signatures measured on unique prompts; SHARED_MIX becomes the default once a full
+# make test has run green on it (issue 15's last acceptance point; not yet done)
+DEFAULT_SHARING = {"none": 1}
 
 
 def _salts(salts, names: list[str], scope: str) -> dict:
