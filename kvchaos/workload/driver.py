@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import heapq
 import json
 import time
 from dataclasses import dataclass, field
@@ -54,7 +55,7 @@ class Driver:
         self.pd_direct = pd_direct
 
     async def run(self, plans: list[RequestPlan]) -> list[dict]:
-        sem = asyncio.Semaphore(self.concurrency)
+        sem = _Slots(self.concurrency)
         conn = aiohttp.TCPConnector(limit=self.concurrency + 8, enable_cleanup_closed=True)
         # per read: no answer byte for timeout_s is a timeout (the whole request is bounded in _run_one)
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=10.0, sock_read=self.timeout_s)
@@ -70,12 +71,19 @@ class Driver:
                 self.log.emit("plan", rid=p.rid, **{k: v for k, v in p.to_dict().items() if k != "rid"})
             done = {p.rid: asyncio.Event() for p in plans}
 
+            order = {p.rid: i for i, p in enumerate(plans)}
+
             async def one(p):
                 try:
                     if p.after is not None:  # a conversation's next turn: once the previous one ended
                         await done[p.after].wait()
-                    async with sem:
+                    # a plan that waited for another goes next (a user answering a reply, a resend): its
+                    # prefix was just cached; the rest go in plan order
+                    await sem.acquire((0 if p.after is not None else 1, order[p.rid]))
+                    try:
                         return await self._run_one(p)
+                    finally:
+                        sem.release()
                 finally:
                     leg = self._legs_by_rid.pop(p.rid, None)
                     if leg is not None:  # pd_direct: ended means both halves (prefill caches the prompt last)
@@ -269,6 +277,35 @@ class Driver:
     def _end(self, p, t0, outcome, **extra) -> dict:
         rec = self.log.emit("end", rid=p.rid, outcome=outcome, latency_s=time.monotonic() - t0, **extra)
         return rec
+
+
+class _Slots:
+    """A semaphore whose waiters are served by priority (lowest first), not by arrival."""
+
+    def __init__(self, n: int):
+        self.free, self.waiters, self.seq = n, [], 0
+
+    async def acquire(self, priority) -> None:
+        if self.free > 0 and not self.waiters:
+            self.free -= 1
+            return
+        fut = asyncio.get_running_loop().create_future()
+        self.seq += 1
+        heapq.heappush(self.waiters, (priority, self.seq, fut))
+        try:
+            await fut
+        except asyncio.CancelledError:
+            if fut.done() and not fut.cancelled():
+                self.release()  # handed a slot as it was cancelled: pass it on
+            raise
+
+    def release(self) -> None:
+        while self.waiters:
+            _p, _s, fut = heapq.heappop(self.waiters)
+            if not fut.done():
+                fut.set_result(None)
+                return
+        self.free += 1
 
 
 @dataclass(eq=False, slots=True)

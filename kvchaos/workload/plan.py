@@ -324,10 +324,8 @@ class Workload:
 # per draw (a conversation is 3 plans, a pair or identical prompts 2); a draw too short for a shared
 # head shares nothing: with lengths (200, 600) about a third of the plans share nothing
 SHARED_MIX = {"none": 4, "public": 3, "tenant": 3, "conversation": 1, "diverge": 1, "identical": 1}
-# what mix() uses unless told: still all-unique prompts. The fault suites were written and their
-# known-finding signatures measured on unique prompts; SHARED_MIX becomes the default once a full
-# make test has run green on it (issue 15's last acceptance point; not yet done)
-DEFAULT_SHARING = {"none": 1}
+# what mix() uses unless told: every suite's traffic exercises the prefix cache
+DEFAULT_SHARING = SHARED_MIX
 
 
 def _salts(salts, names: list[str], scope: str) -> dict:
