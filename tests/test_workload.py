@@ -28,7 +28,18 @@ def test_plans_carry_their_canaries_and_tenants():
     for p in plans:
         assert [c for _, c in canary.find(p.prompt)] == p.canaries or sorted(c for _, c in canary.find(p.prompt)) == sorted(p.canaries)
         assert len(p.prompt) == p.n_tokens and p.prompt.endswith("[")
-    payloads = [canary.payload(c) for p in plans for c in p.canaries]
+    # a canary is in several plans only when they share the part that holds it: one tenant's system
+    # prompt or conversation, or one prompt sent by several tenants (identical)
+    holders = {}
+    for p in plans:
+        for c in p.canaries:
+            holders.setdefault(c, []).append(p)
+    for c, ps in holders.items():
+        if len(ps) > 1:
+            assert len({p.group for p in ps}) == 1 or len({p.tenant for p in ps}) == 1, (c, [p.rid for p in ps])
+            assert all(p.sharing != "none" for p in ps), (c, [p.rid for p in ps])
+    flat = Workload(1, n_tenants=32).mix(64, sharing={"none": 1})
+    payloads = [canary.payload(c) for p in flat for c in p.canaries]
     assert len(payloads) == len(set(payloads))
 
 
