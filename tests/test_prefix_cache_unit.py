@@ -341,6 +341,44 @@ def test_timing_counts_salts_lost_from_agent_evidence():
     assert (lost.stats["salts_lost"], lost.stats["salted"]) == (80, 80)
     kept = timing_isolation(event_log(reqs, *[prefix_match(r.rid, r.salt) for r in reqs]))
     assert (kept.stats["salts_lost"], kept.stats["salted"]) == (0, 80)
+    # arms that look alike say nothing when the salts never reached the engine: UNKNOWN, never PASS
+    assert kept.status == PASS and lost.status == UNKNOWN and "without the cache_salt" in lost.summary, lost
+
+
+def test_timing_unknown_for_lost_salts_is_known_only_with_the_finding_signature():
+    reqs = timing_run(FAST, SLOW, SLOW, SLOW)
+    for agent, want in (([prefix_match(r.rid, None) for r in reqs], KNOWN),
+                        ([prefix_match(r.rid, None if i % 2 else r.salt) for i, r in enumerate(reqs)], UNKNOWN)):
+        ev = event_log(reqs, *agent, HEADER)
+        v = timing_isolation(ev)
+        assert v.status == UNKNOWN, v
+        j = Policy(accept_known=True).judge([v], Context.of(ev), {"timing_isolation": PASS})
+        assert (KNOWN if j.known and not j.red else UNKNOWN) == want, (want, j.message())
+
+
+def test_driver_slots_serve_waiting_plans_by_priority():
+    """A plan that waited for another (priority 0) is served before queued plans (priority 1)."""
+    from kvchaos.workload.driver import _Slots
+
+    async def go():
+        slots, got = _Slots(1), []
+        await slots.acquire((1, 0))
+
+        async def waiter(prio, tag):
+            await slots.acquire(prio)
+            got.append(tag)
+            slots.release()
+
+        ts = [asyncio.ensure_future(waiter((1, i), f"queued{i}")) for i in (1, 2)]
+        await asyncio.sleep(0)
+        ts.append(asyncio.ensure_future(waiter((0, 9), "next-turn")))
+        await asyncio.sleep(0)
+        slots.release()
+        await asyncio.gather(*ts)
+        return got, slots.free
+
+    got, free = asyncio.run(go())
+    assert got == ["next-turn", "queued1", "queued2"] and free == 1, got
 
 
 @pytest.mark.parametrize("kw,msg", [({"alpha": 0.7}, "alpha must be in"), ({"alpha": 0.0}, "alpha must be in"),

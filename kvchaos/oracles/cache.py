@@ -13,7 +13,8 @@ how fast it answers.
 * :func:`timing_isolation` — the timing side channel (Gu et al., ICML 2025; vLLM CVE-2025-46570):
   time to first token of a prompt whose prefix another salt cached must be indistinguishable from
   one never cached (two-sample Kolmogorov-Smirnov, ``alpha``), while the same-salt hit-vs-miss
-  control must be distinguishable at the same ``alpha`` (else the probe had no power: UNKNOWN).
+  control must be distinguishable at the same ``alpha`` (else the probe had no power: UNKNOWN), and
+  the salts must have reached the engine (agent evidence; else UNKNOWN: the arms were not separated).
 
 Characters are tokens for the probe model's tokenizer (one token per character, no BOS); the
 checker verifies it per request (``prompt_tokens`` = prompt length) and says UNKNOWN otherwise.
@@ -228,6 +229,10 @@ def timing_isolation(events: list[dict], alpha: float = 1e-3, min_n: int = 15) -
     if p_ctl >= alpha:
         return Verdict("timing_isolation", UNKNOWN, f"no power: a same-salt hit is not told apart from a miss either "
                        f"— {what}", [], stats)
+    if lost:
+        return Verdict("timing_isolation", UNKNOWN, f"{len(lost)} of {len(salted)} timed requests reached the engine "
+                       f"without the cache_salt they were sent with: the arms were not separated by salt, so "
+                       f"not telling them apart says nothing — {what}", [], stats)
     return Verdict("timing_isolation", PASS, what, [], stats)
 
 
