@@ -10,6 +10,9 @@ explained by the request's own salt's earlier prefixes), never serves one tenant
 (``timing_isolation``: two-sample KS on time to first token, with the same-salt hit-vs-miss control
 as its power check).
 
+Decode's own radix cache (``--disaggregation-decode-enable-radix-cache``) is off on the session cluster
+and on in ``test_decode_radix_cache_keeps_salts_apart`` (a cluster of its own).
+
 ``via="pd"`` drives prefill and decode directly (the body as the client sent it, as SGLang's mini
 load balancer does): the engines' behaviour. Through sglang-router 0.3.2 the salt never reaches the
 engines (``test_router_keeps_salts_apart``: the registry's ``sglang-router-drops-cache-salt``).
@@ -19,11 +22,14 @@ from __future__ import annotations
 
 import pytest
 
+from faults import FaultKit
+from kvchaos.cluster import ClusterSpec
 from kvchaos.cluster.layouts import parse
 from kvchaos.cluster.metrics import Metrics
 from kvchaos.experiment import PASS
-from kvchaos.oracles import CacheIsolation, Isolation, Liveness, Sensitivity, TimingIsolation
-from kvchaos.workload import SHARED_MIX, Workload
+from kvchaos.oracles import CacheIsolation, Isolation, Liveness, Sensitivity, TimingIsolation, agent_kind
+from kvchaos.suite import own_cluster
+from kvchaos.workload import SHARED_MIX, EventLog, Workload
 
 pytestmark = pytest.mark.cluster
 BOUND_S = 60
@@ -93,6 +99,31 @@ def test_eviction_pressure_keeps_isolation(experiment, kvchaos_layout, cluster):
         pass
     evictions = Metrics.fetch(cluster.endpoints.prefill).delta(before, EVICTIONS)
     assert evictions > 0, "no prefix was evicted: the pressure this test exists for did not happen"
+    ex.require(isolation=PASS, cache_isolation=PASS, liveness=PASS)
+
+
+@pytest.fixture(scope="module")
+def decode_radix_cluster(kvchaos_spec, kvchaos_run_dir, kvchaos_reaper, kvchaos_policy):
+    """The profile's cluster with decode's own radix cache on (decode matches a prefix itself and
+    prefill sends only the rest); its own self-test gates the policy."""
+    spec = ClusterSpec.from_dict({**kvchaos_spec.to_dict(), "name": f"{kvchaos_spec.name}-decode-radix",
+                                  "decode_args": [*kvchaos_spec.decode_args, "--disaggregation-decode-enable-radix-cache"]})
+    with own_cluster(spec, kvchaos_run_dir / spec.name, kvchaos_reaper, kvchaos_policy) as got:
+        yield got
+
+
+def test_decode_radix_cache_keeps_salts_apart(experiment, decode_radix_cluster, kvchaos_layout, kvchaos_run_dir):
+    c, policy = decode_radix_cluster
+    wl = workload(206, kvchaos_layout, "pd")
+    plans = wl.mix(96, lengths=(200, 600), sharing=SHARED_MIX) + [p for i in range(4) for p in _pair(wl, i)]
+    with EventLog(kvchaos_run_dir / c.spec.name / "faults.jsonl") as flog:
+        kit = FaultKit(c, flog)  # nothing armed: the agent reports what each side's tree matched
+        with experiment("prefix_cache_decode_radix", plans, checks(), cluster=c, faults=kit, policy=policy, seed=206,
+                        concurrency=4, timeout_s=BOUND_S, via="pd") as ex:
+            pass
+    matched = [e for e in ex.events if agent_kind(e) == "prefix_match" and e.get("where") == "decode_match"
+               and (e.get("cached_tokens") or 0) > 0]
+    assert matched, "decode's radix cache never matched a prefix: the path this test exists for did not run"
     ex.require(isolation=PASS, cache_isolation=PASS, liveness=PASS)
 
 

@@ -95,11 +95,13 @@ def _forge(self, orig, params, r, f):
     for ns, a, owner in reversed(list(seqs)):
         if ns != _ns(key) or len(a) <= d or owner == req.rid:
             continue
-        if a[:d] != toks[:d] or (d < len(toks) and a[d] == toks[d]):
+        if a[:d] != toks[:d]:
             continue
         span = int(f["params"].get("span", 32))  # foreign tokens handed over: one colliding block
         m = min(len(a), cap, -(-(d + span) // ps) * ps) // ps * ps
-        if m <= d:
+        # another sequence from where the match stopped (with pages, the match stops at the page
+        # floor of the divergence: the sequences differ somewhere in [d, m), not necessarily at d)
+        if m <= d or a[d:m] == toks[d:m]:
             continue
         forged = dataclasses.replace(params, key=type(key)(array("q", a[:m]), key.extra_key, cache_salt=key.cache_salt))
         r2 = orig(self, forged)
