@@ -8,7 +8,7 @@ PYTEST_ARGS ?=
 
 LAYOUTS ?= mha-p1-fp32,gqa-p16-bf16,gqa-p64-bf16,mla-p64-bf16
 
-.PHONY: setup run test test-unit test-layouts bench clean-reports
+.PHONY: setup run test test-matrix test-unit test-layouts bench clean-reports
 setup:
 	@bash scripts/setup.sh >/dev/null
 	@bash scripts/setup-engine.sh 0.5.19 >/dev/null  # pre-fix release for the GLM-5.3 reproduction
@@ -16,8 +16,18 @@ setup:
 run: setup
 	$(PY) -m kvchaos run
 
+# CI's 30 minutes: the detection matrix runs 3 mutated trials and 1 clean per class here; make
+# test-matrix runs the full 5 + 2 (what reports/matrix/ holds)
+MATRIX_TRIALS ?= 3
+MATRIX_CLEAN_TRIALS ?= 1
+
 test: setup
-	$(PY) -m pytest -m "not slow and not gpu" -p no:cacheprovider $(PYTEST_ARGS)
+	KVCHAOS_MATRIX_TRIALS=$(MATRIX_TRIALS) KVCHAOS_MATRIX_CLEAN_TRIALS=$(MATRIX_CLEAN_TRIALS) \
+	  $(PY) -m pytest -m "not slow and not gpu" -p no:cacheprovider $(PYTEST_ARGS)
+
+test-matrix: setup  # the detection matrix at 5 mutated + 2 clean trials per class, on the profile's layouts
+	KVCHAOS_MATRIX_TRIALS=5 KVCHAOS_MATRIX_CLEAN_TRIALS=2 \
+	  $(PY) -m pytest suites/test_detection_matrix.py -m "not gpu" -p no:cacheprovider $(PYTEST_ARGS)
 
 test-layouts: setup  # every default suite on every KV layout, one cluster each (hours on 2 cores)
 	$(PY) -m pytest suites -m "not slow and not gpu" -p no:cacheprovider --kvchaos-layouts $(LAYOUTS) $(PYTEST_ARGS)

@@ -27,6 +27,7 @@ def run_audit(*args):
     return p.returncode, {(c["id"], c["role"]): c for c in res["checks"]}, res
 
 
+@pytest.mark.slow  # CI's 30 minutes (a cluster of its own); the audit's checks are unit-tested in test_audit.py
 def test_audit_flags_the_unsafe_cpu_cluster(cluster):
     e = cluster.endpoints
     rc, checks, res = run_audit("--prefill", e.prefill, "--decode", e.decode, "--router", e.router_direct or e.router)
