@@ -218,7 +218,16 @@ def _hook_decode_match(mod):
         def _match_prefix_and_lock(self, req, *a, **k):
             out = orig(self, req, *a, **k)
             try:
-                _emit_match(req, getattr(out, "l1_prefix_len", None), "decode_match")  # DecodePrefixMatch
+                # decode retries the match every round until it can pre-allocate: one event per rid and value
+                n = getattr(out, "l1_prefix_len", None)  # DecodePrefixMatch
+                last = _ctl.AGENT.state("decode_match_last", dict)
+                rid = getattr(req, "rid", None)
+                if last.get(rid, -1) != n:
+                    last[rid] = n
+                    if len(last) > 50000:
+                        for r in list(last)[:25000]:
+                            last.pop(r, None)
+                    _emit_match(req, n, "decode_match")
             except Exception as e:  # noqa: BLE001
                 _ctl.AGENT.emit("hook_error", module=mod.__name__, error=repr(e))
             return out
