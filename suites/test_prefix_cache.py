@@ -81,6 +81,8 @@ def test_router_keeps_salts_apart(experiment, kvchaos_layout):
     ex.require(isolation=PASS, cache_isolation=PASS, **({"timing_isolation": PASS} if len(checks) > 2 else {}))
 
 
+# the fault families on cache hits and the eviction pressure: behind -m slow for CI's 30 minutes
+@pytest.mark.slow
 def test_aborts_and_transfer_delays_on_cache_hits(experiment, kvchaos_layout, faults):
     wl = workload(204, kvchaos_layout, "pa")
     plans = wl.mix(90, weights={"plain": 3, "abort_after": 1}, lengths=(200, 600), sharing=SHARED_MIX)
@@ -94,6 +96,7 @@ def test_aborts_and_transfer_delays_on_cache_hits(experiment, kvchaos_layout, fa
     ex.require(isolation=PASS, cache_isolation=PASS, liveness=PASS)
 
 
+@pytest.mark.slow
 def test_eviction_pressure_keeps_isolation(experiment, kvchaos_layout, cluster):
     """Prompts of 300-900 tokens, 6 in flight, against a 2048-token prefill pool: cached prefixes are
     evicted and rebuilt while other tenants' requests run (12 in flight queued requests in decode's
