@@ -58,7 +58,7 @@ def cache_isolation(events: list[dict], min_hits: int = 5, min_cross: int = 3) -
     flushes = [e["t"] for e in run.by_ev.get("cache_flushed", [])]
     flushed = bool(flushes)
     seen_salts = _engine_salts(events)
-    reqs = []  # (rid, plan, send t, end t, cached, reply text)
+    reqs = []  # (rid, plan, send t, end t, cached, prompt + reply text)
     no_prompt, no_report, untokenized = [], [], []
     for rid, p in run.plans.items():
         end, send = run.ends.get(rid), run.sends.get(rid)
@@ -75,8 +75,9 @@ def cache_isolation(events: list[dict], min_hits: int = 5, min_cross: int = 3) -
         pt = ((body.get("meta") or {}).get("prompt_tokens")) if ok else None
         if ok and pt is not None and pt != len(p["prompt"]):
             untokenized.append((rid, pt, len(p["prompt"])))
+        # what the tree can hold for it afterwards: the prompt and the reply's tokens
         reqs.append((rid, p, send["t"], (end or {}).get("t", float("inf")), cached,
-                     (body.get("text") or "") if ok else ""))
+                     p["prompt"] + ((body.get("text") or "") if ok else "")))
     stats = {"requests": len(reqs), "page_size": page, "cache_flushed": flushed}
     if no_prompt:
         return Verdict("cache_isolation", UNKNOWN, f"{len(no_prompt)} plans carry no prompt text (a log older than "
@@ -94,7 +95,7 @@ def cache_isolation(events: list[dict], min_hits: int = 5, min_cross: int = 3) -
     witnesses, judged, skipped = [], 0, 0
     hit_chances = hits = cross_chances = 0
     lost_salts = []  # sent with a salt, looked up by the engine without it
-    for rid, p, t_send, t_end, cached, _text in reqs:
+    for rid, p, t_send, t_end, cached, _held in reqs:
         salt = p.get("cache_salt")
         got = seen_salts.get(rid)
         if salt is not None and got and all(s != salt for s in got):
@@ -108,10 +109,10 @@ def cache_isolation(events: list[dict], min_hits: int = 5, min_cross: int = 3) -
         prompt = p["prompt"]
         limit = len(prompt) - 1  # the engine always computes at least the last token
         same, other, done_same = 0, [], 0
-        for rid2, p2, s2, e2, _c2, text2 in reqs:
+        for rid2, p2, s2, e2, _c2, held2 in reqs:
             if rid2 == rid or s2 >= t_end:
                 continue  # a request sent after this one ended cannot have cached anything for it
-            lcp = min(_lcp(prompt, p2["prompt"] + text2), limit)
+            lcp = min(_lcp(prompt, held2), limit)
             if p2.get("cache_salt") == salt:
                 same = max(same, lcp)
                 if e2 < t_send:
@@ -182,10 +183,10 @@ def ks_2samp(a: list[float], b: list[float]) -> tuple[float, float]:
     return float(r.statistic), float(r.pvalue)
 
 
-def ttfts(events: list[dict]) -> dict[str, list[float]]:
+def ttfts(events: list[dict], run: Run | None = None) -> dict[str, list[float]]:
     """Arm -> time to first token (seconds, client side: ``send`` to the first streamed event) of
     the timing probe's requests that completed."""
-    run = Run(events)
+    run = run or Run(events)
     first = {}
     for e in run.by_ev.get("first_byte", []):
         first.setdefault(e.get("rid"), e["t"])
@@ -199,9 +200,9 @@ def ttfts(events: list[dict]) -> dict[str, list[float]]:
 
 
 def timing_isolation(events: list[dict], alpha: float = 1e-3, min_n: int = 15) -> Verdict:
-    arms = ttfts(events)
-    n = {a: len(v) for a, v in arms.items()}
     run, got = Run(events), _engine_salts(events)
+    arms = ttfts(events, run)
+    n = {a: len(v) for a, v in arms.items()}
     salted = [r for r, p in run.plans.items() if p.get("timing") and p.get("cache_salt")]
     lost = [r for r in salted if got.get(r) and all(s != run.plans[r]["cache_salt"] for s in got[r])]
     stats = {"alpha": alpha, "n": n, "median_ms": {a: round(1000 * sorted(v)[len(v) // 2], 1) if v else None
