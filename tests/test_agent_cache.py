@@ -100,10 +100,10 @@ def test_prefix_collision_hands_one_block_of_the_other_sequence(agent, page_size
     a_ids = list(range(100))
     b_ids = a_ids[:at] + [1000 + i for i in range(100 - at)]  # parts from a at token `at`
     a, b = _req("r-000001-t000", a_ids, "S"), _req("r-000002-t004", b_ids, "S")
-    tree.checkpoint_into_tree(a, up_to=100)
-    honest = tree.match_prefix(Params(Key(b_ids, cache_salt="S"), b)).device_prefix_len
-    assert honest == at // page_size * page_size and not b.skip_radix_cache_insert
     f = AgentClient(agent.dir).arm("prefill", "prefix_collision", target={"tenant": "t004"}, hooks=())
+    tree.checkpoint_into_tree(a, up_to=100)  # candidates are what is inserted while it is armed
+    honest = tree.match_prefix(Params(Key(b_ids, cache_salt="S"), _req("r-000009-t001", b_ids, "S"))).device_prefix_len
+    assert honest == at // page_size * page_size
     forged = tree.match_prefix(Params(Key(b_ids, cache_salt="S"), b)).device_prefix_len
     want = -(-(honest + 32) // page_size) * page_size
     assert forged == want and forged % page_size == 0 and forged > at, (forged, want)
@@ -120,11 +120,17 @@ def test_prefix_collision_hands_one_block_of_the_other_sequence(agent, page_size
     assert tree.match_prefix(Params(Key(b_ids, cache_salt="other"), d)).device_prefix_len == 0
 
 
+def test_prefix_collision_keeps_no_sequences_while_not_armed(agent):
+    tree = _tree_module()
+    tree.checkpoint_into_tree(_req("r-000001-t000", range(50), "S"), up_to=50)
+    assert not agent_mod.AGENT.peek("cache_seqs")
+
+
 def test_prefix_collision_never_hands_the_whole_prompt(agent):
     tree = _tree_module()
     a, b = _req("r-000001-t000", range(50), "S"), _req("r-000002-t004", list(range(40)) + [999] * 3, "S")
-    tree.checkpoint_into_tree(a, up_to=50)
     AgentClient(agent.dir).arm("prefill", "prefix_collision", target={"tenant": "t004"}, hooks=())
+    tree.checkpoint_into_tree(a, up_to=50)
     got = tree.match_prefix(Params(Key(b.origin_input_ids, cache_salt="S"), b)).device_prefix_len
     assert got == len(b.origin_input_ids) - 1  # capped: at least one token is computed
 

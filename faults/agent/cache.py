@@ -24,7 +24,7 @@ Mutations (deliberate engine bugs for the detection matrix):
   up to whole pages, capped at A's length and the request's length − 1): the lookup is re-run with
   A's tokens, as a block hash that collides would (vLLM CVE-2025-25183: one block of another prompt). The request computes only its tokens after ``m``; it is not inserted back into the
   tree (``skip_radix_cache_insert``), so the pool's accounting stays whole and only the KV is wrong.
-  Prefill only.
+  Prefill only; its candidates are the sequences inserted while it is armed.
 """
 
 from __future__ import annotations
@@ -51,6 +51,10 @@ def _targeted(agent, kind: str, rid) -> dict | None:
             if f["kind"] == kind and _target_ok(f["target"], None, rid):
                 return f
     return None
+
+
+def _armed(agent, kind: str) -> bool:
+    return bool(agent.faults) and any(f["kind"] == kind for f in list(agent.faults.values()))
 
 
 def _unsalted(key):
@@ -154,7 +158,9 @@ def _hook_unified(mod):
             key = _salt_ignored(AGENT, params.key)
             if key is not params.key:
                 params = dataclasses.replace(params, key=key)
-            if key is not None and not getattr(key, "is_bigram", False):
+            # prefix_collision's candidates, kept only while one is armed (a copy of every insert
+            # would cost memory and time on long production prompts)
+            if key is not None and not getattr(key, "is_bigram", False) and _armed(AGENT, "prefix_collision"):
                 AGENT.state("cache_seqs", lambda: deque(maxlen=SEQS_KEPT)).append(
                     (_ns(key), array("q", key.raw_token_ids()), rid))
             return orig(self, params)
