@@ -41,6 +41,21 @@ register_fault("prefix_collision", unlimited=True)
 SEQS_KEPT = 256  # inserted sequences remembered per process (prefix_collision's candidates)
 
 
+_MISSING = object()
+
+
+def _remember(agent, name: str, rid, value):
+    """Set ``rid``'s ``value`` in the per-rid table ``name`` (bounded: the oldest half goes past
+    50,000 rids) and return what it held before (``_MISSING`` if nothing)."""
+    table = agent.state(name, dict)
+    before = table.get(rid, _MISSING)
+    table[rid] = value
+    if len(table) > 50000:
+        for r in list(table)[:25000]:
+            table.pop(r, None)
+    return before
+
+
 def _targeted(agent, kind: str, rid) -> dict | None:
     """The first live fault of ``kind`` aimed at ``rid``; not consumed (a lookup repeats every
     scheduling round until the request is admitted: it must be forged the same way each time)."""
@@ -70,9 +85,7 @@ def _salt_ignored(agent, key, rid=None):
     f = agent.switched_on("salt_ignored")
     if f is None:
         return key
-    seen = agent.state("salt_ignored_rids", set)
-    if rid is not None and rid not in seen:
-        seen.add(rid)
+    if rid is not None and _remember(agent, "salt_ignored_rids", rid, True) is _MISSING:
         agent.switched_on("salt_ignored", fire=True)
         agent.emit("fault_fired", fault=f["id"], kind="salt_ignored", rid=rid, cache_salt=key.cache_salt,
                    note="prefix lookup and insert without the request's cache_salt")
@@ -95,13 +108,14 @@ def _forge(self, orig, params, r, f):
     ps = max(1, int(getattr(self, "page_size", 1) or 1))
     full = len(getattr(req, "origin_input_ids", toks) or toks)
     cap = min(n, full - 1)
+    span = int(f["params"].get("span", 32))  # foreign tokens handed over: one colliding block
+    want_ns = _ns(key)
     seqs = _ctl.AGENT.peek("cache_seqs") or ()
     for ns, a, owner in reversed(list(seqs)):
-        if ns != _ns(key) or len(a) <= d or owner == req.rid:
+        if ns != want_ns or len(a) <= d or owner == req.rid:
             continue
         if a[:d] != toks[:d]:
             continue
-        span = int(f["params"].get("span", 32))  # foreign tokens handed over: one colliding block
         m = min(len(a), cap, -(-(d + span) // ps) * ps) // ps * ps
         # another sequence from where the match stopped (with pages, the match stops at the page
         # floor of the divergence: the sequences differ somewhere in [d, m), not necessarily at d)
@@ -112,9 +126,7 @@ def _forge(self, orig, params, r, f):
         if int(r2.device_prefix_len) <= d:
             continue  # A's tail was evicted meanwhile
         req.skip_radix_cache_insert = True
-        fired = _ctl.AGENT.state("collision_rids", dict)
-        if req.rid not in fired:
-            fired[req.rid] = owner
+        if _remember(_ctl.AGENT, "collision_rids", req.rid, owner) is _MISSING:
             with _ctl.AGENT.lock:
                 f["fired"] += 1
             _ctl.AGENT.emit("fault_fired", fault=f["id"], kind="prefix_collision", rid=req.rid, owner_rid=owner,
@@ -138,11 +150,7 @@ def _hook_unified(mod):
             if key is not params.key:
                 params = dataclasses.replace(params, key=key)
             if rid is not None:
-                lookups = AGENT.state("lookup_salt", dict)
-                lookups[rid] = getattr(key, "cache_salt", None)
-                if len(lookups) > 50000:
-                    for k in list(lookups)[:25000]:
-                        lookups.pop(k, None)
+                _remember(AGENT, "lookup_salt", rid, getattr(key, "cache_salt", None))
             r = orig(self, params)
             if rid is not None and _ctl.ROLE != "decode" and params.key is not None:
                 f = _targeted(AGENT, "prefix_collision", rid)
@@ -226,13 +234,7 @@ def _hook_decode_match(mod):
             try:
                 # decode retries the match every round until it can pre-allocate: one event per rid and value
                 n = getattr(out, "l1_prefix_len", None)  # DecodePrefixMatch
-                last = _ctl.AGENT.state("decode_match_last", dict)
-                rid = getattr(req, "rid", None)
-                if last.get(rid, -1) != n:
-                    last[rid] = n
-                    if len(last) > 50000:
-                        for r in list(last)[:25000]:
-                            last.pop(r, None)
+                if _remember(_ctl.AGENT, "decode_match_last", getattr(req, "rid", None), n) != n:
                     _emit_match(req, n, "decode_match")
             except Exception as e:  # noqa: BLE001
                 _ctl.AGENT.emit("hook_error", module=mod.__name__, error=repr(e))
