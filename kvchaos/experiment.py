@@ -213,6 +213,15 @@ class Experiment:
             raise KnownFinding(j, msg)
         return j
 
+    def engine_broke(self) -> Judgement | None:
+        """Why a fault may have acted fewer times than a test required: the engine broke during this
+        experiment (a known engine failure found in the servers' logs). The judgement with liveness
+        required — KNOWN when an accepted finding explains the failure and nothing else is red — or
+        None when no engine failure was seen (then a fault that did not fire means a blind run)."""
+        if not self.verdicts or not self.engine_errors or "liveness" not in self.by:
+            return None
+        return self.judge(liveness=PASS)
+
     def _check_ran(self):
         if not self.verdicts:
             raise RuntimeError(f"experiment {self.name}: judge after the with block has run it")

@@ -232,18 +232,39 @@ def pytest_sessionfinish(session, exitstatus):
 def pytest_runtest_makereport(item, call):
     """A test whose only departures from its required verdicts are accepted known engine findings
     (``kvchaos.experiment.KnownFinding``) is KNOWN: its own outcome (terminal ``K``, JUnit skipped
-    with the finding ids as message and a ``kvchaos_known`` property), never passed."""
+    with the finding ids as message and a ``kvchaos_known`` property), never passed. So is a test whose
+    fault did not fire as often as required (``FaultDidNotFire``) only because the engine broke under
+    it, when that breakage is an accepted known finding and no leak was seen."""
     outcome = yield
     rep = outcome.get_result()
     if rep.when == "call":
         item._kvchaos_call_failed = rep.failed  # the experiment fixture's "never judged" check needs it
-    from kvchaos.experiment import KnownFinding
+    from kvchaos.experiment import KNOWN, KnownFinding
 
-    if call.excinfo is not None and call.excinfo.errisinstance(KnownFinding):
-        exc = call.excinfo.value
-        rep.outcome = "skipped"
-        rep.wasxfail = f"KNOWN {', '.join(exc.findings)}: {str(exc)[:1500]}"
-        item.user_properties.append(("kvchaos_known", ",".join(exc.findings)))  # JUnit reads the teardown's
+    if call.excinfo is None or rep.when != "call":
+        return
+    exc = call.excinfo.value
+    if call.excinfo.errisinstance(KnownFinding):
+        _known(item, rep, exc.findings, str(exc))
+        return
+    from faults.base import FaultDidNotFire
+
+    if call.excinfo.errisinstance(FaultDidNotFire):
+        # a fault that acted less than required is a blind run — unless the engine broke under it in a
+        # way a known, accepted finding explains (then KNOWN, with both messages); a leak stays red
+        for ex in getattr(item, "_kvchaos_experiments", ()):
+            j = ex.engine_broke()
+            if j is not None and j.status == KNOWN and not j.red:
+                findings = sorted({i.finding.id for i in j.known})
+                _known(item, rep, findings, f"{exc}\nbecause the engine broke during experiment {ex.name} "
+                                            f"({ex.id}):\n{j.message()}")
+                return
+
+
+def _known(item, rep, findings, message: str) -> None:
+    rep.outcome = "skipped"
+    rep.wasxfail = f"KNOWN {', '.join(findings)}: {message[:1500]}"
+    item.user_properties.append(("kvchaos_known", ",".join(findings)))  # JUnit reads the teardown's
 
 
 def pytest_report_teststatus(report, config):
@@ -523,6 +544,8 @@ def experiment(request, kvchaos_run_dir, kvchaos_policy):
         ex = Experiment(name, plans, checks, run_dir=kvchaos_run_dir, test_id=request.node.nodeid, **kw)
         made.append(ex)
         return ex
+
+    request.node._kvchaos_experiments = made  # the KNOWN outcome hook asks them why a fault did not fire
 
     yield make
     unjudged = [ex for ex in made if ex.verdicts and not ex.judged]

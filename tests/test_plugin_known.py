@@ -66,3 +66,29 @@ def test_finding_that_did_not_reproduce_is_reported_and_fails_under_strict(tmp_p
     assert r.returncode == 0 and "did not reproduce on sglang 0.5.23" in r.stdout, r.stdout[-1500:]
     r, _ = inner(tmp_path / "strict", "--kvchaos-findings", str(reg), "--kvchaos-strict", k="clean")
     assert r.returncode == 1 and "did not reproduce" in r.stdout, r.stdout[-1500:]
+
+
+def test_a_fault_starved_by_a_known_engine_failure_is_known_not_blind(tmp_path):
+    """A fault that acted fewer times than required is a failure (a blind run) — except when the engine
+    broke under it in a way an accepted finding explains: then KNOWN with that finding, both messages."""
+    r, run_dir = inner(tmp_path, "--kvchaos-accept-known", k="starved_by_broken")
+    assert r.returncode == 0 and re.search(r"\b1 known\b", r.stdout), r.stdout[-2000:]
+    case = next(c for c in ET.parse(run_dir / "junit.xml").iter("testcase"))
+    msg = case.find("skipped").get("message")
+    assert msg.startswith("KNOWN sglang-mooncake-transfer-worker-dies"), msg
+    assert "expected >= 8" in msg and "because the engine broke" in msg
+
+
+def test_a_fault_starved_on_a_healthy_engine_fails(tmp_path):
+    r, _ = inner(tmp_path, "--kvchaos-accept-known", k="starved_healthy")
+    assert r.returncode == 1 and "1 failed" in r.stdout and "FaultDidNotFire" in r.stdout, r.stdout[-1500:]
+
+
+def test_a_leak_beside_a_broken_engine_stays_red(tmp_path):
+    r, _ = inner(tmp_path, "--kvchaos-accept-known", k="broken_engine_leak")
+    assert r.returncode == 1 and "1 failed" in r.stdout, r.stdout[-1500:]
+
+
+def test_a_broken_engine_whose_finding_is_not_accepted_stays_red(tmp_path):
+    r, _ = inner(tmp_path, "--kvchaos-profile", "gpu", k="starved_by_broken")
+    assert r.returncode == 1 and "1 failed" in r.stdout, r.stdout[-1500:]

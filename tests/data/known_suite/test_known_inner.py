@@ -8,7 +8,7 @@ import pytest
 
 from faults.request import plant_leak
 from kvchaos.experiment import PASS
-from kvchaos.oracles import Isolation, Sensitivity
+from kvchaos.oracles import Isolation, Liveness, Sensitivity
 from kvchaos.workload import Workload
 from tests.fake_engine import FakeEngine
 
@@ -69,3 +69,51 @@ def test_never_judged(experiment, fake):
     with experiment("unjudged", Workload(10, n_tenants=4, prefix="un").mix(30), [Isolation()],
                     cluster=fake, faults=None, settle_s=0, timeout_s=10):
         pass
+
+
+class Broken(StandIn):
+    """A stand-in whose prefill transfer thread died during the experiment: what Cluster.engine_errors
+    returns then (the first call, at the experiment's start, finds nothing new)."""
+
+    calls = 0
+
+    def engine_errors(self):
+        self.calls += 1
+        if self.calls == 1:
+            return []
+        return [{"role": "prefill", "signature": "mooncake_transfer_worker_died", "cause": "4737251198678054549",
+                 "line": "RuntimeError: Transfer thread failed because of 4737251198678054549. Prefill instance "
+                         "with bootstrap_port=25705 is dead."}]
+
+
+@pytest.fixture
+def broken():
+    with FakeEngine() as eng:
+        yield Broken(eng.url)
+
+
+def _fault_starved(experiment, cluster, name, leak: bool):
+    """A fault that acted 4 times where 8 were required, in an experiment whose requests ran late."""
+    from faults.base import FaultDidNotFire
+
+    wl = Workload(11, n_tenants=4, prefix=name[:3])
+    plans = [wl.request(wl.tenants[i % 4], n_canaries=2) for i in range(30)]
+    if leak:
+        plant_leak(plans[7], plans[2])
+    with experiment(name, plans, [Isolation(), Sensitivity(), Liveness(bound_s=1e-6)], cluster=cluster,
+                    faults=None, settle_s=0, timeout_s=10):
+        pass
+    raise FaultDidNotFire("fault delay delay-0 on prefill target={'tenant': 't001'}: 4 firing(s) reported, "
+                          "expected >= 8")
+
+
+def test_fault_starved_by_broken_engine(experiment, broken):
+    _fault_starved(experiment, broken, "starved", leak=False)
+
+
+def test_fault_starved_healthy_engine(experiment, fake):
+    _fault_starved(experiment, fake, "blind", leak=False)
+
+
+def test_fault_starved_broken_engine_leak(experiment, broken):
+    _fault_starved(experiment, broken, "leaky", leak=True)
