@@ -570,7 +570,9 @@ def test_shared_mix_shares_prefixes_and_none_turns_it_off():
     # pairs: the second is sent once the first ended (its prefix is cached by then)
     by = {p.rid: p for p in plans}
     assert all(by[p.after].group == p.group for p in plans if p.after and p.sharing in ("diverge", "identical"))
-    assert {p.sharing for p in Workload(12, n_tenants=6).mix(60)} == set(DEFAULT_SHARING)
+    assert DEFAULT_SHARING == SHARED_MIX  # every suite's traffic exercises the prefix cache
+    default = Counter(p.sharing for p in Workload(12, n_tenants=6).mix(120))
+    assert sum(n for m, n in default.items() if m != "none") > 60, default
     flat = Workload(12, n_tenants=6).mix(60, sharing={"none": 1})
     assert {p.sharing for p in flat} == {"none"} and all(p.group is None and p.shared_chars == 0 for p in flat)
 

@@ -275,8 +275,8 @@ class Workload:
     def mix(self, n: int, weights: dict | None = None, lengths=(64, 600), endpoints=("generate",),
             sharing: dict | None = None) -> list[RequestPlan]:
         """``n`` plans over all tenants; ``weights`` maps kind -> relative frequency, ``sharing``
-        maps a sharing mode (module doc) -> relative frequency (default :data:`DEFAULT_SHARING`;
-        :data:`SHARED_MIX`: most traffic shares a prefix with other traffic). Oversized requests never share. A
+        maps a sharing mode (module doc) -> relative frequency (default :data:`DEFAULT_SHARING`, which
+        is :data:`SHARED_MIX`: most traffic shares a prefix with other traffic; ``{"none": 1}``: none). Oversized requests never share. A
         conversation adds 2 turns, a diverging pair 2 plans, identical prompts 2; the mix stops at
         ``n`` plans."""
         weights = weights or {"plain": 1.0}
@@ -324,11 +324,11 @@ class Workload:
 # per draw (a conversation is 3 plans, a pair or identical prompts 2); a draw too short for a shared
 # head shares nothing: with lengths (200, 600) about a third of the plans share nothing
 SHARED_MIX = {"none": 4, "public": 3, "tenant": 3, "conversation": 1, "diverge": 1, "identical": 1}
-# what mix() uses unless told: still all-unique prompts. With SHARED_MIX as the default, one of three
-# fresh-clone make test runs lost its decode server 2 s into test_transfer_delay (decode stopped
-# logging, /health timed out, 30 timeouts then 503s; 2026-12-01, not yet understood): the fault suites
-# stay on unique prompts until that is explained; the prefix-cache suite and matrix rows use SHARED_MIX
-DEFAULT_SHARING = {"none": 1}
+# what mix() uses unless told: every suite's traffic exercises the prefix cache. ({"none": 1} gives
+# all-unique prompts.) The one fresh-clone failure seen with it (2026-12-01: decode idle, 30 timeouts)
+# was prefill's Mooncake transfer thread dying on its KeyError race (finding
+# sglang-mooncake-transfer-worker-dies), which a fault that could not fire then reported as a blind run
+DEFAULT_SHARING = SHARED_MIX
 
 
 def _salts(salts, names: list[str], scope: str) -> dict:
