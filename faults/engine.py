@@ -168,7 +168,8 @@ class AgentClient:
             count: int | None = None, ttl_s: float = 600.0, hooks: tuple[str, ...] | None = None) -> ArmedFault:
         need = hooks if hooks is not None else (("send_kvcache",) if kind in ("delay", "fail", "short", "hold") else
                          ("is_unadmitted_reject",) if kind in ("reject_admitted", "input_limit") else
-                         ("TokenToKVPoolAllocator.alloc",) if kind == "double_alloc" else ("send_kvcache",))
+                         ("TokenToKVPoolAllocator.alloc",) if kind == "double_alloc" else
+                         ("check_status",) if kind == "stall_status_read" else ("send_kvcache",))
         agents = self.wait_agents(role, need)
         fid = f"{kind}-{uuid.uuid4().hex[:8]}"
         req = {"cmd": "arm", "id": fid, "kind": kind, "target": target or {"any": True},

@@ -102,6 +102,43 @@ def test_delay_fires_only_on_target_and_is_logged(agent, mgr, tmp_path):
     assert len(mgr.calls) == 2  # both writes happened
 
 
+def _teardown_check(mgr, room):
+    """mooncake/conn.py transfer_worker's teardown test, as 0.5.23 writes it."""
+    return room not in mgr.request_status or mgr.check_status(room) == 4
+
+
+def test_stall_status_read_widens_the_transfer_workers_check_then_read(agent):
+    """Only the transfer worker's re-read of its own chunk's concluded room stalls; a clear() on
+    another thread inside the stall turns SGLang's own read into the KeyError that kills the worker."""
+    cls = type("FakeManager", (FakeManager,), {})
+    cls.check_status = agent_mod._make_check_status(FakeManager.check_status)
+    mgr = cls()
+    ctl = AgentClient(agent.dir)
+    f = ctl.arm("prefill", "stall_status_read", target={"rid": "r-a"}, params={"ms": 200}, hooks=())
+    mgr.request_status = {1: 3, 2: 4}
+    with agent_mod.AGENT.lock:
+        agent_mod.AGENT.room_rid.update({1: "r-a", 2: "r-a"})
+    agent_mod.AGENT.tls.chunk = None  # the scheduler's polls: never stalled
+    t = time.monotonic()
+    assert mgr.check_status(2) == 4 and time.monotonic() - t < 0.1
+    agent_mod.AGENT.tls.chunk = types.SimpleNamespace(room=1, index_slice=slice(0, 1))
+    assert mgr.check_status(1) == 3 and time.monotonic() - t < 0.1  # not concluded: not stalled
+    assert mgr.check_status(2) == 4 and time.monotonic() - t < 0.1  # another room than the chunk's
+    with pytest.raises(FaultDidNotFire):
+        f.verify()
+    agent_mod.AGENT.tls.chunk = types.SimpleNamespace(room=2, index_slice=slice(0, 1))
+    clear = threading.Timer(0.05, lambda: mgr.request_status.pop(2, None))  # the scheduler's clear()
+    clear.start()
+    with pytest.raises(KeyError):
+        _teardown_check(mgr, 2)
+    clear.join()
+    ev = f.verify()
+    assert len(ev) == 1 and ev[0]["room"] == 2 and ev[0]["cleared_during_stall"] is True
+    mgr.request_status[2] = 4  # count 1: spent, no second stall
+    t = time.monotonic()
+    assert _teardown_check(mgr, 2) and time.monotonic() - t < 0.1
+
+
 def test_fail_short_and_tenant_targets(agent, mgr):
     ctl = AgentClient(agent.dir)
     f = ctl.arm("prefill", "fail", target={"tenant": "t003"}, hooks=())
@@ -242,9 +279,11 @@ def test_subsystem_modules_declare_the_kinds_and_hooks_read_the_live_agent(agent
     from faults.agent import allocator, cache, control, scheduler, transfer
 
     assert agent_mod.AGENT is agent and control.AGENT is agent
-    assert set(agent_mod.KINDS) == {"delay", "fail", "short", "hold", "reject_admitted", "early_free",
-                                    "double_alloc", "input_limit", "salt_ignored", "prefix_collision"}
-    assert set(agent_mod.MUTATIONS) == {"reject_admitted", "early_free", "double_alloc", "input_limit", "salt_ignored"}
+    assert set(agent_mod.KINDS) == {"delay", "fail", "short", "hold", "stall_status_read", "reject_admitted",
+                                    "early_free", "double_alloc", "input_limit", "salt_ignored", "prefix_collision",
+                                    "deferred_release_timeout"}
+    assert set(agent_mod.MUTATIONS) == {"reject_admitted", "early_free", "double_alloc", "input_limit", "salt_ignored",
+                                        "deferred_release_timeout"}
     mods = (transfer, scheduler, allocator, cache)
     # a module two subsystems hook gets one hook running both, in table order
     want = {}
@@ -355,3 +394,68 @@ def test_nixl_peer_paths_fail_by_raising_and_short_both_lists(agent):
     assert len(calls) == 1 and f.verify()[0]["room"] == 26
     end = [e for e in ctl.events("prefill") if e["ev"] == "write_end" and e["room"] == 25]
     assert end[0]["ret"] == "handles" and end[0]["path"] == "send_kvcache_mixed"
+
+
+# ------------------------------------------------------------------ decode's deferred release
+class _DecodeTransferQueue:
+    """decode.py's deferred release, reduced to its decisions: an aborted transfer's pages are held
+    until prefill acks the drain or the deadline set at hold time passes (then released anyway)."""
+
+    def __init__(self):
+        self.deferred_kv_release_timeout = 30.0
+        self.enable_deferred_kv_release = True
+        self._deferred_releases, self.acked, self.released = [], set(), []
+
+    def _defer_release(self, decode_req):
+        start = time.monotonic()
+        self._deferred_releases.append((decode_req, start, start + self.deferred_kv_release_timeout))
+
+    def _release_request(self, decode_req):
+        self.released.append(decode_req.req.rid)
+
+    def _do_release(self, decode_req, idx):
+        self._release_request(decode_req)
+
+    def _observe_deferred_kv_release(self, duration_seconds, outcome):
+        pass
+
+    def resolve_deferred_releases(self):
+        now, keep = time.monotonic(), []
+        for e in self._deferred_releases:
+            req, start, deadline = e
+            drained = req.req.rid in self.acked
+            if drained or now >= deadline:
+                self._do_release(req, 0)
+                self._observe_deferred_kv_release(now - start, "drained" if drained else "timeout")
+            else:
+                keep.append(e)
+        self._deferred_releases = keep
+
+
+def test_deferred_release_says_drained_or_timeout_and_the_timeout_setting_heals(decode_agent):
+    from faults.agent import scheduler as sched_mod
+
+    mod = types.ModuleType("fake_decode")
+    mod.DecodeTransferQueue = type("DecodeTransferQueue", (_DecodeTransferQueue,), {})
+    sched_mod._hook_decode(mod)
+    q = mod.DecodeTransferQueue()
+    ctl = AgentClient(decode_agent.dir)
+    with pytest.raises(AgentError, match="s must be > 0"):
+        ctl.arm("decode", "deferred_release_timeout", params={"s": 0}, hooks=())
+    f = ctl.arm("decode", "deferred_release_timeout", params={"s": 0.2}, hooks=())
+    assert q.deferred_kv_release_timeout == 0.2
+    a, b = (types.SimpleNamespace(req=types.SimpleNamespace(rid=r, bootstrap_room=n))
+            for r, n in (("r-a", 1), ("r-b", 2)))
+    q._defer_release(a)
+    q._defer_release(b)
+    q.acked.add("r-a")
+    q.resolve_deferred_releases()
+    time.sleep(0.25)
+    q.resolve_deferred_releases()
+    evs = decode_agent.events
+    assert [(e["rid"], e["timeout_s"]) for e in evs if e["ev"] == "deferred_hold"] == [("r-a", 0.2), ("r-b", 0.2)]
+    rel = [(e["room"], e["rid"], e["outcome"]) for e in evs if e["ev"] == "deferred_release"]
+    assert rel == [(1, "r-a", "drained"), (2, "r-b", "timeout")], rel
+    assert [e["rid"] for e in evs if e["ev"] == "kv_released"] == ["r-a", "r-b"]
+    f.heal()
+    assert q.deferred_kv_release_timeout == 30.0

@@ -24,8 +24,8 @@ module           what
 ``control``      ``Agent`` (fault registry, arm / heal / release, targets, events, control socket),
                  ``register_fault``, the live ``AGENT`` of this process, the patching helpers
 ``transfer``     KV transfer: ``FastQueue`` chunk tracking, every Mooncake / NIXL KV write path,
-                 ``transfer_start`` / ``write_end``, faults ``delay`` ``fail`` ``short`` ``hold``;
-                 where ``early_free`` fires in the Mooncake manager
+                 ``transfer_start`` / ``write_end``, faults ``delay`` ``fail`` ``short`` ``hold``
+                 ``stall_status_read``; where ``early_free`` fires in the Mooncake manager
 ``scheduler``    prefill bootstrap queue, the intake reject path, decode's transfer queue, ``Scheduler``
                  tracking; mutations ``reject_admitted``, ``input_limit``, ``early_free``
 ``allocator``    decode's KV allocator (page size 1 and paged); mutation ``double_alloc``
@@ -63,6 +63,10 @@ hook                            purpose
 ``.send_kvcache_dcp`` /         ``path`` field): ``_dcp`` is MLA-only (decode context parallel:
 ``.send_kvcache_slice``         ``short`` cuts the source pages and ``num_kv_tokens``), ``_slice`` is
                                 MHA/GQA with prefill attn TP != decode attn TP
+``MooncakeKVManager``           (inherited from ``CommonKVManager``) the transfer worker's re-read of
+``.check_status``               its chunk's room: ``stall_status_read`` stalls it ``ms`` once that room
+                                concluded (Success), widening the window in which the scheduler's
+                                ``clear()`` pops the room between the worker's ``in`` test and its read
 ``NixlKVManager.send_kvcache``  the same on NIXL (returns handles: ``fail`` raises, ``write_end`` is
 (``_mixed``, ``_slice``)        when the write was posted); ``send_kvcache_dcp`` (a plan, not page
                                 lists) and the staging paths are not hooked
@@ -150,6 +154,7 @@ from .transfer import (
     _hook_common_utils,
     _hook_mooncake,
     _hook_nixl,
+    _make_check_status,
     _make_send,
     _make_send_dcp,
     _make_send_peer,

@@ -1,7 +1,9 @@
 """Scheduler side of PD disaggregation: prefill's bootstrap queue (room ↔ rid), the intake reject
 path (``reject_admitted``: ``is_unadmitted_reject`` / ``is_aborted``), decode's transfer queue
-(``kv_released`` evidence, where ``early_free`` fires), ``Scheduler`` tracking, and the switches of
-the ``reject_admitted`` / ``input_limit`` / ``early_free`` mutations."""
+(``kv_released`` evidence, where ``early_free`` fires; ``deferred_hold`` / ``deferred_release`` with
+SGLang's drained-or-timeout outcome), ``Scheduler`` tracking, the switches of the
+``reject_admitted`` / ``input_limit`` / ``early_free`` mutations, and the ``deferred_release_timeout``
+setting (decode's drain-ack timeout on the live queues)."""
 
 from __future__ import annotations
 
@@ -52,7 +54,30 @@ def _early_off(agent, f: dict):
         setattr(obj, attr, v)
 
 
+def _timeout_on(agent, f: dict):
+    """A setting, not a planted bug: what ``SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT``
+    sets (decode reads it once, into each ``DecodeTransferQueue``), changed on the live queues so a
+    test need not restart decode; heal puts the old value back."""
+    s = float(f["params"].get("s", 3.0))
+    if s <= 0:
+        raise ValueError(f"deferred_release_timeout: s must be > 0, got {s}")
+    saved = []
+    for q in agent.live("DecodeTransferQueue"):
+        if hasattr(q, "deferred_kv_release_timeout"):
+            saved.append((q, q.deferred_kv_release_timeout))
+            q.deferred_kv_release_timeout = s
+    f["_saved"] = saved
+    agent.emit("mutation_on", fault=f["id"], kind="deferred_release_timeout", s=s, queues=len(saved),
+               was=[v for _q, v in saved])
+
+
+def _timeout_off(agent, f: dict):
+    for q, v in f.pop("_saved", []):
+        q.deferred_kv_release_timeout = v
+
+
 register_fault("reject_admitted", mutation=True, on=_reject_on, off=_reject_admitted_off)
+register_fault("deferred_release_timeout", mutation=True, on=_timeout_on, off=_timeout_off)
 register_fault("early_free", mutation=True, on=_early_on, off=_early_off)
 register_fault("input_limit", mutation=True, on=_reject_on, off=_reject_admitted_off)
 
@@ -164,6 +189,47 @@ def _hook_decode(mod):
                     return orig(self, decode_req, *a, **k)
                 return _release_request
             _wrap(tq, "_release_request", make_release)
+        _hook_deferred(tq)
+
+
+def _room_rid(decode_req):
+    req = getattr(decode_req, "req", None)
+    return getattr(req, "bootstrap_room", None), getattr(req, "rid", None)
+
+
+def _hook_deferred(tq):
+    """Deferred release (decode.py ``_defer_release`` / ``resolve_deferred_releases``): ``deferred_hold``
+    when decode holds an aborted transfer's pages for prefill's drain ack (with the deadline it set),
+    ``deferred_release`` when it lets them go, with SGLang's own outcome — ``drained`` (the ack came)
+    or ``timeout`` (released anyway: a write may still be in flight). The outcome is what
+    ``resolve_deferred_releases`` hands ``_observe_deferred_kv_release`` right after ``_do_release``
+    for that room, on the same thread."""
+    if hasattr(tq, "_defer_release"):
+        def make_defer(orig):
+            def _defer_release(self, decode_req, *a, **k):
+                room, rid = _room_rid(decode_req)
+                _ctl.AGENT.emit("deferred_hold", room=room, rid=rid,
+                                timeout_s=getattr(self, "deferred_kv_release_timeout", None))
+                return orig(self, decode_req, *a, **k)
+            return _defer_release
+        _wrap(tq, "_defer_release", make_defer)
+    if hasattr(tq, "_do_release") and hasattr(tq, "_observe_deferred_kv_release"):
+        def make_do(orig):
+            def _do_release(self, decode_req, *a, **k):
+                _ctl.AGENT.tls.deferred = _room_rid(decode_req)
+                return orig(self, decode_req, *a, **k)
+            return _do_release
+
+        def make_observe(orig):
+            def _observe_deferred_kv_release(self, duration_seconds, outcome, *a, **k):
+                room, rid = getattr(_ctl.AGENT.tls, "deferred", None) or (None, None)
+                _ctl.AGENT.tls.deferred = None
+                _ctl.AGENT.emit("deferred_release", room=room, rid=rid, outcome=outcome,
+                                held_s=round(float(duration_seconds), 3))
+                return orig(self, duration_seconds, outcome, *a, **k)
+            return _observe_deferred_kv_release
+        _wrap(tq, "_do_release", make_do)
+        _wrap(tq, "_observe_deferred_kv_release", make_observe)
 
 
 def _hook_scheduler(mod):

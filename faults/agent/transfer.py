@@ -1,6 +1,7 @@
 """KV transfer (prefill → decode): chunk tracking, the transfer faults on every KV write path of the
-Mooncake and NIXL managers, ``transfer_start`` / ``write_end`` evidence, and where the ``early_free``
-mutation fires in the Mooncake manager.
+Mooncake and NIXL managers, ``transfer_start`` / ``write_end`` evidence, where the ``early_free``
+mutation fires in the Mooncake manager, and ``stall_status_read`` (a timing fault on the Mooncake
+transfer worker's status re-read: ``_make_check_status``).
 
 Units: SGLang hands every KV write path *page* indices (``kv_to_page_indices``: ``token // page_size``
 of each page's first token, prefill.py ``send_kv_chunk`` and decode.py ``_send_kv_metadata``), so
@@ -46,6 +47,7 @@ register_fault("delay", unlimited=True)
 register_fault("fail", off=_fail_off)
 register_fault("short")
 register_fault("hold")
+register_fault("stall_status_read")
 
 
 DST_PAGES_MAX = 4096  # decode page indices listed per event (dst_pages_total has the full count)
@@ -238,6 +240,40 @@ def _write_end(room, rid, pages, wall_start, ret, page_size=None, extra=None, ds
                         **(dst or {}), **(extra or {}))
 
 
+def _make_check_status(orig):
+    """Wrap ``check_status(self, room)`` (``CommonKVManager``: ``return self.request_status[room]``).
+    ``stall_status_read`` acts only where the transfer worker re-reads the status of the room of the
+    chunk it is handling and that room has concluded (Success) — the teardown check at the end of
+    ``transfer_worker``, which first asks ``room not in self.request_status`` and then reads it while
+    the scheduler thread may ``clear()`` the room (prefill.py, after it polled Success). The read is
+    stalled ``ms`` and then made by SGLang's own code: timing only, nothing else changes."""
+    def check_status(self, bootstrap_room):
+        AGENT = _ctl.AGENT
+        chunk = getattr(AGENT.tls, "chunk", None)
+        if chunk is None or getattr(chunk, "room", None) != bootstrap_room:
+            return orig(self, bootstrap_room)  # the scheduler's polls, or another room's
+        st = orig(self, bootstrap_room)
+        try:
+            concluded = int(st) == 4  # KVPoll.Success
+        except (TypeError, ValueError):
+            concluded = False
+        if not concluded:
+            return st
+        with AGENT.lock:
+            rid = AGENT.room_rid.get(int(bootstrap_room))
+        f = AGENT.match("stall_status_read", bootstrap_room, rid)
+        if f is None:
+            return st
+        ms = float(f["params"].get("ms", 300))
+        time.sleep(max(ms, 0) / 1000.0)
+        cleared = bootstrap_room not in self.request_status
+        AGENT.emit("fault_fired", fault=f["id"], kind="stall_status_read", room=bootstrap_room, rid=rid, ms=ms,
+                   cleared_during_stall=cleared,
+                   note="the transfer worker's read of a concluded room's status, stalled; SGLang reads it now")
+        return orig(self, bootstrap_room)
+    return check_status
+
+
 def _hook_mooncake(mod):
     mgr = getattr(mod, "MooncakeKVManager", None)
     if mgr is None:
@@ -248,6 +284,8 @@ def _hook_mooncake(mod):
         _wrap(mgr, "send_kvcache_dcp", lambda orig: _make_send_dcp(orig, "mooncake"))
     if hasattr(mgr, "send_kvcache_slice"):  # MHA/GQA with prefill attn TP != decode attn TP
         _wrap(mgr, "send_kvcache_slice", lambda orig: _make_send(orig, "mooncake"))
+    if hasattr(mgr, "check_status"):
+        _wrap(mgr, "check_status", _make_check_status)
 
     if hasattr(mgr, "_handle_legacy_abort_notification"):
         def make_legacy(orig):
