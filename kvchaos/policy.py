@@ -176,6 +176,14 @@ def _sig_salts_lost_before_engine(v, ctx, want):
     return ok == bool(want), f"witnesses whose salt the engine did receive (or no agent evidence): {bad[:5]}"
 
 
+def _sig_released_on_timeout(v, ctx, want):
+    """Every kv_lifecycle witness is a room decode let go because its deferred-release timeout passed
+    (SGLang's own outcome, from the agent's ``deferred_release``), not because prefill acked the drain."""
+    bad = [w.get("room") for w in v.witnesses if w.get("release_outcome") != "timeout"]
+    ok = bool(v.witnesses) and not bad
+    return ok == bool(want), f"late writes into rooms not released on timeout: {bad[:5]}"
+
+
 def _sig_engine_error(v, ctx, sig):
     ok = any(e.get("signature") == sig for e in ctx.engine_errors)
     return ok, f"no {sig!r} engine error in the servers' logs during this experiment"
@@ -193,6 +201,7 @@ SIGNATURES = {
     "process_fault_fired": _sig_process_fault_fired,
     "engine_error": _sig_engine_error,
     "salts_lost_before_engine": _sig_salts_lost_before_engine,
+    "released_on_timeout": _sig_released_on_timeout,
 }
 
 

@@ -200,3 +200,22 @@ def test_kv_lifecycle(case, status):
         x = v.witnesses[0]
         assert (x["room"], x["rid"], x["after_release_ms"]) == (7, "r1", 2000.0)
         assert len(v.witnesses) == 1  # room 8 was never released: its write is fine
+        assert x["release_outcome"] is None and x["reused_by"] == []  # no deferred-release / page evidence
+
+
+def test_kv_lifecycle_names_the_release_outcome_and_who_got_the_pages():
+    """A write held past decode's deferred-release timeout: the witness says SGLang released on
+    timeout (not on the drain ack) and which later request was given some of those pages."""
+    ag = {"source": "agent", "ev": "agent"}
+    ev = [{**ag, "agent_ev": "transfer_start", "room": 7, "rid": "r1", "dst_pages": [1, 2, 3, 4], "wall": 90.0},
+          {**ag, "agent_ev": "deferred_release", "room": 7, "rid": "r1", "outcome": "timeout", "wall": 98.0},
+          {**ag, "agent_ev": "kv_released", "room": 7, "rid": "r1", "wall": 98.0},
+          {**ag, "agent_ev": "transfer_start", "room": 8, "rid": "r2", "dst_pages": [3, 4, 9], "wall": 99.0},
+          {**ag, "agent_ev": "transfer_start", "room": 9, "rid": "r3", "dst_pages": [1], "wall": 97.0},  # before
+          {**ag, "agent_ev": "write_end", "room": 7, "rid": "r1", "pages": 4, "wall_start": 89.0, "wall": 100.0},
+          {**ag, "agent_ev": "write_end", "room": 8, "rid": "r2", "pages": 3, "wall_start": 99.0, "wall": 99.5}]
+    v = oracles.kv_lifecycle(ev)
+    assert v.status == FAIL and v.stats["release_outcomes"] == {"timeout": 1}
+    (w,) = v.witnesses
+    assert w["release_outcome"] == "timeout"
+    assert w["reused_by"] == [{"rid": "r2", "room": 8, "pages": 2, "transfer_start_after_release_ms": 1000.0}]

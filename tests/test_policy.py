@@ -73,6 +73,26 @@ def test_short_transfer_leak_is_known_only_with_its_witness_and_red_unless_accep
     assert judge(ev, {"isolation": PASS}, accept_known=True).status == FAIL
 
 
+# a late write into pages decode released on its drain-ack timeout is KNOWN; any other late write is a FAIL
+def _late_write_log(outcome):
+    ag = {"ev": "agent", "source": "agent"}
+    ev = [HEADER, {**ag, "agent_ev": "kv_released", "room": 7, "rid": "v1", "wall": 10.0},
+          {**ag, "agent_ev": "write_end", "room": 7, "rid": "v1", "pages": 300, "wall_start": 5.0, "wall": 12.0}]
+    if outcome is not None:
+        ev.insert(1, {**ag, "agent_ev": "deferred_release", "room": 7, "rid": "v1", "outcome": outcome, "wall": 10.0})
+    return ev
+
+
+def test_a_late_write_is_known_only_into_pages_released_on_the_deferred_timeout():
+    p = Policy(accept_known=True)
+    for outcome, want in (("timeout", "known"), ("drained", FAIL), (None, FAIL)):
+        ev = _late_write_log(outcome)
+        j = p.judge([oracles.kv_lifecycle(ev)], Context.of(ev), {"kv_lifecycle": PASS})
+        assert j.status == want, (outcome, j.message())
+        if want == "known":
+            assert j.known[0].finding.id == "sglang-deferred-release-timeout-late-write"
+
+
 # the auto-truncation leak is KNOWN only when the victim is an oversized prompt prefill sent truncated;
 # the same leak through the reject path's one-page placeholder (the GLM-5.3 incident) stays a FAIL
 def _truncated_log(pages, page_size=None):

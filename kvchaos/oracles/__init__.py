@@ -19,7 +19,7 @@
 
 from __future__ import annotations
 
-from collections import defaultdict
+from collections import Counter, defaultdict
 from dataclasses import asdict, dataclass, field
 
 import math
@@ -412,9 +412,29 @@ def pages_for(n_tokens: int, page_size: int) -> int:
     return -(-int(n_tokens) // max(1, int(page_size)))
 
 
+def _reused_by(room, released_at: float, starts: dict, limit: int = 5) -> list[dict]:
+    """Requests whose transfers, begun after ``room``'s pages were released, were given some of those
+    decode pages (``transfer_start`` ``dst_pages``): who owned the pages a late write landed in."""
+    mine = set((starts.get(room) or {}).get("dst_pages") or ())
+    out = []
+    if not mine:
+        return out
+    for r, s in starts.items():
+        if r == room or s["wall"] <= released_at:
+            continue
+        shared = mine.intersection(s.get("dst_pages") or ())
+        if shared:
+            out.append({"rid": s.get("rid"), "room": r, "pages": len(shared),
+                        "transfer_start_after_release_ms": round(1000 * (s["wall"] - released_at), 1)})
+    out.sort(key=lambda x: x["transfer_start_after_release_ms"])
+    return out[:limit]
+
+
 def kv_lifecycle(events: list[dict], tolerance_s: float = 0.0) -> Verdict:
     """No KV write into decode's pages ends after decode released them (same bootstrap room)."""
     released: dict = {}
+    outcome: dict = {}  # room -> SGLang's deferred-release outcome (drained | timeout), agent evidence
+    starts: dict = {}  # room -> its first transfer_start (decode pages it was given, when prefill began)
     writes = defaultdict(list)
     n_writes = 0
     for e in events:
@@ -422,9 +442,13 @@ def kv_lifecycle(events: list[dict], tolerance_s: float = 0.0) -> Verdict:
         room = e.get("room")
         if room is None:
             continue
-        if kind == "kv_released":
+        if kind == "transfer_start":
+            starts.setdefault(room, e)
+        elif kind == "kv_released":
             if room not in released or e["wall"] < released[room]["wall"]:
                 released[room] = e
+        elif kind == "deferred_release":
+            outcome.setdefault(room, e.get("outcome"))
         elif kind == "write_end":
             writes[room].append(e)
             n_writes += 1
@@ -436,9 +460,12 @@ def kv_lifecycle(events: list[dict], tolerance_s: float = 0.0) -> Verdict:
                                   "released_at": rel["wall"], "write_start": w.get("wall_start"), "write_end": w["wall"],
                                   "after_release_ms": round(1000 * (w["wall"] - rel["wall"]), 1),
                                   "deferred_release_enabled": rel.get("deferred_release_enabled"),
+                                  "release_outcome": outcome.get(room),
+                                  "reused_by": _reused_by(room, rel["wall"], starts),
                                   "problem": "KV write landed in decode pages after decode released them"})
     stats = {"writes": n_writes, "released_rooms": len(released),
-             "released_with_writes": sum(1 for r in released if writes.get(r))}
+             "released_with_writes": sum(1 for r in released if writes.get(r)),
+             "release_outcomes": dict(Counter(outcome.values()))}
     if witnesses:
         w = witnesses[0]
         return Verdict("kv_lifecycle", FAIL, f"{len(witnesses)} KV write(s) landed after decode released the pages "
