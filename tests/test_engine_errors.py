@@ -50,6 +50,30 @@ def test_heal_restarts_the_role_once_and_records_it(tmp_path, monkeypatch):
     assert c.heal_engine_errors() == [] and restarts == ["prefill"]   # healed once
 
 
+def test_a_prefill_restart_waits_for_decode_to_drop_the_old_instance(tmp_path):
+    """Decode keeps a prefill that came back on the same bootstrap address within its heartbeat window
+    and never handshakes with the new one; a restart starts prefill only once decode's log says it
+    dropped the old (bounded)."""
+    import threading
+
+    c = Cluster(ClusterSpec.load("cpu"), tmp_path)
+    log = tmp_path / "decode.log"
+    log.write_text("[2026-12-02 01:15:25] Lost connection with prefill instance (earlier, before the mark)\n")
+    c.procs = {"decode": type("P", (), {"log_path": log})()}
+    mark = c._log_size("decode")
+    assert c._wait_decode_dropped_prefill(mark, timeout_s=0.6) is None  # an old line does not count
+
+    def heartbeat():
+        with open(log, "a") as f:
+            f.write("[2026-12-02 01:16:40] Attempting to reconnect to 127.0.0.1:29982...\n"
+                    "[2026-12-02 01:16:40] Lost connection with prefill instance (bootstrap_addr: 127.0.0.1:29982), "
+                    "0 requests affected\n")
+
+    threading.Timer(0.7, heartbeat).start()
+    waited = c._wait_decode_dropped_prefill(mark, timeout_s=10)
+    assert waited is not None and 0.5 <= waited < 5
+
+
 def V(oracle, status, witnesses=()):
     return Verdict(oracle, status, f"{oracle} {status}", list(witnesses))
 

@@ -37,6 +37,7 @@ from .spec import ClusterSpec
 REPO_ROOT = Path(__file__).resolve().parents[2]
 BOOT_DIR = REPO_ROOT / "kvchaos" / "_boot"
 LOOPBACK = "127.0.0.1"
+DECODE_DROP_WAIT_S = 25.0  # how long a prefill restart waits for decode to drop the old instance
 
 
 # Engine failures that leave the server process alive and answering /health while it no longer works.
@@ -345,8 +346,10 @@ class Cluster(_ClusterAPI):
             raise ValueError(f"cannot restart {role!r}; roles: {sorted(self._launch)}")
         t0 = time.monotonic()
         old = self.procs.get(role)
+        mark = self._log_size("decode") if role == "prefill" else None
         if old is not None:
             stop_all([old], grace_s=5.0)
+        dropped = self._wait_decode_dropped_prefill(mark) if mark is not None else None
         argv, renv, log, health = self._launch[role]
         self.procs[role] = ManagedProcess(role, argv, renv, log, self.reaper, self.token)
         deadline = t0 + (timeout_s or self.spec.startup_timeout_s)
@@ -355,8 +358,36 @@ class Cluster(_ClusterAPI):
         self._wait_router(deadline)
         rec = {"role": role, "healthy_s": round(healthy, 2), "rejoined_s": round(time.monotonic() - t0, 2),
                "pid": self.procs[role].pid}
+        if mark is not None:
+            rec["decode_dropped_prefill_s"] = dropped
         self.restarts.append(rec)
         return rec
+
+    def _log_size(self, role: str) -> int | None:
+        p = self.procs.get(role)
+        try:
+            return os.path.getsize(p.log_path) if p is not None else None
+        except OSError:
+            return None
+
+    def _wait_decode_dropped_prefill(self, mark: int, timeout_s: float = DECODE_DROP_WAIT_S) -> float | None:
+        """After prefill stopped: seconds until decode's log says it dropped the old instance (SGLang's
+        heartbeat: "Lost connection with prefill instance"), or None after ``timeout_s``. A prefill back
+        on the same bootstrap address inside decode's heartbeat window is never re-handshaken (decode
+        keeps the dead instance's session; every later transfer fails: seen on 0.5.23 with restarts
+        ~15 s apart), so a restart starts the new prefill only once decode has let go of the old."""
+        t0 = time.monotonic()
+        path = self.procs["decode"].log_path
+        while time.monotonic() - t0 < timeout_s:
+            try:
+                with open(path, "rb") as f:
+                    f.seek(mark)
+                    if b"Lost connection with prefill instance" in f.read():
+                        return round(time.monotonic() - t0, 2)
+            except OSError:
+                return None
+            time.sleep(0.5)
+        return None
 
     def _first_round_trip(self, deadline: float) -> None:
         last = None
