@@ -101,3 +101,26 @@ def test_aborts_at_random_points_of_delayed_transfers(experiment, faults, cluste
     print(f"{len(aborted)} aborts, {len(mid)} landed mid-transfer")
     assert mid, f"no abort landed mid-transfer ({len(aborted)} aborts): the test exercised nothing"
     ex.require(isolation=PASS, kv_lifecycle=PASS, liveness=PASS)
+
+
+RELEASE_TIMEOUT_S = 3.0
+
+
+def test_write_held_past_the_deferred_release_timeout(experiment, faults, cluster):
+    """Decode holds an aborted transfer's pages until prefill acks the drain — or until
+    ``SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT`` (30 s; 3 s here, set on the live
+    queues) passes, and then releases them anyway (SGLang PR #38961). A write held in prefill past the
+    timeout, among other tenants' traffic, then lands late. A correct engine never lets a write end in
+    pages it gave back (``kv_lifecycle``) and never serves foreign data (isolation)."""
+    wl = Workload(203, n_tenants=8, prefix="mt")
+    plans = wl.mix(72, lengths=(150, 500))
+    victims = [p for p in plans if p.tenant == "t003"][:2]
+    with experiment("abort_past_timeout", plans, checks(), seed=203, concurrency=6, timeout_s=BOUND_S) as ex:
+        faults.agent.arm("decode", "deferred_release_timeout", params={"s": RELEASE_TIMEOUT_S})
+        chor = ex.during(abort_in_flight(cluster, faults, victims, hold_s=RELEASE_TIMEOUT_S + 2))
+    faults.log.emit("observed", choreography=chor.result)
+    assert [r.get("error") for r in chor.result] == [None] * len(victims), chor.result
+    rooms = {r["room"] for r in chor.result}
+    outcomes = {e["room"]: e["outcome"] for e in ex.events if e.get("agent_ev") == "deferred_release"}
+    assert {outcomes.get(r) for r in rooms} == {"timeout"}, outcomes  # the timeout path, not the drain ack
+    ex.require(isolation=PASS, kv_lifecycle=PASS, liveness=PASS)

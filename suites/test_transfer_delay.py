@@ -86,3 +86,25 @@ def test_short_transfer_is_not_served_as_a_clean_reply(experiment, faults):
     served = [r for r in shorted if ex.run.statuses.get(r) == 200]
     faults.log.emit("observed", shorted=shorted, served_200=served, isolation=ex.by["isolation"].status)
     ex.require(isolation=PASS, liveness=PASS)
+
+
+RACE_BOUND_S = 15
+
+
+@pytest.mark.slow  # ~1.5 min with prefill's restart; on 0.5.23 it only ever shows the KNOWN finding
+def test_status_read_race_does_not_stop_every_transfer(experiment, faults):
+    """Prefill's Mooncake transfer worker, done with a room, asks whether the room is still in
+    ``request_status`` and then reads it; the scheduler thread ``clear()``s a room it polled Success
+    in between. The fault stalls that one read 300 ms (timing only, as a busy host does now and then).
+    A correct engine carries on (upstream PR #27162 fails one request instead); on 0.5.23 the worker
+    thread dies on the KeyError and every later transfer stalls — the registry's
+    ``sglang-mooncake-transfer-worker-dies`` (KNOWN only with the engine's traceback as witness)."""
+    wl = Workload(105, n_tenants=4, prefix="r")
+    plans = wl.mix(10, lengths=(100, 300), sharing={"none": 1})  # all ten in flight at once
+    with experiment("status_read_race", plans, [Liveness(bound_s=RACE_BOUND_S)], seed=105, concurrency=10,
+                    timeout_s=RACE_BOUND_S, settle_s=5) as ex:
+        f = faults.agent.arm("prefill", "stall_status_read", target={"rid": plans[0].rid}, params={"ms": 300})
+    fired = f.verify()
+    faults.log.emit("observed", cleared_during_stall=fired[0]["cleared_during_stall"],
+                    engine_errors=[e["signature"] for e in ex.engine_errors])
+    ex.require(liveness=PASS)

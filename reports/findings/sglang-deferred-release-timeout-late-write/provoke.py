@@ -1,0 +1,127 @@
+"""Reproduce sglang-deferred-release-timeout-late-write: decode gives an aborted transfer's pages back on
+its drain-ack timeout while prefill's KV write into them is still in flight; the write lands late, in
+pages decode has since handed to other requests.
+
+    python reports/findings/sglang-deferred-release-timeout-late-write/provoke.py [--trials 10]
+        [--control 3] [--timeout-s 3] [--layout LAYOUT] [--out DIR]
+
+Starts its own PD cluster (the CPU profile, with the kvchaos agent), sets decode's deferred-release
+timeout (SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT, 30 s by default) to --timeout-s on
+the live queues, then per trial: 12 requests of 4 tenants through the router; the first one's KV write
+is held inside prefill's transfer worker (agent ``hold``), the request is aborted on prefill and
+decode, the write is released --timeout-s + 2 s later (an armed trial) or 0.3 s later (a control
+trial: within the timeout, so prefill's drain ack arrives first), and lands. Each trial is judged by
+kvchaos' kv_lifecycle checker over the engines' own events: reproduced when a write ended in pages
+decode had released, in a room SGLang's own outcome says it released on timeout.
+
+Writes DIR/provoke.json and the cluster's logs under DIR/cluster/; prints a line per trial and
+"reproduced K/N".
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import threading
+import time
+
+import httpx
+
+sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", "..")))  # the repo root
+
+from faults import open_network_proxy  # noqa: E402
+from faults.engine import AgentClient  # noqa: E402
+from kvchaos.cluster import Cluster, ClusterSpec  # noqa: E402
+from kvchaos.cluster.layouts import apply, parse  # noqa: E402
+from kvchaos.oracles import kv_lifecycle  # noqa: E402
+from kvchaos.workload import EventLog, Workload, run_plans  # noqa: E402
+
+
+def trial(c: Cluster, ctl: AgentClient, out: str, i: int, hold_s: float) -> dict:
+    plans = Workload(2000 + i, n_tenants=4, prefix=f"y{i:02d}").mix(12, lengths=(200, 500), sharing={"none": 1})
+    victim = max(plans[:4], key=lambda p: p.n_tokens)  # early and long: many pages to hand on
+    t0 = time.time()
+    hold = ctl.arm("prefill", "hold", target={"rid": victim.rid}, params={"max_hold_s": 60})
+    log = EventLog(os.path.join(out, f"trial-{i:02d}.events.jsonl"))
+    driver = threading.Thread(target=run_plans, args=(c.endpoints.router, plans, log),
+                              kwargs={"concurrency": 4, "timeout_s": 60}, daemon=True)
+    driver.start()
+    rec = {"trial": i, "hold_s": hold_s, "victim": victim.rid}
+    try:
+        held = ctl.wait_event("prefill", "fault_fired", fault=hold.id, phase="held", timeout=90)
+        for url in (c.endpoints.prefill, c.endpoints.decode):
+            httpx.post(f"{url}/abort_request", json={"rid": victim.rid}, timeout=10)
+        time.sleep(hold_s)
+        hold.release()
+        late = ctl.wait_event("prefill", "fault_fired", fault=hold.id, phase="late_write", timeout=30)
+        rec.update(room=held.get("room"), room_status_at_write=late.get("room_status_at_write"))
+    except TimeoutError as e:
+        rec["error"] = str(e)
+    finally:
+        hold.heal()
+        driver.join(timeout=180)
+        log.close()
+    time.sleep(1)
+    evs = [{"ev": "agent", "agent_ev": e["ev"], **{k: v for k, v in e.items() if k != "ev"}}
+           for e in ctl.events() if e["wall"] >= t0]
+    v = kv_lifecycle(evs)
+    mine = [w for w in v.witnesses if w["room"] == rec.get("room")]
+    rec.update(kv_lifecycle=v.status, summary=v.summary, witnesses=v.witnesses,
+               release_outcomes=[e.get("outcome") for e in evs if e.get("agent_ev") == "deferred_release"
+                                 and e.get("room") == rec.get("room")],
+               reproduced=bool(mine) and all(w.get("release_outcome") == "timeout" for w in mine))
+    return rec
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--trials", type=int, default=10)
+    ap.add_argument("--control", type=int, default=3, help="trials whose write is released within the timeout")
+    ap.add_argument("--timeout-s", type=float, default=3.0)
+    ap.add_argument("--layout", default=None, help="a KV layout name (default: the CPU profile's own)")
+    ap.add_argument("--out", default="/tmp/kvchaos-deferred-release-timeout")
+    a = ap.parse_args()
+    if a.trials < 1 or a.control < 0 or a.timeout_s <= 0:
+        ap.error("--trials >= 1, --control >= 0, --timeout-s > 0")
+    shutil.rmtree(a.out, ignore_errors=True)
+    os.makedirs(a.out)
+    base = ClusterSpec.load("cpu")
+    data = apply(base.to_dict(), parse(a.layout)) if a.layout else base.to_dict()
+    spec = ClusterSpec.from_dict(data, source="provoke sglang-deferred-release-timeout-late-write")
+    t0 = time.monotonic()
+    c = Cluster(spec, os.path.join(a.out, "cluster"), proxy_factory=open_network_proxy).start()
+    results = {"layout": a.layout or "profile", "timeout_s": a.timeout_s, "trials": []}
+    try:
+        print(f"cluster up in {time.monotonic() - t0:.0f} s; router {c.endpoints.router}", flush=True)
+        ctl = AgentClient(c.agent_dir)
+        ctl.wait_agents("decode", ("_defer_release",), timeout=60)
+        setting = ctl.arm("decode", "deferred_release_timeout", params={"s": a.timeout_s}, hooks=("_defer_release",))
+        try:
+            for i in range(a.control + a.trials):
+                armed = i >= a.control
+                r = trial(c, ctl, a.out, i, a.timeout_s + 2 if armed else 0.3)
+                r["armed"] = armed
+                results["trials"].append(r)
+                reuse = [(x["rid"], x["pages"]) for w in r["witnesses"] for x in w.get("reused_by", [])][:3]
+                print(f"trial {i:2d} {'armed  ' if armed else 'control'} (write released after {r['hold_s']} s): "
+                      f"kv_lifecycle {r['kv_lifecycle']}, release {r['release_outcomes']}, "
+                      f"reproduced {r['reproduced']}; pages then given to {reuse}"
+                      + (f" ERROR {r['error']}" if r.get("error") else ""), flush=True)
+        finally:
+            setting.heal()
+    finally:
+        c.stop()
+        armed = [r for r in results["trials"] if r["armed"]]
+        ctrl = [r for r in results["trials"] if not r["armed"]]
+        results["reproduced"] = sum(r["reproduced"] for r in armed)
+        results["control_failed"] = sum(r["kv_lifecycle"] == "fail" for r in ctrl)
+        with open(os.path.join(a.out, "provoke.json"), "w") as f:
+            json.dump(results, f, indent=1, default=str)
+        print(f"reproduced {results['reproduced']}/{len(armed)} (control, released within the timeout: "
+              f"{results['control_failed']}/{len(ctrl)} kv_lifecycle FAIL); {a.out}/provoke.json", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,110 @@
+"""Reproduce sglang-mooncake-transfer-worker-dies: prefill's Mooncake transfer thread dies on a KeyError
+and every later KV transfer stalls, while prefill stays up and answers /health.
+
+    python reports/findings/sglang-mooncake-transfer-worker-dies/provoke.py [--trials 10] [--control 3]
+        [--layout LAYOUT] [--ms 300] [--out DIR]
+
+Starts its own PD cluster (the CPU profile, with the kvchaos agent; --layout as in `kvchaos up`), then
+per trial: arms ``stall_status_read`` (ms) on the first of 6 requests, sends the 6 at once through the
+router (20 s client timeout), and looks in prefill's log for the engine's own traceback
+("Transfer thread failed because of <room>") naming the stalled request's bootstrap room. A trial
+whose worker died restarts prefill before the next. ``--control N`` runs N trials with nothing armed
+first: the race's natural rate at this load (the window is a few bytecodes wide).
+
+The race (mooncake/conn.py, end of ``transfer_worker``): ``room not in self.request_status or
+self.check_status(room) == KVPoll.Success`` reads ``request_status`` twice; prefill's scheduler thread
+``clear()``s the room (prefill.py, once it polled Success) in between. The fault stalls the second
+read — SGLang's own read, made late; nothing else changes.
+
+Writes DIR/provoke.json (per trial: armed, fired, cleared during the stall, died, the witness, request
+outcomes) and the cluster's logs under DIR/cluster/; prints a line per trial and "reproduced K/N".
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import time
+from collections import Counter
+
+sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", "..")))  # the repo root
+
+from faults import open_network_proxy  # noqa: E402
+from faults.engine import AgentClient  # noqa: E402
+from kvchaos.cluster import Cluster, ClusterSpec  # noqa: E402
+from kvchaos.cluster.layouts import apply, parse  # noqa: E402
+from kvchaos.workload import EventLog, Workload, run_plans  # noqa: E402
+
+SIGNATURE = "mooncake_transfer_worker_died"
+
+
+def trial(c: Cluster, ctl: AgentClient, out: str, i: int, ms: float | None) -> dict:
+    plans = Workload(1000 + i, n_tenants=3, prefix=f"x{i:02d}").mix(6, lengths=(100, 300))
+    victim = plans[0]
+    f = ctl.arm("prefill", "stall_status_read", target={"rid": victim.rid}, params={"ms": ms}) if ms else None
+    with EventLog(os.path.join(out, f"trial-{i:02d}.events.jsonl")) as log:
+        run_plans(c.endpoints.router, plans, log, concurrency=len(plans), timeout_s=20)
+        ends = {e["rid"]: e for e in log.records if e.get("ev") == "end"}
+    fired = f.fired_events() if f else []
+    if f:
+        f.heal()
+    time.sleep(2)  # the traceback is written as the thread dies; give the log a moment
+    errors = [e for e in c.engine_errors() if e["signature"] == SIGNATURE]
+    rooms = {str(e["room"]) for e in fired}
+    rec = {"trial": i, "armed": bool(ms), "ms": ms, "victim": victim.rid, "fired": len(fired),
+           "cleared_during_stall": [e.get("cleared_during_stall") for e in fired],
+           "died": bool(errors), "witness_is_the_stalled_room": bool(rooms & {str(e.get("cause")) for e in errors}),
+           "witness": errors[0]["line"] if errors else None,
+           "outcomes": dict(Counter(str(e.get("outcome")) for e in ends.values()))}
+    if errors:
+        rec["restart"] = c.heal_engine_errors()[0]["healed"]
+        ctl.wait_agents("prefill", ("check_status",), timeout=60)
+    return rec
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--trials", type=int, default=10)
+    ap.add_argument("--control", type=int, default=3, help="trials with nothing armed, first")
+    ap.add_argument("--layout", default=None, help="a KV layout name (default: the CPU profile's own)")
+    ap.add_argument("--ms", type=float, default=300.0)
+    ap.add_argument("--out", default="/tmp/kvchaos-transfer-worker-dies")
+    a = ap.parse_args()
+    if a.trials < 1 or a.control < 0 or a.ms <= 0:
+        ap.error("--trials >= 1, --control >= 0, --ms > 0")
+    shutil.rmtree(a.out, ignore_errors=True)
+    os.makedirs(a.out)
+    base = ClusterSpec.load("cpu")
+    data = apply(base.to_dict(), parse(a.layout)) if a.layout else base.to_dict()
+    spec = ClusterSpec.from_dict(data, source="provoke sglang-mooncake-transfer-worker-dies")
+    t0 = time.monotonic()
+    c = Cluster(spec, os.path.join(a.out, "cluster"), proxy_factory=open_network_proxy).start()
+    results = {"layout": a.layout or "profile", "ms": a.ms, "trials": []}
+    try:
+        print(f"cluster up in {time.monotonic() - t0:.0f} s; router {c.endpoints.router}", flush=True)
+        ctl = AgentClient(c.agent_dir)
+        c.engine_errors()  # what boot wrote is not a trial's
+        for i in range(a.control + a.trials):
+            armed = i >= a.control
+            r = trial(c, ctl, a.out, i, a.ms if armed else None)
+            results["trials"].append(r)
+            print(f"trial {i:2d} {'armed  ' if armed else 'control'}: fired {r['fired']} "
+                  f"cleared-in-stall {r['cleared_during_stall']} died {r['died']} "
+                  f"(witness names the stalled room: {r['witness_is_the_stalled_room']}) outcomes {r['outcomes']}",
+                  flush=True)
+    finally:
+        c.stop()
+        armed = [r for r in results["trials"] if r["armed"]]
+        ctrl = [r for r in results["trials"] if not r["armed"]]
+        results["reproduced"] = sum(r["died"] and r["witness_is_the_stalled_room"] for r in armed)
+        results["control_died"] = sum(r["died"] for r in ctrl)
+        with open(os.path.join(a.out, "provoke.json"), "w") as f:
+            json.dump(results, f, indent=1, default=str)
+        print(f"reproduced {results['reproduced']}/{len(armed)} (control, nothing armed: "
+              f"{results['control_died']}/{len(ctrl)} died); {a.out}/provoke.json", flush=True)
+
+
+if __name__ == "__main__":
+    main()
