@@ -89,6 +89,23 @@ def findings() -> str:
     return "\n".join(out) + f"\n\n(from `{FINDINGS.relative_to(REPO)}`)"
 
 
+def engine_hunt() -> str:
+    """One row per finding reproduced by its committed provoke.py: trials armed and reproduced, the
+    control trials and what they showed (``reports/findings/<id>/runs/provoke.json``)."""
+    titles = {f["id"]: f["title"] for f in tomllib.loads(FINDINGS.read_text())["finding"]}
+    out = ["| target (finding) | trials | reproduced | control trials failing | report |", "|---|---|---|---|---|"]
+    for path in sorted((REPO / "reports" / "findings").glob("*/runs/provoke.json")):
+        fid = path.parent.parent.name
+        r = _load(path)
+        armed = [t for t in r["trials"] if t["armed"]]
+        control = [t for t in r["trials"] if not t["armed"]]
+        failing = r.get("control_failed", r.get("control_died"))
+        out.append(f"| {titles.get(fid, '?')} (`{fid}`) | {len(armed)} + {len(control)} control | "
+                   f"**{r['reproduced']}/{len(armed)}** | {failing}/{len(control)} | "
+                   f"[report](reports/findings/{fid}/README.md) |")
+    return "\n".join(out) + "\n\n(from `reports/findings/*/runs/provoke.json`)"
+
+
 def _release_table(path: Path) -> str:
     sys.path.insert(0, str(REPO))
     from kvchaos.releases import render_markdown
@@ -108,7 +125,8 @@ def release_table_auto_truncate() -> str:
 
 FIGURES = {"release-table": release_table, "release-table-auto-truncate": release_table_auto_truncate,
            "glm53-witness": glm53_witness, "replay-verdicts": replay_verdicts,
-           "replay-witness": replay_witness, "detection-matrix": detection_matrix, "findings": findings}
+           "replay-witness": replay_witness, "detection-matrix": detection_matrix, "findings": findings,
+           "engine-hunt": engine_hunt}
 
 
 def render(text: str) -> str:
