@@ -251,14 +251,24 @@ def pytest_runtest_makereport(item, call):
 
     if call.excinfo.errisinstance(FaultDidNotFire):
         # a fault that acted less than required is a blind run — unless the engine broke under it in a
-        # way a known, accepted finding explains (then KNOWN, with both messages); a leak stays red
+        # way a known, accepted finding explains (then KNOWN, with both messages). Every experiment of
+        # the test is judged first: a leak, or a breakage nothing explains, anywhere in it stays red
+        explained, red = [], False
         for ex in getattr(item, "_kvchaos_experiments", ()):
+            if not ex.verdicts:
+                continue
             j = ex.engine_broke()
-            if j is not None and j.status == KNOWN and not j.red:
-                findings = sorted({i.finding.id for i in j.known})
-                _known(item, rep, findings, f"{exc}\nbecause the engine broke during experiment {ex.name} "
-                                            f"({ex.id}):\n{j.message()}")
-                return
+            if j is None:
+                red = red or bool(ex.judge().red)
+            elif j.status == KNOWN and not j.red:
+                explained.append((ex, j))
+            else:
+                red = True
+        if explained and not red:
+            findings = sorted({i.finding.id for _ex, j in explained for i in j.known})
+            why = "\n".join(f"because the engine broke during experiment {ex.name} ({ex.id}):\n{j.message()}"
+                            for ex, j in explained)
+            _known(item, rep, findings, f"{exc}\n{why}")
 
 
 def _known(item, rep, findings, message: str) -> None:

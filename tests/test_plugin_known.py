@@ -85,7 +85,9 @@ def test_a_fault_starved_on_a_healthy_engine_fails(tmp_path):
 
 
 def test_a_leak_beside_a_broken_engine_stays_red(tmp_path):
-    r, _ = inner(tmp_path, "--kvchaos-accept-known", k="broken_engine_leak")
+    r, _ = inner(tmp_path, "--kvchaos-accept-known", k="broken_engine_leak and not elsewhere")
+    assert r.returncode == 1 and "1 failed" in r.stdout, r.stdout[-1500:]
+    r, _ = inner(tmp_path / "2", "--kvchaos-accept-known", k="broken_engine_leak_elsewhere")
     assert r.returncode == 1 and "1 failed" in r.stdout, r.stdout[-1500:]
 
 

@@ -117,3 +117,15 @@ def test_fault_starved_healthy_engine(experiment, fake):
 
 def test_fault_starved_broken_engine_leak(experiment, broken):
     _fault_starved(experiment, broken, "leaky", leak=True)
+
+
+def test_fault_starved_broken_engine_leak_elsewhere(experiment, broken, fake):
+    """The engine broke in one experiment; another experiment of the same test leaked (never judged,
+    the test stopped at the fault check): red."""
+    wl = Workload(12, n_tenants=4, prefix="lk")
+    plans = [wl.request(wl.tenants[i % 4], n_canaries=2) for i in range(30)]
+    plant_leak(plans[7], plans[2])
+    with experiment("leak_elsewhere", plans, [Isolation(), Sensitivity()], cluster=fake, faults=None,
+                    settle_s=0, timeout_s=10):
+        pass
+    _fault_starved(experiment, broken, "starved2", leak=False)
