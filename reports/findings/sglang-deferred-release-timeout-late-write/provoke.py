@@ -19,22 +19,19 @@ Writes DIR/provoke.json and the cluster's logs under DIR/cluster/; prints a line
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
-import shutil
 import sys
 import threading
 import time
 
 import httpx
 
-sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", "..")))  # the repo root
+sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..")))  # reports/findings
 
-from faults import open_network_proxy  # noqa: E402
+from _provoke import check, parser, start_cluster  # noqa: E402  (puts the repo root on sys.path)
 from faults.engine import AgentClient  # noqa: E402
-from kvchaos.cluster import Cluster, ClusterSpec  # noqa: E402
-from kvchaos.cluster.layouts import apply, parse  # noqa: E402
+from kvchaos.cluster import Cluster  # noqa: E402
 from kvchaos.oracles import kv_lifecycle  # noqa: E402
 from kvchaos.workload import EventLog, Workload, run_plans  # noqa: E402
 
@@ -76,25 +73,15 @@ def trial(c: Cluster, ctl: AgentClient, out: str, i: int, hold_s: float) -> dict
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--trials", type=int, default=10)
-    ap.add_argument("--control", type=int, default=3, help="trials whose write is released within the timeout")
+    ap = parser(__doc__, "/tmp/kvchaos-deferred-release-timeout", "trials whose write is released within the timeout")
     ap.add_argument("--timeout-s", type=float, default=3.0)
-    ap.add_argument("--layout", default=None, help="a KV layout name (default: the CPU profile's own)")
-    ap.add_argument("--out", default="/tmp/kvchaos-deferred-release-timeout")
     a = ap.parse_args()
-    if a.trials < 1 or a.control < 0 or a.timeout_s <= 0:
-        ap.error("--trials >= 1, --control >= 0, --timeout-s > 0")
-    shutil.rmtree(a.out, ignore_errors=True)
-    os.makedirs(a.out)
-    base = ClusterSpec.load("cpu")
-    data = apply(base.to_dict(), parse(a.layout)) if a.layout else base.to_dict()
-    spec = ClusterSpec.from_dict(data, source="provoke sglang-deferred-release-timeout-late-write")
-    t0 = time.monotonic()
-    c = Cluster(spec, os.path.join(a.out, "cluster"), proxy_factory=open_network_proxy).start()
+    check(ap, a)
+    if a.timeout_s <= 0:
+        ap.error("--timeout-s > 0")
+    c = start_cluster(a, "provoke sglang-deferred-release-timeout-late-write")
     results = {"layout": a.layout or "profile", "timeout_s": a.timeout_s, "trials": []}
     try:
-        print(f"cluster up in {time.monotonic() - t0:.0f} s; router {c.endpoints.router}", flush=True)
         ctl = AgentClient(c.agent_dir)
         ctl.wait_agents("decode", ("_defer_release",), timeout=60)
         setting = ctl.arm("decode", "deferred_release_timeout", params={"s": a.timeout_s}, hooks=("_defer_release",))

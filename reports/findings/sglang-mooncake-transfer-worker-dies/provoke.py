@@ -21,20 +21,17 @@ outcomes) and the cluster's logs under DIR/cluster/; prints a line per trial and
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
-import shutil
 import sys
 import time
 from collections import Counter
 
-sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", "..")))  # the repo root
+sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..")))  # reports/findings
 
-from faults import open_network_proxy  # noqa: E402
+from _provoke import check, parser, start_cluster  # noqa: E402  (puts the repo root on sys.path)
 from faults.engine import AgentClient  # noqa: E402
-from kvchaos.cluster import Cluster, ClusterSpec  # noqa: E402
-from kvchaos.cluster.layouts import apply, parse  # noqa: E402
+from kvchaos.cluster import Cluster  # noqa: E402
 from kvchaos.workload import EventLog, Workload, run_plans  # noqa: E402
 
 SIGNATURE = "mooncake_transfer_worker_died"
@@ -65,25 +62,15 @@ def trial(c: Cluster, ctl: AgentClient, out: str, i: int, ms: float | None) -> d
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--trials", type=int, default=10)
-    ap.add_argument("--control", type=int, default=3, help="trials with nothing armed, first")
-    ap.add_argument("--layout", default=None, help="a KV layout name (default: the CPU profile's own)")
+    ap = parser(__doc__, "/tmp/kvchaos-transfer-worker-dies", "trials with nothing armed, first")
     ap.add_argument("--ms", type=float, default=300.0)
-    ap.add_argument("--out", default="/tmp/kvchaos-transfer-worker-dies")
     a = ap.parse_args()
-    if a.trials < 1 or a.control < 0 or a.ms <= 0:
-        ap.error("--trials >= 1, --control >= 0, --ms > 0")
-    shutil.rmtree(a.out, ignore_errors=True)
-    os.makedirs(a.out)
-    base = ClusterSpec.load("cpu")
-    data = apply(base.to_dict(), parse(a.layout)) if a.layout else base.to_dict()
-    spec = ClusterSpec.from_dict(data, source="provoke sglang-mooncake-transfer-worker-dies")
-    t0 = time.monotonic()
-    c = Cluster(spec, os.path.join(a.out, "cluster"), proxy_factory=open_network_proxy).start()
+    check(ap, a)
+    if a.ms <= 0:
+        ap.error("--ms > 0")
+    c = start_cluster(a, "provoke sglang-mooncake-transfer-worker-dies")
     results = {"layout": a.layout or "profile", "ms": a.ms, "trials": []}
     try:
-        print(f"cluster up in {time.monotonic() - t0:.0f} s; router {c.endpoints.router}", flush=True)
         ctl = AgentClient(c.agent_dir)
         c.engine_errors()  # what boot wrote is not a trial's
         for i in range(a.control + a.trials):
