@@ -72,6 +72,8 @@ def test_a_prefill_restart_waits_for_decode_to_drop_the_old_instance(tmp_path):
     threading.Timer(0.7, heartbeat).start()
     waited = c._wait_decode_dropped_prefill(mark, timeout_s=10)
     assert waited is not None and 0.5 <= waited < 5
+    # prefill was killed before the restart and decode already let go: no wait at all
+    assert c._wait_decode_dropped_prefill(mark, timeout_s=10) < 0.5
 
 
 def V(oracle, status, witnesses=()):

@@ -257,6 +257,7 @@ class Cluster(_ClusterAPI):
         self.proxy = None  # what proxy_factory made, when spec.network_proxy is set (hooks.NetworkProxy)
         self._launch: dict[str, tuple] = {}  # role -> (argv, env, log, health url) for restart()
         self.restarts: list[dict] = []
+        self._decode_log_at_prefill_start = 0  # where decode's log stood when the running prefill started
         self._log_offsets: dict[str, int] = {}
         self.engine_failures: list[dict] = []  # every ENGINE_ERRORS match seen, with "healed" (restart record)
 
@@ -346,11 +347,15 @@ class Cluster(_ClusterAPI):
             raise ValueError(f"cannot restart {role!r}; roles: {sorted(self._launch)}")
         t0 = time.monotonic()
         old = self.procs.get(role)
-        mark = self._log_size("decode") if role == "prefill" else None
+        # decode may have dropped the old prefill already (killed before this restart): look from where
+        # decode's log stood when that prefill started
+        mark = self._decode_log_at_prefill_start if role == "prefill" and "decode" in self.procs else None
         if old is not None:
             stop_all([old], grace_s=5.0)
         dropped = self._wait_decode_dropped_prefill(mark) if mark is not None else None
         argv, renv, log, health = self._launch[role]
+        if role == "prefill":
+            self._decode_log_at_prefill_start = self._log_size("decode") or 0
         self.procs[role] = ManagedProcess(role, argv, renv, log, self.reaper, self.token)
         deadline = t0 + (timeout_s or self.spec.startup_timeout_s)
         wait_healthy({role: self.procs[role]}, {role: health}, deadline)
@@ -371,8 +376,9 @@ class Cluster(_ClusterAPI):
             return None
 
     def _wait_decode_dropped_prefill(self, mark: int, timeout_s: float = DECODE_DROP_WAIT_S) -> float | None:
-        """After prefill stopped: seconds until decode's log says it dropped the old instance (SGLang's
-        heartbeat: "Lost connection with prefill instance"), or None after ``timeout_s``. A prefill back
+        """After prefill stopped: seconds until decode's log, read from ``mark`` (where it stood when that
+        prefill started), says decode dropped the instance (SGLang's heartbeat: "Lost connection with
+        prefill instance"; at once when it already did), or None after ``timeout_s``. A prefill back
         on the same bootstrap address inside decode's heartbeat window is never re-handshaken (decode
         keeps the dead instance's session; every later transfer fails: seen on 0.5.23 with restarts
         ~15 s apart), so a restart starts the new prefill only once decode has let go of the old."""
