@@ -42,7 +42,11 @@ def test_stale_reservation_of_dead_owner_is_reclaimed(tmp_path, monkeypatch):
     if pid == 0:
         os._exit(0)
     os.waitpid(pid, 0)
-    # every port in a 3-port range reserved by a dead pid: still reservable
+    # every port in a 3-port range reserved by a dead pid: still reservable. The test judges the
+    # reclaim of lock files only: whether a cluster of another xdist worker (which reserves in the
+    # shared dir, not this test's private one) happens to be bound in the range is not its concern
+    # (it once was: CI red, "could not reserve 3 free ports in 24000-24003").
+    monkeypatch.setattr("kvchaos.cluster.ports._bindable", lambda port, host="127.0.0.1": True)
     for p in range(24000, 24003):
         (tmp_path / str(p)).write_text(str(pid))
     got = reserve_ports(3, port_range=(24000, 24003), attempts=200)
