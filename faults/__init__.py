@@ -55,17 +55,20 @@ def copy_agent_event(log, e: dict) -> None:
 
 
 class FaultKit:
-    def __init__(self, cluster, log):
+    def __init__(self, cluster, log, seeds=None):
+        """``seeds``: the test's :class:`kvchaos.workload.seed.Seeds` — every fault armed through this kit
+        draws its randomness (jitter, toxicity) from the next fault seed of the run."""
         from .process import ProcessFaults
 
         self.cluster, self.log = cluster, log
         self.t0 = time.time()
         self._collected: set = set()
         agent_dir = getattr(cluster, "agent_dir", None)
-        self.agent = AgentClient(agent_dir, log) if agent_dir else None
+        self.agent = AgentClient(agent_dir, log, seeds=seeds) if agent_dir else None
         self.net = getattr(cluster, "proxy", None)
         if self.net is not None:
             self.net.log = log
+            self.net.seeds = seeds
         try:
             self.proc = ProcessFaults(cluster, log)
         except TypeError:

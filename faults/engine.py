@@ -106,9 +106,10 @@ class ArmedFault(Fault):
 
 
 class AgentClient:
-    def __init__(self, ctl_dir: str, log=None, timeout: float = 10.0):
+    def __init__(self, ctl_dir: str, log=None, timeout: float = 10.0, seeds=None):
         self.dir = ctl_dir
         self.log = log
+        self.seeds = seeds  # kvchaos.workload.seed.Seeds: each armed fault's ``seed`` param (its draws)
         self.timeout = timeout
         self._armed: dict[str, ArmedFault] = {}
         self._logged: set = set()
@@ -172,8 +173,11 @@ class AgentClient:
                          ("check_status",) if kind == "stall_status_read" else ("send_kvcache",))
         agents = self.wait_agents(role, need)
         fid = f"{kind}-{uuid.uuid4().hex[:8]}"
+        params = dict(params or {})
+        if self.seeds is not None and "seed" not in params:
+            params["seed"] = self.seeds.fault()
         req = {"cmd": "arm", "id": fid, "kind": kind, "target": target or {"any": True},
-               "params": params or {}, "ttl_s": ttl_s}
+               "params": params, "ttl_s": ttl_s}
         if count is not None:
             req["count"] = count
         for a in agents:

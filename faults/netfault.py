@@ -110,6 +110,7 @@ class NetworkFaults:
         self._where = (host, int(port))
         self.embedded = server is not None
         self.log = None  # an EventLog, set by the test fixture
+        self.seeds = None  # the test's kvchaos.workload.seed.Seeds, set by the fault kit: toxics draw from it
         self._names: dict[str, dict] = {}
         self._faults: dict[str, NetFault] = {}
 
@@ -149,6 +150,9 @@ class NetworkFaults:
         if proxy not in self._names:
             raise ValueError(f"unknown proxy {proxy!r}; this cluster has {sorted(self._names)}")
         name = f"{type}-{stream}-{uuid.uuid4().hex[:6]}"
+        seeds = getattr(self, "seeds", None)
+        if seeds is not None and "seed" not in attributes:
+            attributes = {**attributes, "seed": seeds.fault()}
         p = self.tp.get_proxy(self.full(proxy))
         p.add_toxic(type=type, stream=stream, toxicity=toxicity, name=name, attributes=attributes)
         f = NetFault(self, proxy, name, type, stream, attributes, toxicity)

@@ -83,6 +83,14 @@ class Toxic:
     attributes: dict
     fired: dict = field(default_factory=lambda: {"connections": 0, "chunks": 0, "bytes": 0})
     added_at: float = field(default_factory=time.monotonic)
+    # its draws (toxicity per connection, latency jitter, slice sizes): seeded by the ``seed``
+    # attribute (kvchaos' extension; a run's seed reaches its network faults through it)
+    rng: random.Random = field(default=None, repr=False, compare=False)
+
+    def __post_init__(self):
+        if self.rng is None:
+            seed = self.attributes.get("seed")
+            self.rng = random.Random(int(seed)) if seed is not None else random.Random()
 
     @classmethod
     def from_body(cls, body: dict) -> "Toxic":
@@ -110,7 +118,7 @@ class Toxic:
 def _check_attrs(ttype: str, attrs: dict) -> dict:
     if not isinstance(attrs, dict):
         raise ApiError(400, f"toxic {ttype}: attributes must be an object")
-    allowed = TOXIC_TYPES[ttype]
+    allowed = {**TOXIC_TYPES[ttype], "seed": 0}  # seed: every type (its draws), kvchaos' extension
     out = {}
     for k, v in attrs.items():
         if k not in allowed:
@@ -152,7 +160,7 @@ class _Link:
                 continue
             key = (t.name, id(t))
             if key not in self.draws:
-                self.draws[key] = t.toxicity >= 1.0 or random.random() < t.toxicity
+                self.draws[key] = t.toxicity >= 1.0 or t.rng.random() < t.toxicity
                 if self.draws[key]:
                     t.fired["connections"] += 1
             if self.draws[key]:
@@ -263,7 +271,7 @@ class Proxy:
                 toxics = link.active(stream)
                 for t in toxics:
                     if t.type == "latency":
-                        lat = t.attributes["latency"] + random.uniform(-1, 1) * t.attributes["jitter"]
+                        lat = t.attributes["latency"] + t.rng.uniform(-1, 1) * t.attributes["jitter"]
                         wait = arrival + max(lat, 0) / 1000.0 - time.monotonic()
                         if wait > 0:
                             await asyncio.sleep(wait)
@@ -290,7 +298,7 @@ class Proxy:
                 slicer = next((t for t in toxics if t.type == "slicer"), None)
                 pieces = [data]
                 if slicer is not None:
-                    pieces = _slice(data, slicer.attributes)
+                    pieces = _slice(data, slicer.attributes, slicer.rng)
                     self._fire(slicer, data)
                 bw = next((t for t in toxics if t.type == "bandwidth"), None)
                 for i, piece in enumerate(pieces):
@@ -349,14 +357,14 @@ class Proxy:
         t.fired["bytes"] += len(data)
 
 
-def _slice(data: bytes, a: dict) -> list[bytes]:
+def _slice(data: bytes, a: dict, rng: random.Random) -> list[bytes]:
     avg = int(a.get("average_size") or 0)
     var = int(a.get("size_variation") or 0)
     if avg <= 0:
         return [data]
     out, i = [], 0
     while i < len(data):
-        n = max(1, avg + random.randint(-var, var) if var else avg)
+        n = max(1, avg + rng.randint(-var, var) if var else avg)
         out.append(data[i:i + n])
         i += n
     return out

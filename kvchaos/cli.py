@@ -8,16 +8,20 @@
   kvchaos audit  --prefill URL --decode URL [--router URL [--lb-probe MODES]] [--json] [--strict]
                                                         the incident's operator checklist on a deployment
   kvchaos report DIR                                    (re)build verdicts.json + report.html of a run dir
+  kvchaos replay RUN_DIR [SCENARIO] [--times N] [--attach A]
+                                                        re-run a recorded scenario with the run's seed; reproduced?
+  kvchaos digests RUN_DIR [RUN_DIR ...]                  plan digest per scenario; where two runs differ
   kvchaos judge  LOG [LOG ...] [--bound-s S] [--accept-known] [--checkers A,B] [--json]
                                                         judge event logs on disk with the default checkers
 
 Configuration: ``--config FILE`` (a TOML file with a ``[kvchaos]`` or ``[tool.kvchaos]`` table, or the
 keys at top level); without it ``[tool.kvchaos]`` of ./pyproject.toml. Flags override the file. Every
 key has a flag: profile model reports suites markers k attach backends verbose prefill decode router
-strict timeout releases trials release_table lb_probe lb_disconnect_ms deployment. An unknown key is an error naming it.
+strict timeout releases trials release_table lb_probe lb_disconnect_ms deployment seed. An unknown key is an error naming it.
 
 Exit status: ``run``/``repro`` pytest's; ``bisect`` 0 every trial measured, 3 some not; ``audit`` 0 no FAIL, 1 FAIL (``--strict``: or UNKNOWN);
-``report`` 0 pass or accepted KNOWN only, 1 fail, 3 unknown or no chaos verdict; ``judge`` 0 every log PASS (or KNOWN accepted), 1 any log FAIL,
+``report`` 0 pass or accepted KNOWN only, 1 fail, 3 unknown or no chaos verdict; ``replay`` 0 every repetition
+reproduced, 1 not; ``digests`` 0 no scenario's plans differ between the runs, 1 some do; ``judge`` 0 every log PASS (or KNOWN accepted), 1 any log FAIL,
 3 otherwise (UNKNOWN, or KNOWN not accepted); 2 for bad input everywhere.
 
 ``judge``: each log is judged on its own by the policy (every checker held to not-FAIL, isolation also
@@ -48,7 +52,7 @@ CONFIG_KEYS = {"profile": str, "model": str, "reports": str, "suites": list, "ma
                "backends": str, "verbose": bool, "prefill": str, "decode": str, "router": str, "strict": bool,
                "timeout": (int, float), "accept_known": bool, "blind_model": bool, "releases": str, "trials": int,
                "release_table": str, "lb_probe": str, "lb_disconnect_ms": (int, float),
-               "deployment": str}
+               "deployment": str, "seed": (int, str)}
 
 
 class UsageError(SystemExit):
@@ -128,9 +132,10 @@ def _pytest_cmd(args, run_dir: Path, suites: list[str]) -> list[str]:
            "--kvchaos-profile", args.profile, "--kvchaos-reports", str(run_dir.parent),
            f"--junitxml={run_dir / 'junit.xml'}", "-m", args.markers, "-rA"]
     for opt, val in (("--kvchaos-model", args.model), ("--kvchaos-attach", args.attach),
-                     ("--kvchaos-backends", args.backends), ("-k", args.k)):
+                     ("--kvchaos-backends", args.backends), ("-k", args.k),
+                     ("--kvchaos-seed", getattr(args, "seed", None))):
         if val:
-            cmd += [opt, val]
+            cmd += [opt, str(val)]
     for flag, on in (("--kvchaos-accept-known", args.accept_known), ("--kvchaos-strict", args.strict),
                      ("--kvchaos-blind-model", args.blind_model)):
         if on:
@@ -295,7 +300,12 @@ def _run(args, extra_env: dict | None = None) -> tuple[int, Path]:
     summary = {"run_id": run_id, "exit_code": rc, "wall_s": round(time.monotonic() - t0, 1),
                "profile": args.profile, "suites": suites, "junit": str(run_dir / "junit.xml"),
                "command": cmd}
-    (run_dir / "run.json").write_text(json.dumps(summary, indent=2))
+    meta = run_dir / "run.json"  # the plugin wrote the seed and the cluster options there: keep them
+    try:
+        before = json.loads(meta.read_text()) if meta.exists() else {}
+    except json.JSONDecodeError:
+        before = {}
+    meta.write_text(json.dumps({**before, **summary}, indent=2))
     _print_summary(run_dir)
     print(f"kvchaos: run directory {run_dir} (exit {rc})", flush=True)
     return rc, run_dir
@@ -545,6 +555,40 @@ def _parse_checkers(spec: str | None) -> list[str] | None:
     return names
 
 
+def cmd_replay(args) -> int:
+    from kvchaos.replay import ReplayError, replay
+
+    try:
+        res = replay(args.run_dir, args.scenario, times=args.times, attach=args.attach, timeout_s=args.timeout)
+    except ReplayError as e:
+        raise UsageError(f"replay: {e}") from None
+    for sc in res["scenarios"]:
+        print(f"{sc['test']}: reproduced {sc['reproduced']}/{sc['of']} (seed {res['seed']}); original "
+              + ", ".join(f"{o['name']} {o['status']} {o['verdicts']}" for o in sc["original"]))
+    print(f"kvchaos replay: {res['file']}")
+    return 0 if all(sc["reproduced"] == sc["of"] for sc in res["scenarios"]) else 1
+
+
+def cmd_digests(args) -> int:
+    from kvchaos.replay import ReplayError, digests
+
+    try:
+        res = digests(args.run_dirs)
+    except ReplayError as e:
+        raise UsageError(f"digests: {e}") from None
+    if args.json:
+        print(json.dumps(res, indent=2, default=str))
+    else:
+        for d, s in res["runs"].items():
+            print(f"run {d}: seed {s}")
+        for r in res["scenarios"]:
+            vals = list(r["digests"].values())
+            mark = "DIFFER" if len(set(vals)) > 1 else ("same" if len(vals) > 1 else "")
+            print(f"{mark:6s} {' '.join(vals)}  {r['test']} :: {r['name']} [{r['kv_layout']}]")
+        print(f"{len(res['scenarios'])} scenarios, {len(res['differ'])} differ, {len(res['missing'])} not in every run")
+    return 1 if res["differ"] else 0
+
+
 def cmd_judge(args) -> int:
     from kvchaos import oracles
     from kvchaos.policy import KNOWN, Context, Policy, PolicyError
@@ -669,6 +713,7 @@ def build_parser(cfg: dict) -> argparse.ArgumentParser:
     run.add_argument("suites", nargs="*", default=cfg.get("suites"), help="suite files/dirs (default: suites/)")
     run.add_argument("--attach", default=cfg.get("attach"), help="router=URL,prefill=URL,decode=URL instead of launching")
     run.add_argument("-k", default=cfg.get("k"), help="pytest -k expression")
+    run.add_argument("--seed", default=cfg.get("seed"), help="the run's seed (default: a fresh random one, recorded)")
     run.add_argument("-m", dest="markers", default=cfg.get("markers", "not slow and not gpu"), help="pytest marker expression")
     run.set_defaults(fn=cmd_run)
     rp = sub.add_parser("repro", help="reproduce a known incident (see --list)")
@@ -714,6 +759,25 @@ def build_parser(cfg: dict) -> argparse.ArgumentParser:
     rep = sub.add_parser("report", help="(re)build verdicts.json and report.html of a run directory")
     rep.add_argument("dir", help="a run directory, e.g. reports/20261201-101500-1234 or reports/incidents/glm53-replay")
     rep.set_defaults(fn=cmd_report)
+    rl = sub.add_parser("replay", help="re-run a recorded scenario with its run's seed and say if it reproduced",
+                        description="Re-runs the scenario's test with the run's seed, profile and layouts (run.json), "
+                                    "each repetition a pytest session of its own (a fresh cluster, or --attach), "
+                                    "under RUN_DIR/replays/. A repetition reproduced when the plans are the same "
+                                    "(digest) and every verdict that was not PASS has its original status again. "
+                                    "Exit 0 all reproduced, 1 not, 2 bad input.")
+    rl.add_argument("run_dir", help="a run directory (reports/<run-id>)")
+    rl.add_argument("scenario", nargs="?", help="experiment name, id or test id (default: every experiment not PASS)")
+    rl.add_argument("--times", type=int, default=1, help="repetitions (a reproduction rate)")
+    rl.add_argument("--attach", help="router=URL,prefill=URL,decode=URL: replay against running servers")
+    rl.add_argument("--timeout", type=float, default=1800.0, help="per repetition, seconds (default 1800)")
+    rl.set_defaults(fn=cmd_replay)
+    dg = sub.add_parser("digests", help="plan digest of every scenario of run directories; where they differ",
+                        description="Same seed, engine and layout => same plans: this lists each scenario's plan "
+                                    "digest per run directory (a dry run's plans.jsonl or a run's experiments.jsonl). "
+                                    "Exit 0 none differ, 1 some differ, 2 bad input.")
+    dg.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")
+    dg.add_argument("--json", action="store_true")
+    dg.set_defaults(fn=cmd_digests)
     ju = sub.add_parser("judge", help="judge event logs on disk with the default checkers and print the verdicts",
                         description="Judge each event log (JSONL) on its own with the default checkers; the "
                                     "canaries minted in any of the logs are known to all of them. Exit 0 every log "

@@ -34,10 +34,11 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from kvchaos import oracles
+from kvchaos.cluster.dry import DryRun  # noqa: F401 - raised on entering a dry run's experiment
 from kvchaos.cluster.layouts import DEFAULT_LAYOUT
 from kvchaos.oracles import FAIL, PASS, UNKNOWN  # noqa: F401 - re-exported for suites
 from kvchaos.policy import KNOWN, Context, Judgement, Policy
-from kvchaos.workload import EventLog, run_plans
+from kvchaos.workload import EventLog, plans_digest, run_plans
 from kvchaos.workload.probes import server_field, snapshot
 
 VIAS = ("router", "pd")  # how plans reach the engines: the router, or prefill + decode directly
@@ -78,14 +79,16 @@ class Experiment:
     def __init__(self, name: str, plans, checks, *, cluster, run_dir, faults=None, test_id: str | None = None,
                  seed=None, concurrency: int = 8, timeout_s: float = 60.0, settle_s: float = SETTLE_S,
                  drive=None, path: str | Path | None = None, model_name: str | None = None,
-                 policy: Policy | None = None, probe_before: bool = True, via: str = "router"):
+                 policy: Policy | None = None, probe_before: bool = True, via: str = "router",
+                 run_seed: int | None = None, dry: bool = False):
         if not isinstance(checks, oracles.Composite):
             checks = oracles.compose(*checks)
         if not name or any(c in name for c in "/\\"):
             raise ValueError(f"experiment name {name!r}: non-empty, no path separators")
         self.name, self.plans, self.checks = name, list(plans), checks
         self.cluster, self.faults, self.run_dir = cluster, faults, Path(run_dir)
-        self.test_id, self.seed = test_id, seed
+        self.test_id, self.seed, self.run_seed, self.dry = test_id, seed, run_seed, dry
+        self.plans_digest = plans_digest(self.plans)
         self.concurrency, self.timeout_s, self.settle_s = concurrency, timeout_s, settle_s
         self.drive_fn, self.model_name, self.probe_before = drive, model_name, probe_before
         self.policy = policy or Policy()
@@ -108,11 +111,23 @@ class Experiment:
 
     # ------------------------------------------------------------------ the with block
     def __enter__(self) -> "Experiment":
+        if self.dry:
+            rec = {"test": self.test_id, "name": self.name, "kv_layout": self.kv_layout, "seed": self.seed,
+                   "run_seed": self.run_seed, "n": len(self.plans), "plans_digest": self.plans_digest}
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            with open(self.run_dir / "plans.jsonl", "a") as f:
+                f.write(json.dumps(rec, default=str) + "\n")
+            raise DryRun(f"dry run: {self.name} — {len(self.plans)} plans, digest {self.plans_digest} "
+                         f"(seed {self.seed}, run seed {self.run_seed}); nothing sent")
         self.t_start = time.time()
+        if self.model_name is None and any(getattr(p, "endpoint", "generate") != "generate" for p in self.plans):
+            # OpenAI endpoints name the model: the one decode serves
+            self.model_name = server_field(self.cluster.server_info("decode"), "served_model_name")
         _engine_errors(self.cluster)  # what happened before this experiment is not its own
         self.log = EventLog(self.path)
         self.log.emit("experiment", id=self.id, name=self.name, test=self.test_id, seed=self.seed,
-                      n=len(self.plans), engine=_engine(self.cluster), layout=_layout(self.cluster), via=self.via,
+                      run_seed=self.run_seed, plans_digest=self.plans_digest, n=len(self.plans),
+                      concurrency=self.concurrency, timeout_s=self.timeout_s, engine=_engine(self.cluster), layout=_layout(self.cluster), via=self.via,
                       checkers=[repr(c) for c in self.checks.checkers])
         if self.probe_before:
             snapshot(self.cluster, self.log, "before", answer=False, settle_s=self.settle_s)
@@ -232,7 +247,8 @@ class Experiment:
         self.verdicts_path.write_text(json.dumps([i.to_dict() for i in j.items], indent=2, default=str))
         ctx = j.ctx
         rec = {"id": self.id, "name": self.name, "test": self.test_id, "engine": ctx.engine, "version": ctx.version,
-               "kv_layout": self.kv_layout,
+               "kv_layout": self.kv_layout, "seed": self.seed, "run_seed": self.run_seed,
+               "plans_digest": self.plans_digest, "n": len(self.plans),
                "status": j.status, "planted": j.planted, "known": sorted({i.finding.id for i in j.known}),
                "accepted": sorted({i.finding.id for i in j.known if i.accepted}),
                "verdicts": {i.verdict.oracle: i.verdict.status for i in j.items},

@@ -101,6 +101,12 @@ def pytest_addoption(parser):
                 help="comma-separated KV layouts to run the suites over, one cluster each (e.g. "
                      "mha-p1-fp32,gqa-p64-bf16,mla-p64-bf16) [the profile's [suites] layouts, for tests "
                      "marked every_layout]")
+    g.addoption("--kvchaos-seed", default=os.environ.get("KVCHAOS_SEED"),
+                help="the run's seed: every suite's workload and every fault's randomness derive from it "
+                     "(kvchaos.workload.seed; 0 = the reviewed plans) [a fresh random one, printed and recorded]")
+    g.addoption("--kvchaos-dry", action="store_true", default=False,
+                help="record each test's first experiment's plans (digest, seed) in <run dir>/plans.jsonl and "
+                     "send nothing: no cluster is started (kvchaos digests compares two dry runs)")
     g.addoption("--kvchaos-backends", default=os.environ.get("KVCHAOS_BACKENDS"),
                 help="comma-separated KV transfer backends to run the suites over, one cluster each "
                      "(e.g. mooncake_tcp,nixl) [the profile's]")
@@ -127,9 +133,27 @@ def pytest_configure(config):
     if worker:
         run_id += f"-{worker}"
     config._kvchaos_run_id = run_id
+    from kvchaos.workload.seed import SeedError, parse
+
+    try:
+        config._kvchaos_seed = parse(config.getoption("--kvchaos-seed"))
+    except SeedError as e:
+        raise pytest.UsageError(str(e)) from None
+    # xdist workers inherit the environment: one run, one seed, even when it was drawn here
+    os.environ["KVCHAOS_SEED"] = str(config._kvchaos_seed)
+    if config.getoption("--kvchaos-dry"):
+        os.environ["KVCHAOS_DRY"] = "1"  # clusters of a test's own (kvchaos.suite.own_cluster) start nothing
     if getattr(config.option, "collectonly", False):
         return
     run_dir = Path(config.getoption("--kvchaos-reports")) / run_id
+    run_dir.mkdir(parents=True, exist_ok=True)
+    if not worker:  # what ``kvchaos replay`` needs to run this again; the report shows the seed
+        (run_dir / "run.json").write_text(json.dumps({
+            "run_id": run_id, "seed": config._kvchaos_seed, "dry": config.getoption("--kvchaos-dry"),
+            "args": list(config.invocation_params.args), "cwd": str(config.invocation_params.dir),
+            "profile": config.getoption("--kvchaos-profile"), "layouts": config.getoption("--kvchaos-layouts"),
+            "backends": config.getoption("--kvchaos-backends"), "model": config.getoption("--kvchaos-model"),
+            "attach": config.getoption("--kvchaos-attach"), "started": time.time()}, indent=2))
     config._kvchaos_progress = Progress(run_dir / "progress.jsonl")
     config.pluginmanager.register(config._kvchaos_progress, "kvchaos-progress")
     # every run leaves JUnit XML in its run directory (unless the caller chose a path)
@@ -241,9 +265,17 @@ def pytest_runtest_makereport(item, call):
         item._kvchaos_call_failed = rep.failed  # the experiment fixture's "never judged" check needs it
     from kvchaos.experiment import KNOWN, KnownFinding
 
-    if call.excinfo is None or rep.when != "call":
+    if call.excinfo is None or rep.when == "teardown":
         return
     exc = call.excinfo.value
+    from kvchaos.experiment import DryRun
+
+    if call.excinfo.errisinstance(DryRun):  # a dry run's stop (in the test or a fixture): skipped, saying why
+        rep.outcome = "skipped"
+        rep.longrepr = (str(item.path), item.location[1] or 0, f"Skipped: {exc}")
+        return
+    if rep.when != "call":
+        return
     if call.excinfo.errisinstance(KnownFinding):
         _known(item, rep, exc.findings, str(exc))
         return
@@ -277,6 +309,12 @@ def _known(item, rep, findings, message: str) -> None:
     item.user_properties.append(("kvchaos_known", ",".join(findings)))  # JUnit reads the teardown's
 
 
+def pytest_report_header(config):
+    s = getattr(config, "_kvchaos_seed", None)
+    if s is not None:
+        return f"kvchaos seed: {s} (again: --kvchaos-seed {s})"
+
+
 def pytest_report_teststatus(report, config):
     if getattr(report, "wasxfail", "").startswith("KNOWN ") and report.skipped:
         return "known", "K", ("KNOWN", {"yellow": True})
@@ -285,9 +323,11 @@ def pytest_report_teststatus(report, config):
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
     run_dir = getattr(config, "_kvchaos_progress", None)
     summ = getattr(config, "_kvchaos_findings", None)
+    tr = terminalreporter
+    if run_dir is not None and getattr(config, "_kvchaos_seed", None) is not None:
+        tr.write_line(f"kvchaos seed: {config._kvchaos_seed} — replay: kvchaos replay {run_dir.run_dir}")
     if run_dir is None or not summ:
         return
-    tr = terminalreporter
     if summ["known"]:
         tr.section("kvchaos: KNOWN engine findings (accepted: not red, never PASS)", sep="-", yellow=True)
         for k in summ["known"]:
@@ -536,8 +576,32 @@ def kvchaos_policy(pytestconfig):
     return p
 
 
+@pytest.fixture(scope="session")
+def kvchaos_seed(pytestconfig) -> int:
+    """The run's seed (``--kvchaos-seed``)."""
+    return pytestconfig._kvchaos_seed
+
+
+def _scope(item) -> str:
+    """A test's id without its parameters' brackets: one test draws one set of seeds on every layout."""
+    nid = item.nodeid
+    return nid.split("[", 1)[0]
+
+
 @pytest.fixture
-def experiment(request, kvchaos_run_dir, kvchaos_policy):
+def seeds(request, kvchaos_seed):
+    """This test's seeds: ``Workload(seeds(101))`` — the workload stream 101 of this run's seed
+    (:class:`kvchaos.workload.seed.Seeds`); faults armed through ``faults`` draw theirs from it."""
+    from kvchaos.workload.seed import Seeds
+
+    s = getattr(request.node, "_kvchaos_seeds", None)
+    if s is None:
+        s = request.node._kvchaos_seeds = Seeds(kvchaos_seed, _scope(request.node))
+    return s
+
+
+@pytest.fixture
+def experiment(request, kvchaos_run_dir, kvchaos_policy, seeds):
     """Factory for :class:`kvchaos.experiment.Experiment` bound to this test (its id, the session's
     run directory and policy; ``cluster`` and ``faults`` from their fixtures unless given). Every
     experiment a test runs must be judged (``ex.require(...)`` or ``ex.judge(...)``)."""
@@ -545,11 +609,15 @@ def experiment(request, kvchaos_run_dir, kvchaos_policy):
 
     made = []
 
+    dry = request.config.getoption("--kvchaos-dry")
+
     def make(name, plans, checks, **kw):
         if "cluster" not in kw:
             kw["cluster"] = request.getfixturevalue("cluster")
         if "faults" not in kw:
             kw["faults"] = request.getfixturevalue("faults")
+        kw.setdefault("run_seed", seeds.run)
+        kw["dry"] = dry
         kw.setdefault("policy", kvchaos_policy)  # a cluster of its own brings its own self-test's policy
         ex = Experiment(name, plans, checks, run_dir=kvchaos_run_dir, test_id=request.node.nodeid, **kw)
         made.append(ex)
@@ -567,6 +635,11 @@ def experiment(request, kvchaos_run_dir, kvchaos_policy):
 @pytest.fixture(scope="session")
 def cluster(pytestconfig, kvchaos_base_spec, kvchaos_spec, kvchaos_run_dir, kvchaos_reaper, kvchaos_policy):
     attach = pytestconfig.getoption("--kvchaos-attach")
+    if pytestconfig.getoption("--kvchaos-dry"):
+        from kvchaos.cluster.dry import DryCluster
+
+        yield DryCluster(kvchaos_spec)
+        return
     if attach:
         c = AttachedCluster.parse(attach, kvchaos_spec).start()
     else:
@@ -596,6 +669,11 @@ def cluster(pytestconfig, kvchaos_base_spec, kvchaos_spec, kvchaos_run_dir, kvch
 @pytest.fixture(scope="session")
 def reference_server(pytestconfig, kvchaos_base_spec, kvchaos_layout_spec, kvchaos_run_dir, kvchaos_reaper):
     ref = pytestconfig.getoption("--kvchaos-reference")
+    if pytestconfig.getoption("--kvchaos-dry"):
+        from kvchaos.cluster.dry import DryCluster
+
+        yield DryCluster(kvchaos_base_spec)
+        return
     if ref:
         s = AttachedCluster(Endpoints(router=ref, prefill=ref, decode=ref), kvchaos_layout_spec)
         yield s
@@ -656,13 +734,18 @@ def _still_armed(c) -> list:
 
 
 @pytest.fixture
-def faults(request, cluster, kvchaos_run_dir):
+def faults(request, cluster, kvchaos_run_dir, seeds):
     from faults import FaultKit
     from kvchaos.workload.events import EventLog
 
+    if request.config.getoption("--kvchaos-dry"):
+        from kvchaos.cluster.dry import DryFaults
+
+        yield DryFaults()  # nothing is armed in a dry run: the experiment stops on entering
+        return
     name = "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in request.node.nodeid)[-150:]
     log = EventLog(kvchaos_run_dir / "events" / f"{name}.jsonl")
-    kit = FaultKit(cluster, log)
+    kit = FaultKit(cluster, log, seeds=seeds)
     try:
         yield kit
     finally:

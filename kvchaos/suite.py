@@ -25,9 +25,16 @@ def own_cluster(spec, workdir, reaper, policy=None):
     Always stopped; processes left behind fail the test."""
     import copy
     import json
+    import os
 
     from kvchaos.cluster import Cluster
     from kvchaos.selftest import planted_leak_selftest
+
+    if os.environ.get("KVCHAOS_DRY") == "1":  # a dry run (--kvchaos-dry) starts no engine
+        from kvchaos.cluster.dry import DryCluster
+
+        yield DryCluster(spec), (copy.copy(policy) if policy is not None else None)
+        return
 
     c = Cluster(spec, workdir, reaper=reaper).start()
     (c.workdir / "cluster.json").write_text(json.dumps(c.describe(), indent=2, default=str))

@@ -13,13 +13,12 @@ SEED = 20261130
 N_REQUESTS, N_TENANTS, CONCURRENCY = 1000, 32, 64
 
 
-def test_clean_control_has_no_foreign_canary(experiment, cluster):
-    wl = Workload(SEED, n_tenants=N_TENANTS)
+def test_clean_control_has_no_foreign_canary(experiment, seeds, cluster):
+    wl = Workload(seeds(SEED), n_tenants=N_TENANTS)
     plans = wl.mix(N_REQUESTS, weights={"plain": 3, "stream": 1}, lengths=(64, 500),
                    endpoints=("generate", "generate", "completions", "chat"))
     assert len({p.tenant for p in plans}) >= 32 and len(plans) >= 1000
     with experiment("clean_control", plans, [Isolation(), Sensitivity(), Liveness(bound_s=cluster.spec.request_timeout_s)],
-                    seed=SEED, concurrency=CONCURRENCY, timeout_s=cluster.spec.request_timeout_s, settle_s=0,
-                    model_name=cluster.server_info("decode")["served_model_name"]) as ex:
+                    seed=wl.seed, concurrency=CONCURRENCY, timeout_s=cluster.spec.request_timeout_s, settle_s=0) as ex:
         pass
     ex.require(isolation=PASS, sensitivity=PASS, liveness=PASS)

@@ -93,8 +93,8 @@ def _first_end(ex, rids) -> float | None:
 
 
 # ------------------------------------------------------------------ scenarios
-def scenario_oversized(experiment, faults, cluster, trial, mutate):
-    wl = Workload(700 + trial, n_tenants=9, prefix=f"xo{'m' if mutate else 'c'}{trial}")
+def scenario_oversized(experiment, seeds, faults, cluster, trial, mutate):
+    wl = Workload(seeds(700 + trial), n_tenants=9, prefix=f"xo{'m' if mutate else 'c'}{trial}")
     victim, others = wl.tenants[-1], wl.tenants[:-1]
     bg = [wl.request(others[i % 8], "plain", n_tokens=others[i % 8].rng.randrange(200, 480)) for i in range(background(mutate))]
     if mutate:  # under the engine's limit: only the mutation's lowered prefill limit rejects them
@@ -106,7 +106,7 @@ def scenario_oversized(experiment, faults, cluster, trial, mutate):
     plans = bg[:12] + [big[0], bg[12], big[1]] + bg[13:]
     checks = [Isolation(), HttpSemantics(), Liveness(bound_s=BOUND_S)]
     with experiment(f"matrix_reject_admitted_{'mut' if mutate else 'clean'}_{trial}", plans, checks,
-                    seed=700 + trial, timeout_s=BOUND_S) as ex:
+                    seed=wl.seed, timeout_s=BOUND_S) as ex:
         if mutate:
             faults.agent.arm("prefill", "reject_admitted", target={"tenant": victim.name},
                              params={"prefill_max_input_len": PREFILL_LIMIT}, count=len(big))
@@ -127,12 +127,12 @@ def scenario_oversized(experiment, faults, cluster, trial, mutate):
             "verdicts": {k: v.status for k, v in ex.by.items()}, "witness": wit[:1]}
 
 
-def scenario_abort_in_flight(experiment, faults, cluster, trial, mutate):
-    wl = Workload(720 + trial, n_tenants=8, prefix=f"xa{'m' if mutate else 'c'}{trial}")
+def scenario_abort_in_flight(experiment, seeds, faults, cluster, trial, mutate):
+    wl = Workload(seeds(720 + trial), n_tenants=8, prefix=f"xa{'m' if mutate else 'c'}{trial}")
     plans = wl.mix(background(mutate) + 8, lengths=(200, 500))
     victims = [p for p in plans if p.tenant == "t003"][:2]
     with experiment(f"matrix_early_free_{'mut' if mutate else 'clean'}_{trial}", plans,
-                    [Isolation(), KVLifecycle(), Liveness(bound_s=BOUND_S)], seed=720 + trial,
+                    [Isolation(), KVLifecycle(), Liveness(bound_s=BOUND_S)], seed=wl.seed,
                     concurrency=6, timeout_s=BOUND_S) as ex:
         if mutate:
             faults.agent.arm("decode", "early_free", hooks=("_release_request",))
@@ -161,11 +161,11 @@ def _reference(reference_server, plans):
     return ref
 
 
-def scenario_shared_pages(experiment, faults, cluster, trial, mutate, reference_server):
+def scenario_shared_pages(experiment, seeds, faults, cluster, trial, mutate, reference_server):
     """A's KV write is parked in prefill (hold) after decode pre-allocated A's pages; B (another
     tenant, same prompt length) is pre-allocated meanwhile — with the mutation, 390 of A's pages are
     handed to B too. A's write lands, then B's lands on the shared pages; A decodes over B's KV."""
-    wl = Workload(740 + trial, n_tenants=8, prefix=f"xs{'m' if mutate else 'c'}{trial}")
+    wl = Workload(seeds(740 + trial), n_tenants=8, prefix=f"xs{'m' if mutate else 'c'}{trial}")
     a = wl.request(wl.tenants[0], "plain", n_tokens=400, n_canaries=3)
     b = wl.request(wl.tenants[1], "plain", n_tokens=400, n_canaries=3)
     tail = [wl.request(wl.tenants[2 + i % 6], "plain", n_tokens=300) for i in range(background(mutate))]
@@ -185,7 +185,7 @@ def scenario_shared_pages(experiment, faults, cluster, trial, mutate, reference_
 
     checks = [Isolation(), Liveness(bound_s=BOUND_S), Differential(_reference(reference_server, [a, b, *tail[:4]]))]
     with experiment(f"matrix_double_alloc_{'mut' if mutate else 'clean'}_{trial}", [a, b, *tail], checks,
-                    seed=740 + trial, drive=drive, timeout_s=BOUND_S) as ex:
+                    seed=wl.seed, drive=drive, timeout_s=BOUND_S) as ex:
         state["double"] = faults.agent.arm("decode", "double_alloc", params={"pages": 390}, count=1) if mutate else None
         state["hold"] = faults.agent.arm("prefill", "hold", target={"rid": a.rid}, params={"max_hold_s": 30})
     iso, diff = ex.by["isolation"], ex.by["differential"]
@@ -203,13 +203,13 @@ def scenario_shared_pages(experiment, faults, cluster, trial, mutate, reference_
             "verdicts": {k: v.status for k, v in ex.by.items()}, "witness": (iso.witnesses or diff.witnesses)[:1]}
 
 
-def scenario_short_transfer(experiment, faults, cluster, trial, mutate, reference_server):
-    wl = Workload(760 + trial, n_tenants=8, prefix=f"xt{'m' if mutate else 'c'}{trial}")
+def scenario_short_transfer(experiment, seeds, faults, cluster, trial, mutate, reference_server):
+    wl = Workload(seeds(760 + trial), n_tenants=8, prefix=f"xt{'m' if mutate else 'c'}{trial}")
     plans = wl.mix(background(mutate) + 8, lengths=(200, 500))
     shorted = [p for p in plans if p.tenant == "t005"][:3]
     checks = [Isolation(), Liveness(bound_s=BOUND_S), Differential(_reference(reference_server, shorted))]
     with experiment(f"matrix_short_transfer_{'mut' if mutate else 'clean'}_{trial}", plans, checks,
-                    seed=760 + trial, timeout_s=BOUND_S) as ex:
+                    seed=wl.seed, timeout_s=BOUND_S) as ex:
         if mutate:  # every KV send of these requests stops after one page
             fs = [faults.agent.arm("prefill", "short", target={"rid": p.rid}, params={"pages": 1}, count=100)
                   for p in shorted]
@@ -231,11 +231,11 @@ def _pairs(ex_plans_a, ex_plans_b):
     return {b.rid: a.rid for a, b in zip(ex_plans_a, ex_plans_b)}
 
 
-def scenario_salt_ignored(experiment, faults, cluster, trial, mutate):
+def scenario_salt_ignored(experiment, seeds, faults, cluster, trial, mutate):
     """Four tenants each send a prompt another tenant (another salt) sends again once it ended: with
     the mutation the second reuses the first's cached prefix. Driven past the router (which drops
     salts: sglang-router-drops-cache-salt), as SGLang's mini load balancer does."""
-    wl = Workload(780 + trial, n_tenants=8, prefix=f"xk{'m' if mutate else 'c'}{trial}", salts="tenant",
+    wl = Workload(seeds(780 + trial), n_tenants=8, prefix=f"xk{'m' if mutate else 'c'}{trial}", salts="tenant",
                   page_size=cluster.spec.page_size)
     firsts, seconds, again = [], [], []
     for i in range(4):  # a sends, b (another salt) sends the same once a ended, then a again (the control)
@@ -246,7 +246,7 @@ def scenario_salt_ignored(experiment, faults, cluster, trial, mutate):
         again.append(c)
     plans = [*firsts, *seconds, *again, *wl.mix(background(mutate) // 2, lengths=(200, 500), sharing=SHARED_MIX)]
     with experiment(f"matrix_salt_ignored_{'mut' if mutate else 'clean'}_{trial}", plans,
-                    [Isolation(), CacheIsolation(), Liveness(bound_s=BOUND_S)], seed=780 + trial,
+                    [Isolation(), CacheIsolation(), Liveness(bound_s=BOUND_S)], seed=wl.seed,
                     concurrency=CACHE_CONCURRENCY, timeout_s=BOUND_S, via="pd") as ex:
         if mutate:
             faults.agent.arm("prefill", "salt_ignored")
@@ -262,7 +262,7 @@ def scenario_salt_ignored(experiment, faults, cluster, trial, mutate):
             "verdicts": {k: v.status for k, v in ex.by.items()}, "witness": wit[:1]}
 
 
-def scenario_prefix_collision(experiment, faults, cluster, trial, mutate):
+def scenario_prefix_collision(experiment, seeds, faults, cluster, trial, mutate):
     """Four pairs of tenants whose prompts share a long prefix and part at a canary (page boundary
     and mid-page); the second of a pair is sent once the first ended. With the mutation the
     second's prefix lookup is handed the first's KV past the divergence, as a colliding block hash
@@ -271,7 +271,7 @@ def scenario_prefix_collision(experiment, faults, cluster, trial, mutate):
     names = [f"t{i:03d}" for i in range(8)]
     nonce = os.urandom(3).hex()  # a namespace of this trial's own: no earlier sequence can be a candidate
     salts = {n: f"xc{trial}-{nonce}-{i % 4}" for i, n in enumerate(names)}
-    wl = Workload(800 + trial, n_tenants=8, prefix=f"xc{'m' if mutate else 'c'}{trial}", salts=salts,
+    wl = Workload(seeds(800 + trial), n_tenants=8, prefix=f"xc{'m' if mutate else 'c'}{trial}", salts=salts,
                   page_size=cluster.spec.page_size)
     firsts, seconds = [], []
     for i in range(4):
@@ -283,7 +283,7 @@ def scenario_prefix_collision(experiment, faults, cluster, trial, mutate):
     # parts where the request's own match stops: only the pair-mate); the clean arm adds the background
     plans = [*firsts, *seconds, *([] if mutate else wl.mix(background(False) // 2, lengths=(200, 500), sharing=SHARED_MIX))]
     with experiment(f"matrix_prefix_collision_{'mut' if mutate else 'clean'}_{trial}", plans,
-                    [Isolation(), CacheIsolation(), Liveness(bound_s=BOUND_S)], seed=800 + trial,
+                    [Isolation(), CacheIsolation(), Liveness(bound_s=BOUND_S)], seed=wl.seed,
                     concurrency=CACHE_CONCURRENCY, timeout_s=BOUND_S, via="pd") as ex:
         if mutate:
             f = faults.agent.arm("prefill", "prefix_collision",
@@ -313,12 +313,12 @@ CLASSES = {
 NEEDS_REFERENCE = {"double_alloc", "short_transfer"}
 
 
-def _run(request, experiment, faults, cluster, run_dir, cls, mutate, trials):
+def _run(request, experiment, seeds, faults, cluster, run_dir, cls, mutate, trials):
     fn = CLASSES[cls]
     out = []
     for trial in range(trials):
         extra = (request.getfixturevalue("reference_server"),) if cls in NEEDS_REFERENCE else ()
-        r = fn(experiment, faults, cluster, trial, mutate, *extra)
+        r = fn(experiment, seeds, faults, cluster, trial, mutate, *extra)
         faults.log.emit("matrix_trial", cls=cls, mutate=mutate, trial=trial, **r)
         print(cls, "mutated" if mutate else "clean", trial, json.dumps(r, default=str)[:400])
         out.append(r)
@@ -349,8 +349,8 @@ def _write(run_dir):
 
 
 @pytest.mark.parametrize("cls", list(CLASSES))
-def test_mutation_is_detected(request, experiment, faults, cluster, kvchaos_run_dir, cls):
-    trials = _run(request, experiment, faults, cluster, kvchaos_run_dir, cls, True, TRIALS)
+def test_mutation_is_detected(request, experiment, seeds, faults, cluster, kvchaos_run_dir, cls):
+    trials = _run(request, experiment, seeds, faults, cluster, kvchaos_run_dir, cls, True, TRIALS)
     for t in trials:
         assert t["detected"], f"{cls}: trial missed by every oracle: {t}"
         assert t["witness_ok"], f"{cls}: detected, but the witness does not name the bug's victim: {t['witness']}"
@@ -363,8 +363,8 @@ def test_mutation_is_detected(request, experiment, faults, cluster, kvchaos_run_
 
 
 @pytest.mark.parametrize("cls", list(CLASSES))
-def test_no_mutation_no_alarm(request, experiment, faults, cluster, kvchaos_run_dir, cls):
-    trials = _run(request, experiment, faults, cluster, kvchaos_run_dir, cls, False, CLEAN_TRIALS)
+def test_no_mutation_no_alarm(request, experiment, seeds, faults, cluster, kvchaos_run_dir, cls):
+    trials = _run(request, experiment, seeds, faults, cluster, kvchaos_run_dir, cls, False, CLEAN_TRIALS)
     for t in trials:
         assert not t["detected"], f"{cls}: false alarm on the unmutated engine: {t}"
         bad = {k: s for k, s in t["verdicts"].items() if s != PASS}

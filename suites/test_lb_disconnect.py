@@ -19,11 +19,11 @@ def checks():
     return [Isolation(), Liveness(bound_s=BOUND_S)]
 
 
-def test_disconnect_before_first_token_while_kv_in_flight(experiment, faults):
-    wl = Workload(201, n_tenants=8, prefix="b")
+def test_disconnect_before_first_token_while_kv_in_flight(experiment, seeds, faults):
+    wl = Workload(seeds(201), n_tenants=8, prefix="b")
     plans = wl.mix(96, weights={"plain": 3, "disconnect_before_first_token": 1}, lengths=(150, 500))
     leavers = sorted({p.tenant for p in plans if p.kind == "disconnect_before_first_token"})
-    with experiment("disconnect_before_first_token", plans, checks(), seed=201, timeout_s=BOUND_S) as ex:
+    with experiment("disconnect_before_first_token", plans, checks(), seed=wl.seed, timeout_s=BOUND_S) as ex:
         # slow the leavers' transfers so the disconnect lands while their KV is still moving
         fs = [faults.agent.arm("prefill", "delay", target={"tenant": t}, params={"ms": 300}) for t in leavers]
     assert sum(len(f.fired_events()) for f in fs) >= 1
@@ -32,11 +32,11 @@ def test_disconnect_before_first_token_while_kv_in_flight(experiment, faults):
     ex.require(isolation=PASS, liveness=PASS)
 
 
-def test_lb_cuts_streams_mid_way(experiment, faults):
+def test_lb_cuts_streams_mid_way(experiment, seeds, faults):
     net = faults.need("net")
-    wl = Workload(202, n_tenants=8, prefix="m")
+    wl = Workload(seeds(202), n_tenants=8, prefix="m")
     plans = wl.mix(120, weights={"stream": 1}, lengths=(150, 500))
-    with experiment("lb_cut_mid_stream", plans, checks(), seed=202, timeout_s=BOUND_S) as ex:
+    with experiment("lb_cut_mid_stream", plans, checks(), seed=wl.seed, timeout_s=BOUND_S) as ex:
         # the "load balancer" (client-side proxy) closes a third of the connections after 700 bytes
         t = net.toxic("client", "limit_data", stream="downstream", toxicity=0.33, bytes=700)
     healed = [e for e in faults.log.records if e["ev"] == "fault" and e.get("action") == "healed"

@@ -41,11 +41,11 @@ def checks():
     return [Isolation(), KVLifecycle(), Liveness(bound_s=BOUND_S)]
 
 
-def test_abort_while_kv_write_in_flight(experiment, faults, cluster):
-    wl = Workload(201, n_tenants=8, prefix="ma")
+def test_abort_while_kv_write_in_flight(experiment, seeds, faults, cluster):
+    wl = Workload(seeds(201), n_tenants=8, prefix="ma")
     plans = wl.mix(72, lengths=(150, 500))
     victims = [p for p in plans if p.tenant == "t002"][:3]
-    with experiment("abort_in_flight", plans, checks(), seed=201, concurrency=6, timeout_s=BOUND_S) as ex:
+    with experiment("abort_in_flight", plans, checks(), seed=wl.seed, concurrency=6, timeout_s=BOUND_S) as ex:
         chor = ex.during(abort_in_flight(cluster, faults, victims))
     faults.log.emit("observed", choreography=chor.result)
     assert [r.get("error") for r in chor.result] == [None] * len(victims), chor.result
@@ -54,11 +54,11 @@ def test_abort_while_kv_write_in_flight(experiment, faults, cluster):
     ex.require(isolation=PASS, kv_lifecycle=PASS, liveness=PASS)
 
 
-def test_aborts_at_random_points_of_delayed_transfers(experiment, faults, cluster):
-    wl = Workload(202, n_tenants=8, prefix="mr")
+def test_aborts_at_random_points_of_delayed_transfers(experiment, seeds, faults, cluster):
+    wl = Workload(seeds(202), n_tenants=8, prefix="mr")
     plans = wl.mix(96, lengths=(150, 500))
     targets = [p for p in plans if p.tenant in ("t001", "t004")]
-    rng = random.Random(202)
+    rng = random.Random(seeds(2020))  # the abort points
     done = threading.Event()
     aborted: dict[str, float] = {}
 
@@ -84,7 +84,7 @@ def test_aborts_at_random_points_of_delayed_transfers(experiment, faults, cluste
         finally:
             done.set()  # the workload is over: the aborter stops looking
 
-    with experiment("abort_random", plans, checks(), seed=202, drive=drive, timeout_s=BOUND_S) as ex:
+    with experiment("abort_random", plans, checks(), seed=wl.seed, drive=drive, timeout_s=BOUND_S) as ex:
         # the two tenants' writes take 300 ms; each is aborted 0-400 ms after its transfer started
         f = faults.agent.arm("prefill", "delay", target={"rid_regex": "-(t001|t004)$"}, params={"ms": 300})
         ex.during(aborter)
@@ -106,16 +106,16 @@ def test_aborts_at_random_points_of_delayed_transfers(experiment, faults, cluste
 RELEASE_TIMEOUT_S = 3.0
 
 
-def test_write_held_past_the_deferred_release_timeout(experiment, faults, cluster):
+def test_write_held_past_the_deferred_release_timeout(experiment, seeds, faults, cluster):
     """Decode holds an aborted transfer's pages until prefill acks the drain — or until
     ``SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT`` (30 s; 3 s here, set on the live
     queues) passes, and then releases them anyway (SGLang PR #38961). A write held in prefill past the
     timeout, among other tenants' traffic, then lands late. A correct engine never lets a write end in
     pages it gave back (``kv_lifecycle``) and never serves foreign data (isolation)."""
-    wl = Workload(203, n_tenants=8, prefix="mt")
+    wl = Workload(seeds(203), n_tenants=8, prefix="mt")
     plans = wl.mix(72, lengths=(150, 500))
     victims = [p for p in plans if p.tenant == "t003"][:2]
-    with experiment("abort_past_timeout", plans, checks(), seed=203, concurrency=6, timeout_s=BOUND_S) as ex:
+    with experiment("abort_past_timeout", plans, checks(), seed=wl.seed, concurrency=6, timeout_s=BOUND_S) as ex:
         faults.agent.arm("decode", "deferred_release_timeout", params={"s": RELEASE_TIMEOUT_S})
         chor = ex.during(abort_in_flight(cluster, faults, victims, hold_s=RELEASE_TIMEOUT_S + 2))
     faults.log.emit("observed", choreography=chor.result)

@@ -119,11 +119,11 @@ def _check_answer_and_reject(ex, table):
     ex.require(isolation=PASS, http_semantics=PASS, liveness=PASS)
 
 
-def test_edges_answered_or_rejected_with_other_tenants_running(experiment, faults, edges):
+def test_edges_answered_or_rejected_with_other_tenants_running(experiment, seeds, faults, edges):
     e = edges
     lengths = [e["pool"] // 4, e["admit_edge"], e["limit"], (e["pool"] + e["context"]) // 2,
                e["context"], e["context"] + 904]
-    ex, table = _sweep(experiment, "oversized_edges", lengths, e, 601,
+    ex, table = _sweep(experiment, "oversized_edges", lengths, e, seeds(601),
                        [Isolation(), HttpSemantics(), Liveness(bound_s=BOUND_S)])
     faults.log.emit("observed", edges=e, table=table)
     assert [r["expect"] for r in table] == ["answer", "answer"] + ["reject"] * 4, table
@@ -132,14 +132,14 @@ def test_edges_answered_or_rejected_with_other_tenants_running(experiment, fault
 
 @pytest.mark.slow  # CI time; the intake-reject hang (same router join) is exercised by the incident's fixed arm
 @pytest.mark.disruptive
-def test_hang_band(experiment, faults, cluster, edges):
+def test_hang_band(experiment, seeds, faults, cluster, edges):
     """Whatever happens to the band prompts, nobody gets foreign data (isolation is always held to
     PASS); each band prompt must be served or rejected with a 4xx — on 0.5.23 they hang (KNOWN)."""
     e = edges
     if e["admit_edge"] + 1 >= e["limit"]:
         pytest.skip(f"no hang band on this deployment: decode admits everything the input limit admits ({e})")
     lengths = [e["admit_edge"] + 1, (e["admit_edge"] + e["limit"]) // 2, e["limit"] - 1]
-    ex, table = _sweep(experiment, "oversized_band", lengths, e, 602, [Isolation(), Liveness(bound_s=BOUND_S)], at=64)
+    ex, table = _sweep(experiment, "oversized_band", lengths, e, seeds(602), [Isolation(), Liveness(bound_s=BOUND_S)], at=64)
     q = wait_quiet(cluster, timeout_s=120, stable_s=10)  # the router retries abandoned requests
     faults.log.emit("observed", edges=e, table=table, quiesce=q)
     for row in table:
@@ -149,13 +149,13 @@ def test_hang_band(experiment, faults, cluster, edges):
 
 
 @pytest.mark.slow
-def test_fine_sweep_outside_the_band(experiment, faults, edges):
+def test_fine_sweep_outside_the_band(experiment, seeds, faults, edges):
     e = edges
     pts = set(range(256, e["context"] + 512, 256))
     for edge in (e["admit_edge"], e["limit"], e["context"]):
         pts |= {edge - 1, edge, edge + 1}
     lengths = sorted(n for n in pts if n > 64 and _expect(n, e) != "band")
-    ex, table = _sweep(experiment, "oversized_fine", lengths, e, 603,
+    ex, table = _sweep(experiment, "oversized_fine", lengths, e, seeds(603),
                        [Isolation(), HttpSemantics(), Liveness(bound_s=BOUND_S)])
     faults.log.emit("observed", edges=e, table=table)
     _check_answer_and_reject(ex, table)
@@ -180,14 +180,14 @@ def truncating_cluster(kvchaos_spec, kvchaos_run_dir, kvchaos_reaper, kvchaos_po
 
 
 @pytest.mark.slow
-def test_auto_truncated_prompt_is_not_decoded_over_stale_pages(experiment, truncating_cluster, trial, kvchaos_run_dir):
+def test_auto_truncated_prompt_is_not_decoded_over_stale_pages(experiment, seeds, truncating_cluster, trial, kvchaos_run_dir):
     c, policy = truncating_cluster
-    plans, victim = releases.glm53_plans(700 + trial)
+    plans, victim = releases.glm53_plans(seeds(700 + trial))
     out = kvchaos_run_dir / "auto-truncate" / f"t{trial}"
     with EventLog(out / "faults.jsonl") as flog:
         kit = FaultKit(c, flog)  # nothing armed: the agent records the KV pages prefill sends
         with experiment(f"auto_truncate-t{trial}", plans, [Isolation(), Sensitivity(), Liveness(bound_s=BOUND_S)],
-                        cluster=c, faults=kit, policy=policy, seed=700 + trial, path=out / "events.jsonl",
+                        cluster=c, faults=kit, policy=policy, seed=seeds(700 + trial), path=out / "events.jsonl",
                         concurrency=8, timeout_s=BOUND_S, settle_s=0) as ex:
             pass
         assert not kit.heal_all()

@@ -46,18 +46,18 @@ def workload(seed, layout, prefix):
     return Workload(seed, n_tenants=8, prefix=prefix, salts="tenant", page_size=parse(layout).page_size)
 
 
-def test_salted_tenants_reuse_only_their_own_prefixes(experiment, kvchaos_layout):
-    wl = workload(201, kvchaos_layout, "pc")
+def test_salted_tenants_reuse_only_their_own_prefixes(experiment, seeds, kvchaos_layout):
+    wl = workload(seeds(201), kvchaos_layout, "pc")
     plans = wl.mix(96, lengths=(200, 600), sharing=SHARED_MIX) + [p for i in range(4) for p in _pair(wl, i)]
-    with experiment("prefix_cache", plans, checks(), seed=201, concurrency=4, timeout_s=BOUND_S, via="pd") as ex:
+    with experiment("prefix_cache", plans, checks(), seed=wl.seed, concurrency=4, timeout_s=BOUND_S, via="pd") as ex:
         pass
     ex.require(isolation=PASS, cache_isolation=PASS, liveness=PASS)
 
 
-def test_timing_does_not_tell_another_salts_prefix(experiment, kvchaos_layout, faults):
-    wl = workload(202, kvchaos_layout, "pt")
+def test_timing_does_not_tell_another_salts_prefix(experiment, seeds, kvchaos_layout, faults):
+    wl = workload(seeds(202), kvchaos_layout, "pt")
     plans = wl.timing_probe("t000", "t001", n_per_arm=20, prefix=800, suffix=100)
-    with experiment("prefix_timing", plans, [TimingIsolation(), Isolation(), CacheIsolation()], seed=202,
+    with experiment("prefix_timing", plans, [TimingIsolation(), Isolation(), CacheIsolation()], seed=wl.seed,
                     timeout_s=BOUND_S, via="pd") as ex:
         pass
     t = ex.by["timing_isolation"]
@@ -66,28 +66,28 @@ def test_timing_does_not_tell_another_salts_prefix(experiment, kvchaos_layout, f
     ex.require(timing_isolation=PASS, isolation=PASS, cache_isolation=PASS)
 
 
-def test_router_keeps_salts_apart(experiment, kvchaos_layout):
+def test_router_keeps_salts_apart(experiment, seeds, kvchaos_layout):
     """The same traffic through the router: salts must still separate the tenants' caches. (Its
     timing arm, measured: reports/findings/sglang-router-drops-cache-salt/; KVCHAOS_ROUTER_TIMING=1
     adds it here.)"""
-    wl = workload(203, kvchaos_layout, "pr")
+    wl = workload(seeds(203), kvchaos_layout, "pr")
     plans = wl.mix(48, lengths=(200, 600), sharing=SHARED_MIX)
     checks = [Isolation(), CacheIsolation()]
     if os.environ.get("KVCHAOS_ROUTER_TIMING") == "1":
         plans += wl.timing_probe("t000", "t001", n_per_arm=20, prefix=800, suffix=100)
         checks.append(TimingIsolation())
-    with experiment("prefix_cache_router", plans, checks, seed=203, timeout_s=BOUND_S) as ex:
+    with experiment("prefix_cache_router", plans, checks, seed=wl.seed, timeout_s=BOUND_S) as ex:
         pass
     ex.require(isolation=PASS, cache_isolation=PASS, **({"timing_isolation": PASS} if len(checks) > 2 else {}))
 
 
 # the fault families on cache hits and the eviction pressure: behind -m slow for CI's 30 minutes
 @pytest.mark.slow
-def test_aborts_and_transfer_delays_on_cache_hits(experiment, kvchaos_layout, faults):
-    wl = workload(204, kvchaos_layout, "pa")
+def test_aborts_and_transfer_delays_on_cache_hits(experiment, seeds, kvchaos_layout, faults):
+    wl = workload(seeds(204), kvchaos_layout, "pa")
     plans = wl.mix(90, weights={"plain": 3, "abort_after": 1}, lengths=(200, 600), sharing=SHARED_MIX)
     hitters = sorted({p.tenant for p in plans if p.sharing in ("conversation", "tenant") and p.kind == "plain"})[:2]
-    with experiment("prefix_cache_faults", plans, checks(), seed=204, concurrency=4, timeout_s=BOUND_S,
+    with experiment("prefix_cache_faults", plans, checks(), seed=wl.seed, concurrency=4, timeout_s=BOUND_S,
                     via="pd") as ex:
         fs = [faults.agent.arm("prefill", "delay", target={"tenant": t}, params={"ms": 300, "jitter_ms": 200})
               for t in hitters]
@@ -97,16 +97,15 @@ def test_aborts_and_transfer_delays_on_cache_hits(experiment, kvchaos_layout, fa
 
 
 @pytest.mark.slow
-def test_eviction_pressure_keeps_isolation(experiment, kvchaos_layout, cluster):
+def test_eviction_pressure_keeps_isolation(experiment, seeds, kvchaos_layout, cluster):
     """Prompts of 300-900 tokens, 6 in flight, against a 2048-token prefill pool: cached prefixes are
     evicted and rebuilt while other tenants' requests run (12 in flight queued requests in decode's
     pool past the 60 s bound)."""
-    wl = workload(205, kvchaos_layout, "pe")
+    wl = workload(seeds(205), kvchaos_layout, "pe")
     plans = wl.mix(96, lengths=(300, 900), sharing={"tenant": 3, "conversation": 2, "diverge": 1, "identical": 1})
-    before = Metrics.fetch(cluster.endpoints.prefill)
-    with experiment("prefix_cache_eviction", plans, checks(), seed=205, concurrency=6, timeout_s=BOUND_S,
+    with experiment("prefix_cache_eviction", plans, checks(), seed=wl.seed, concurrency=6, timeout_s=BOUND_S,
                     via="pd") as ex:
-        pass
+        before = Metrics.fetch(cluster.endpoints.prefill)  # pools settled: the method has not run yet
     evictions = Metrics.fetch(cluster.endpoints.prefill).delta(before, EVICTIONS)
     assert evictions > 0, "no prefix was evicted: the pressure this test exists for did not happen"
     ex.require(isolation=PASS, cache_isolation=PASS, liveness=PASS)
@@ -123,13 +122,13 @@ def decode_radix_cluster(kvchaos_spec, kvchaos_run_dir, kvchaos_reaper, kvchaos_
 
 
 @pytest.mark.slow
-def test_decode_radix_cache_keeps_salts_apart(experiment, decode_radix_cluster, kvchaos_layout, kvchaos_run_dir):
+def test_decode_radix_cache_keeps_salts_apart(experiment, seeds, decode_radix_cluster, kvchaos_layout, kvchaos_run_dir):
     c, policy = decode_radix_cluster
-    wl = workload(206, kvchaos_layout, "pd")
+    wl = workload(seeds(206), kvchaos_layout, "pd")
     plans = wl.mix(96, lengths=(200, 600), sharing=SHARED_MIX) + [p for i in range(4) for p in _pair(wl, i)]
     with EventLog(kvchaos_run_dir / c.spec.name / "faults.jsonl") as flog:
         kit = FaultKit(c, flog)  # nothing armed: the agent reports what each side's tree matched
-        with experiment("prefix_cache_decode_radix", plans, checks(), cluster=c, faults=kit, policy=policy, seed=206,
+        with experiment("prefix_cache_decode_radix", plans, checks(), cluster=c, faults=kit, policy=policy, seed=wl.seed,
                         concurrency=4, timeout_s=BOUND_S, via="pd") as ex:
             pass
     matched = [e for e in ex.events if agent_kind(e) == "prefix_match" and e.get("where") == "decode_match"

@@ -42,13 +42,13 @@ def _wave2(experiment, name, seed):
     ex.require(isolation=PASS, liveness=PASS, sensitivity=PASS)  # answered, with its own canaries
 
 
-def test_prefill_killed_while_a_write_is_in_flight(experiment, faults):
+def test_prefill_killed_while_a_write_is_in_flight(experiment, seeds, faults):
     proc = faults.need("proc")
-    wl = Workload(301, n_tenants=8, prefix="kp")
+    wl = Workload(seeds(301), n_tenants=8, prefix="kp")
     plans = wl.mix(80, lengths=(150, 450))
     victim = plans[64]
     with experiment("kill_prefill", plans, [Isolation(), KVLifecycle(), Liveness(bound_s=BOUND_S)],
-                    seed=301, timeout_s=BOUND_S) as ex:
+                    seed=wl.seed, timeout_s=BOUND_S) as ex:
         h = faults.agent.arm("prefill", "hold", target={"rid": victim.rid}, params={"max_hold_s": 60})
 
         def kill_when_held():
@@ -66,16 +66,16 @@ def test_prefill_killed_while_a_write_is_in_flight(experiment, faults):
     # errors are allowed; foreign data is not; nothing hung; decode gave the pages back; no write
     # landed in pages decode had already given back (kv_lifecycle may have nothing to judge)
     ex.require(isolation=PASS, liveness=PASS)
-    _wave2(experiment, "kill_prefill", 311)
+    _wave2(experiment, "kill_prefill", seeds(311))
 
 
 @pytest.mark.slow  # CI time (the KV layouts' suites took its place); prefill's kill runs by default
-def test_decode_killed_mid_stream(experiment, faults):
+def test_decode_killed_mid_stream(experiment, seeds, faults):
     proc = faults.need("proc")
-    wl = Workload(302, n_tenants=8, prefix="kd")
+    wl = Workload(seeds(302), n_tenants=8, prefix="kd")
     plans = wl.mix(96, weights={"plain": 1, "stream": 1}, lengths=(150, 450))
     first = plans[72]
-    with experiment("kill_decode", plans, [Isolation(), Liveness(bound_s=KILL_BOUND_S)], seed=302,
+    with experiment("kill_decode", plans, [Isolation(), Liveness(bound_s=KILL_BOUND_S)], seed=wl.seed,
                     timeout_s=KILL_BOUND_S) as ex:
         def kill_mid_load():
             # once requests are streaming (a transfer has started for the 73rd request), decode dies
@@ -91,16 +91,16 @@ def test_decode_killed_mid_stream(experiment, faults):
         # requests routed to the dead decode are not failed: the registry's sglang-decode-death-unanswered
         ex.require(isolation=PASS, liveness=PASS)
     finally:
-        _wave2(experiment, "kill_decode", 312)  # recovered, whatever wave 1 showed
+        _wave2(experiment, "kill_decode", seeds(312))  # recovered, whatever wave 1 showed
 
 
 @pytest.mark.slow  # CI time
-def test_decode_frozen_then_resumed(experiment, faults):
+def test_decode_frozen_then_resumed(experiment, seeds, faults):
     proc = faults.need("proc")
-    wl = Workload(303, n_tenants=8, prefix="kf")
+    wl = Workload(seeds(303), n_tenants=8, prefix="kf")
     plans = wl.mix(72, lengths=(150, 450))
     first = plans[8]
-    with experiment("freeze_decode", plans, [Isolation(), KVLifecycle(), Liveness(bound_s=BOUND_S)], seed=303,
+    with experiment("freeze_decode", plans, [Isolation(), KVLifecycle(), Liveness(bound_s=BOUND_S)], seed=wl.seed,
                     timeout_s=BOUND_S) as ex:
         def freeze():
             faults.agent.wait_event("prefill", "transfer_start", rid=first.rid, timeout=120)
@@ -112,4 +112,4 @@ def test_decode_frozen_then_resumed(experiment, faults):
     stops = [e for e in faults.log.records if e.get("kind") == "sigstop"]
     assert stops and all(s in ("T", "t") for s in stops[0]["states"].values() if s), stops
     ex.require(isolation=PASS, liveness=PASS)
-    _wave2(experiment, "freeze_decode", 313)
+    _wave2(experiment, "freeze_decode", seeds(313))

@@ -32,7 +32,7 @@ MAX_NEW = 40  # up to 3 canaries (12 tokens each) + closing "[" + EOS
 pytestmark = [pytest.mark.cluster, pytest.mark.every_layout]  # CI runs it on every layout of the profile
 
 
-def _prompts(seed: int = 1234) -> list[tuple[str, list[str]]]:
+def _prompts(seed: int) -> list[tuple[str, list[str]]]:
     rng = random.Random(seed)
     out = []
     for _ in range(N_PROMPTS):
@@ -48,8 +48,8 @@ def _gen(server, text):
     return body["output_ids"], body["meta_info"]["prompt_tokens"], body["meta_info"]["completion_tokens"], body["text"]
 
 
-def test_pd_output_token_identical_to_single_server(cluster, reference_server):
-    prompts = [p for p, _ in _prompts()]
+def test_pd_output_token_identical_to_single_server(seeds, cluster, reference_server):
+    prompts = [p for p, _ in _prompts(seeds(1234))]
     pd = [_gen(cluster, p)[0] for p in prompts]
     ref = [_gen(reference_server, p)[0] for p in prompts]
     mismatches = [(i, a, b) for i, (a, b) in enumerate(zip(pd, ref)) if a != b]
@@ -58,8 +58,8 @@ def test_pd_output_token_identical_to_single_server(cluster, reference_server):
     assert len({tuple(x) for x in ref}) == len(prompts), "model output does not depend on the prompt"
 
 
-def test_decode_generated_from_transferred_kv(cluster, reference_server):
-    items = _prompts(seed=99)
+def test_decode_generated_from_transferred_kv(seeds, cluster, reference_server):
+    items = _prompts(seeds(99))
     prompts = [p for p, _ in items]
     pre_p, pre_d = _settled(cluster.endpoints.prefill), _settled(cluster.endpoints.decode)
     pd, prompt_tokens, completion, texts = zip(*[_gen(cluster, p) for p in prompts])

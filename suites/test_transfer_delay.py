@@ -25,11 +25,11 @@ def checks():
     return [Isolation(), Sensitivity(), Liveness(bound_s=BOUND_S)]
 
 
-def test_transfer_delay_with_jitter_keeps_isolation(experiment, faults):
-    wl = Workload(101, n_tenants=8, prefix="d")
+def test_transfer_delay_with_jitter_keeps_isolation(experiment, seeds, faults):
+    wl = Workload(seeds(101), n_tenants=8, prefix="d")
     plans = wl.mix(72, lengths=(100, 500))
     target = wl.tenants[1].name
-    with experiment("transfer_delay", plans, checks(), seed=101, timeout_s=BOUND_S) as ex:
+    with experiment("transfer_delay", plans, checks(), seed=wl.seed, timeout_s=BOUND_S) as ex:
         f = faults.agent.arm("prefill", "delay", target={"tenant": target}, params={"ms": 250, "jitter_ms": 200})
     fired = f.verify(at_least=sum(p.tenant == target for p in plans))
     assert {e["rid"].rsplit("-", 1)[1] for e in fired} == {target}
@@ -37,11 +37,11 @@ def test_transfer_delay_with_jitter_keeps_isolation(experiment, faults):
     ex.require(isolation=PASS, liveness=PASS)
 
 
-def test_one_failed_send_is_an_error_for_its_request(experiment, faults):
-    wl = Workload(102, n_tenants=8, prefix="f")
+def test_one_failed_send_is_an_error_for_its_request(experiment, seeds, faults):
+    wl = Workload(seeds(102), n_tenants=8, prefix="f")
     plans = wl.mix(90, lengths=(100, 500))
     victim = plans[75]  # late: a failed send blacklists decode's session and fails what runs after it
-    with experiment("transfer_fail", plans, checks(), seed=102, concurrency=4, timeout_s=BOUND_S) as ex:
+    with experiment("transfer_fail", plans, checks(), seed=wl.seed, concurrency=4, timeout_s=BOUND_S) as ex:
         f = faults.agent.arm("prefill", "fail", target={"rid": victim.rid})
     f.verify()
     run = ex.run
@@ -58,26 +58,26 @@ def test_one_failed_send_is_an_error_for_its_request(experiment, faults):
     ex.require(isolation=PASS, liveness=PASS)  # failures may cost availability, never isolation
 
 
-def test_late_writes_after_aborts_keep_isolation(experiment, faults):
-    wl = Workload(103, n_tenants=8, prefix="l")
+def test_late_writes_after_aborts_keep_isolation(experiment, seeds, faults):
+    wl = Workload(seeds(103), n_tenants=8, prefix="l")
     plans = wl.mix(84, weights={"plain": 3, "abort_after": 1}, lengths=(150, 500))
     # every chunk of the aborted tenants' requests is delayed past its abort, then lands late
     aborters = sorted({p.tenant for p in plans if p.kind == "abort_after"})
-    with experiment("late_write", plans, checks(), seed=103, timeout_s=BOUND_S) as ex:
+    with experiment("late_write", plans, checks(), seed=wl.seed, timeout_s=BOUND_S) as ex:
         fs = [faults.agent.arm("prefill", "delay", target={"tenant": t}, params={"ms": 400}) for t in aborters]
     assert sum(len(f.fired_events()) for f in fs) >= 1
     ex.require(isolation=PASS, liveness=PASS)
 
 
-def test_short_transfer_is_not_served_as_a_clean_reply(experiment, faults):
+def test_short_transfer_is_not_served_as_a_clean_reply(experiment, seeds, faults):
     """A correct engine fails the shorted requests instead of answering from unwritten pages. On
     0.5.23 it does not: the leak is the registry's ``sglang-short-transfer-unchecked`` (KNOWN only
     while every victim is a request the fault shorted; a bystander victim is a plain FAIL)."""
-    wl = Workload(104, n_tenants=8, prefix="s")
+    wl = Workload(seeds(104), n_tenants=8, prefix="s")
     plans = wl.mix(80, lengths=(200, 500))
     target = wl.tenants[5].name
     shorted = [p.rid for p in plans if p.tenant == target][:3]
-    with experiment("short_transfer", plans, checks(), seed=104, timeout_s=BOUND_S) as ex:
+    with experiment("short_transfer", plans, checks(), seed=wl.seed, timeout_s=BOUND_S) as ex:
         # every KV send of these requests (a transfer can come in several chunks) stops after one page
         fs = [faults.agent.arm("prefill", "short", target={"rid": r}, params={"pages": 1}, count=100) for r in shorted]
     for f in fs:
@@ -92,16 +92,16 @@ RACE_BOUND_S = 15
 
 
 @pytest.mark.slow  # ~1.5 min with prefill's restart; on 0.5.23 it only ever shows the KNOWN finding
-def test_status_read_race_does_not_stop_every_transfer(experiment, faults):
+def test_status_read_race_does_not_stop_every_transfer(experiment, seeds, faults):
     """Prefill's Mooncake transfer worker, done with a room, asks whether the room is still in
     ``request_status`` and then reads it; the scheduler thread ``clear()``s a room it polled Success
     in between. The fault stalls that one read 300 ms (timing only, as a busy host does now and then).
     A correct engine carries on (upstream PR #27162 fails one request instead); on 0.5.23 the worker
     thread dies on the KeyError and every later transfer stalls — the registry's
     ``sglang-mooncake-transfer-worker-dies`` (KNOWN only with the engine's traceback as witness)."""
-    wl = Workload(105, n_tenants=4, prefix="r")
+    wl = Workload(seeds(105), n_tenants=4, prefix="r")
     plans = wl.mix(10, lengths=(100, 300), sharing={"none": 1})  # all ten in flight at once
-    with experiment("status_read_race", plans, [Liveness(bound_s=RACE_BOUND_S)], seed=105, concurrency=10,
+    with experiment("status_read_race", plans, [Liveness(bound_s=RACE_BOUND_S)], seed=wl.seed, concurrency=10,
                     timeout_s=RACE_BOUND_S, settle_s=5) as ex:
         f = faults.agent.arm("prefill", "stall_status_read", target={"rid": plans[0].rid}, params={"ms": 300})
     fired = f.verify()

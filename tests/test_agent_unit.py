@@ -459,3 +459,23 @@ def test_deferred_release_says_drained_or_timeout_and_the_timeout_setting_heals(
     assert [e["rid"] for e in evs if e["ev"] == "kv_released"] == ["r-a", "r-b"]
     f.heal()
     assert q.deferred_kv_release_timeout == 30.0
+
+
+def test_delay_jitter_draws_from_the_faults_seed(agent, mgr):
+    """A run's seed reaches the agent as the fault's ``seed`` param: the same seed draws the same
+    jitter sequence (a replay), another seed another one; the kit's Seeds fills it in."""
+    from kvchaos.workload.seed import Seeds
+
+    def draws(seed, rooms):
+        ctl = AgentClient(agent.dir, seeds=Seeds(seed, "t"))
+        f = ctl.arm("prefill", "delay", target={"rid_regex": "^j-"}, params={"ms": 5, "jitter_ms": 5}, hooks=())
+        assert f.params["seed"] == Seeds(seed, "t").fault()
+        for room in rooms:
+            _send(mgr, room, f"j-{room}")
+        got = [e["ms"] for e in f.verify(at_least=len(rooms))]
+        f.heal()
+        return got
+
+    a, b, c = draws(11, range(10, 16)), draws(11, range(20, 26)), draws(12, range(30, 36))
+    assert a == b and len(set(a)) > 1
+    assert a != c

@@ -139,7 +139,9 @@ class Agent:
         params = dict(req.get("params") or {})
         count = req.get("count", None if kind in _UNLIMITED else 1)
         f = {"id": fid, "kind": kind, "target": target, "params": params, "count": count, "fired": 0,
-             "armed_at": time.time(), "expires": time.monotonic() + float(req.get("ttl_s", 600))}
+             "armed_at": time.time(), "expires": time.monotonic() + float(req.get("ttl_s", 600)),
+             # its draws (delay jitter): seeded by the run (param ``seed``) so a replay draws the same
+             "_rng": random.Random(params["seed"]) if params.get("seed") is not None else random.Random()}
         with self.lock:
             if fid in self.faults:
                 raise ValueError(f"fault id {fid!r} already armed")

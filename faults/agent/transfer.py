@@ -21,7 +21,6 @@ With them the stale pages a ``short`` leaves behind can be traced to the request
 
 from __future__ import annotations
 
-import random
 import time
 import weakref
 
@@ -134,7 +133,7 @@ def _guarded_write(mgr, backend: str, session_id, src, dst, write, path: str = "
     f = AGENT.match("delay", room, rid)
     if f is not None:
         p = f["params"]
-        ms = float(p.get("ms", 100)) + random.uniform(-1, 1) * float(p.get("jitter_ms", 0))
+        ms = float(p.get("ms", 100)) + f["_rng"].uniform(-1, 1) * float(p.get("jitter_ms", 0))
         AGENT.emit("fault_fired", fault=f["id"], kind="delay", room=room, rid=rid, ms=round(ms, 2),
                    pages=pages)
         time.sleep(max(ms, 0) / 1000.0)

@@ -665,6 +665,7 @@ def run_verdicts(m: RunModel) -> dict:
     j = judge(m)
     return {
         "run_id": m.run_id,
+        "seed": ((m.extras or {}).get("run.json") or {}).get("seed"),
         "overall": j["overall"],
         "chaos": j["chaos"],
         "reason": j["reason"],

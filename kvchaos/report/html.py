@@ -412,10 +412,13 @@ def render(m, verdicts: dict) -> str:
     n_planted = len(m.scenarios) - n_real
     chaos_note = (f' <span class="muted">(chaos verdict: {esc(LABEL.get(chaos, chaos))})</span>'
                   if chaos != overall else "")
+    seed = ((m.extras or {}).get("run.json") or {}).get("seed")
+    seed_note = (f' · seed <code id="seed">{esc(seed)}</code> (replay: <code>kvchaos replay {esc(m.run_dir)}</code>)'
+                 if seed is not None else "")
     summary = (f'<div id="summary" data-overall="{esc(overall)}" data-chaos="{esc(chaos)}">'
                f'<h1>kvchaos report <span id="verdict">{badge(overall, LABEL.get(overall), big=True)}</span>{chaos_note}</h1>'
                f'<div id="reason">{esc(verdicts.get("reason"))}</div>'
-               f'<div>run <code>{esc(m.run_id)}</code> · generated {esc(time.strftime("%Y-%m-%d %H:%M:%S"))} · '
+               f'<div>run <code>{esc(m.run_id)}</code>{seed_note} · generated {esc(time.strftime("%Y-%m-%d %H:%M:%S"))} · '
                f"{n_real} experiment(s)" + (f" + {n_planted} planted" if n_planted else "")
                + f' · <span id="test-counts">tests: '
                + (esc(counts_line(counts)) if m.tests else "no JUnit / progress file") + "</span></div>"

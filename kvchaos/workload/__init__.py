@@ -2,6 +2,8 @@
 
 from .driver import Driver, run_plans
 from .events import EventLog, load_events
-from .plan import KINDS, SHARED_MIX, RequestPlan, Tenant, Workload
+from .plan import KINDS, SHARED_MIX, RequestPlan, Tenant, Workload, plans_digest
+from .seed import Seeds
 
-__all__ = ["Driver", "EventLog", "KINDS", "SHARED_MIX", "RequestPlan", "Tenant", "Workload", "load_events", "run_plans"]
+__all__ = ["Driver", "EventLog", "KINDS", "SHARED_MIX", "RequestPlan", "Tenant", "Seeds", "Workload", "load_events", "plans_digest",
+           "run_plans"]

@@ -27,6 +27,8 @@ everything else replays identically.
 from __future__ import annotations
 
 import random
+import hashlib
+import json
 import secrets
 from dataclasses import asdict, dataclass, field
 from itertools import count
@@ -329,6 +331,21 @@ SHARED_MIX = {"none": 4, "public": 3, "tenant": 3, "conversation": 1, "diverge":
 # was prefill's Mooncake transfer thread dying on its KeyError race (finding
 # sglang-mooncake-transfer-worker-dies), which a fault that could not fire then reported as a blind run
 DEFAULT_SHARING = SHARED_MIX
+
+
+def plans_digest(plans) -> str:
+    """A digest of what ``plans`` would send: rids, tenants, kinds, endpoints, prompts, canaries,
+    abort points, sharing and ordering — everything a plan holds. Per-workload salt nonces (fresh on
+    purpose, so a replay never hits the original run's cache entries) are replaced by their order of
+    first use: two runs of one seed have the same digest, two seeds (almost surely) do not."""
+    salts: dict = {}
+    rows = []
+    for p in plans:
+        d = p.to_dict() if hasattr(p, "to_dict") else dict(p)
+        if d.get("cache_salt") is not None:
+            d["cache_salt"] = salts.setdefault(d["cache_salt"], f"salt#{len(salts)}")
+        rows.append(d)
+    return hashlib.sha256(json.dumps(rows, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
 def _salts(salts, names: list[str], scope: str) -> dict:

@@ -55,8 +55,8 @@ PREFIX_PREFILL_POOL = releases.PREFILL_POOL  # prefill's --max-total-tokens in t
 OVERSIZED = releases.OVERSIZED  # between prefill's limit and decode's 1536-token admission edge
 
 
-def _plans():
-    return releases.glm53_plans(SEED)
+def _plans(seeds):
+    return releases.glm53_plans(seeds(SEED))
 
 
 def _out(kvchaos_run_dir, mode: str, layout: str):
@@ -64,12 +64,12 @@ def _out(kvchaos_run_dir, mode: str, layout: str):
     return kvchaos_run_dir / "incidents" / (f"glm53-{mode}" if layout == DEFAULT_LAYOUT else f"glm53-{mode}@{layout}")
 
 
-def _run(experiment, faults, kvchaos_run_dir, mode: str, layout: str, **kw):
-    plans, victim = _plans()
+def _run(experiment, seeds, faults, kvchaos_run_dir, mode: str, layout: str, **kw):
+    plans, victim = _plans(seeds)
     out = _out(kvchaos_run_dir, mode, layout)
     checks = [Isolation(), HttpSemantics(), Liveness(bound_s=30)]
     t0 = time.monotonic()
-    with experiment(f"glm53-{mode}", plans, checks, faults=faults, path=out / "events.jsonl", seed=SEED,
+    with experiment(f"glm53-{mode}", plans, checks, faults=faults, path=out / "events.jsonl", seed=seeds(SEED),
                     concurrency=8, timeout_s=30, settle_s=0, **kw) as ex:
         if mode == "replay":
             faults.agent.arm("prefill", "reject_admitted", target={"tenant": victim},
@@ -140,7 +140,7 @@ def prefix_cluster(kvchaos_spec, kvchaos_run_dir, kvchaos_reaper):
 
 
 @pytest.mark.backends("mooncake_tcp")  # the incident's transport; 0.5.19's NIXL path is not checked on CPU
-def test_prefix_release_leaks_another_tenants_data_with_http_200(experiment, prefix_cluster, kvchaos_run_dir):
+def test_prefix_release_leaks_another_tenants_data_with_http_200(experiment, seeds, prefix_cluster, kvchaos_run_dir):
     c = prefix_cluster
     pf, dc = _version(c, "prefill"), _version(c, "decode")
     assert pf["version"] == dc["version"] == PREFIX_VERSION, (pf, dc)
@@ -150,7 +150,7 @@ def test_prefix_release_leaks_another_tenants_data_with_http_200(experiment, pre
     with EventLog(kvchaos_run_dir / "events" / "glm53-prefix-faults.jsonl") as flog:
         kit = FaultKit(c, flog)
         try:
-            ex, summary, victim, plans = _run(experiment, kit, kvchaos_run_dir, "prefix", c.spec.layout, cluster=c)
+            ex, summary, victim, plans = _run(experiment, seeds, kit, kvchaos_run_dir, "prefix", c.spec.layout, cluster=c)
         finally:
             problems = kit.heal_all()
     assert not problems, problems
@@ -171,18 +171,18 @@ def test_prefix_release_leaks_another_tenants_data_with_http_200(experiment, pre
     _assert_leak(ex, "prefix", victim, plans)
 
 
-def test_replay_leaks_another_tenants_data_with_http_200(experiment, faults, kvchaos_run_dir, kvchaos_spec):
-    ex, summary, victim, plans = _run(experiment, faults, kvchaos_run_dir, "replay", kvchaos_spec.layout)
+def test_replay_leaks_another_tenants_data_with_http_200(experiment, seeds, faults, kvchaos_run_dir, kvchaos_spec):
+    ex, summary, victim, plans = _run(experiment, seeds, faults, kvchaos_run_dir, "replay", kvchaos_spec.layout)
     _assert_one_page_handoff(summary)
     _assert_leak(ex, "replay", victim, plans)
 
 
 @pytest.mark.disruptive
-def test_fixed_engine_does_not_leak(experiment, cluster, faults, kvchaos_run_dir, kvchaos_spec):
+def test_fixed_engine_does_not_leak(experiment, seeds, cluster, faults, kvchaos_run_dir, kvchaos_spec):
     """The fix holds: no foreign canary anywhere, and (once fixed) each oversized prompt gets a 400.
     On 0.5.23 they hang instead: the registry's ``sglang-intake-reject-hang`` (KNOWN with its
     witness signature; it covers liveness and http_semantics, never isolation)."""
-    ex, summary, victim, plans = _run(experiment, faults, kvchaos_run_dir, "fixed", kvchaos_spec.layout)
+    ex, summary, victim, plans = _run(experiment, seeds, faults, kvchaos_run_dir, "fixed", kvchaos_spec.layout)
     # the router keeps retrying the hung requests after their clients gave up: wait until the
     # engines are quiet so the next test does not see stray work (bounded)
     q = wait_quiet(cluster, timeout_s=120, stable_s=10)

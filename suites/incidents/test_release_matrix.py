@@ -69,7 +69,7 @@ def cell(release, trial, deployment):
     return f"sglang-{release}-t{trial}" + ("" if deployment == "incident" else f"-{deployment}")
 
 
-def test_incident_unmodified_on_release(experiment, release_cluster, release, trial, deployment, kvchaos_run_dir):
+def test_incident_unmodified_on_release(experiment, seeds, release_cluster, release, trial, deployment, kvchaos_run_dir):
     c, policy = release_cluster
     pf, dc = (c.server_info(r) for r in ("prefill", "decode"))
     got = {r: server_field(i, "version") for r, i in (("prefill", pf), ("decode", dc))}
@@ -79,7 +79,7 @@ def test_incident_unmodified_on_release(experiment, release_cluster, release, tr
     assert server_field(pf, "max_total_num_tokens") < server_field(pf, "context_length")
     assert server_field(pf, "max_req_input_len") < min(releases.OVERSIZED)
     assert max(releases.OVERSIZED) < server_field(dc, "max_total_num_tokens") - 512
-    seed = releases.GLM53_SEED + trial - 1
+    seed = seeds(releases.GLM53_SEED + trial - 1)
     plans, victim = releases.glm53_plans(seed)
     out, name = kvchaos_run_dir / "releases", cell(release, trial, deployment)
     checks = [Isolation(), Sensitivity(), HttpSemantics(), Liveness(bound_s=releases.BOUND_S)]

@@ -1,0 +1,33 @@
+"""Run by tests/test_replay.py in a child pytest (and again by ``kvchaos replay``): one experiment
+through the real runner and policy against tests/fake_engine.py, its plans drawn from the run seed.
+``INNER_LEAK=1`` makes the engine leak one request's canary into every reply (isolation FAIL, the
+plans unchanged); ``INNER_N`` changes how many plans there are (a replay whose plans differ)."""
+
+import os
+
+import pytest
+
+from kvchaos import canary
+from kvchaos.experiment import PASS
+from kvchaos.oracles import Isolation, Sensitivity
+from kvchaos.workload import Workload
+from tests.data.known_suite.test_known_inner import StandIn
+from tests.fake_engine import FakeEngine
+
+
+@pytest.fixture
+def fake():
+    with FakeEngine() as eng:
+        yield StandIn(eng.url), eng
+
+
+def test_scenario(experiment, seeds, fake):
+    fake, eng = fake
+    wl = Workload(seeds(5), n_tenants=4, prefix="rp")
+    plans = [wl.request(wl.tenants[i % 4], n_canaries=2) for i in range(int(os.environ.get("INNER_N", "30")))]
+    if os.environ.get("INNER_LEAK") == "1":  # the engine serves plans[2]'s canary to everyone
+        eng.leak_text = canary.payload(plans[2].canaries[0])
+    with experiment("replayable", plans, [Isolation(), Sensitivity()], cluster=fake, faults=None, seed=wl.seed,
+                    settle_s=0, timeout_s=10) as ex:
+        pass
+    ex.require(isolation=PASS)
