@@ -8,7 +8,7 @@ PYTEST_ARGS ?=
 
 LAYOUTS ?= mha-p1-fp32,gqa-p16-bf16,gqa-p64-bf16,mla-p64-bf16
 
-.PHONY: setup run test test-matrix test-unit test-layouts bench clean-reports
+.PHONY: setup run test test-matrix test-unit test-layouts soak bench clean-reports
 setup:
 	@bash scripts/setup.sh >/dev/null
 	@bash scripts/setup-engine.sh 0.5.19 >/dev/null  # pre-fix release for the GLM-5.3 reproduction
@@ -35,6 +35,10 @@ test-matrix: setup  # the detection matrix at 5 mutated + 2 clean trials per cla
 
 test-layouts: setup  # every default suite on every KV layout, one cluster each (hours on 2 cores)
 	$(PY) -m pytest suites -m "not slow and not gpu" -p no:cacheprovider --kvchaos-layouts $(LAYOUTS) $(PYTEST_ARGS)
+
+K ?= 3
+soak: setup  # the default suites K times, each with a fresh seed: outcome counts per test, flakes, engine failure rates
+	$(PY) -m kvchaos soak --times $(K)
 
 test-unit: setup
 	$(PY) -m pytest tests -m "not cluster" -p no:cacheprovider $(PYTEST_ARGS)

@@ -11,6 +11,9 @@
   kvchaos replay RUN_DIR [SCENARIO] [--times N] [--attach A]
                                                         re-run a recorded scenario with the run's seed; reproduced?
   kvchaos digests RUN_DIR [RUN_DIR ...]                  plan digest per scenario; where two runs differ
+  kvchaos soak   [--times K] [--seed S] [SUITE ...] | --from RUN_DIR ...
+                                                        suites K times (fresh seeds): outcomes per test, flakes,
+                                                        engine failures per run and per 1,000 requests
   kvchaos judge  LOG [LOG ...] [--bound-s S] [--accept-known] [--checkers A,B] [--json]
                                                         judge event logs on disk with the default checkers
 
@@ -21,7 +24,8 @@ strict timeout releases trials release_table lb_probe lb_disconnect_ms deploymen
 
 Exit status: ``run``/``repro`` pytest's; ``bisect`` 0 every trial measured, 3 some not; ``audit`` 0 no FAIL, 1 FAIL (``--strict``: or UNKNOWN);
 ``report`` 0 pass or accepted KNOWN only, 1 fail, 3 unknown or no chaos verdict; ``replay`` 0 every repetition
-reproduced, 1 not; ``digests`` 0 no scenario's plans differ between the runs, 1 some do; ``judge`` 0 every log PASS (or KNOWN accepted), 1 any log FAIL,
+reproduced, 1 not; ``digests`` 0 no scenario's plans differ between the runs, 1 some do; ``soak`` 0 no test red
+in any run, 1 otherwise; ``judge`` 0 every log PASS (or KNOWN accepted), 1 any log FAIL,
 3 otherwise (UNKNOWN, or KNOWN not accepted); 2 for bad input everywhere.
 
 ``judge``: each log is judged on its own by the policy (every checker held to not-FAIL, isolation also
@@ -589,6 +593,22 @@ def cmd_digests(args) -> int:
     return 1 if res["differ"] else 0
 
 
+def cmd_soak(args) -> int:
+    from kvchaos.soak import SoakError, account, render, soak
+
+    try:
+        if args.from_dirs:
+            res = account(args.from_dirs)
+        else:
+            out = Path(args.reports).resolve() / time.strftime("soak-%Y%m%d-%H%M%S")
+            res = soak(args.times, out, args.suites or [str(REPO / "suites")], args.markers, seed=args.seed)
+            print(f"kvchaos soak: {out / 'soak.json'}")
+    except SoakError as e:
+        raise UsageError(f"soak: {e}") from None
+    print(render(res))
+    return 1 if res["red"] else 0
+
+
 def cmd_judge(args) -> int:
     from kvchaos import oracles
     from kvchaos.policy import KNOWN, Context, Policy, PolicyError
@@ -778,6 +798,19 @@ def build_parser(cfg: dict) -> argparse.ArgumentParser:
     dg.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")
     dg.add_argument("--json", action="store_true")
     dg.set_defaults(fn=cmd_digests)
+    so = sub.add_parser("soak", help="the suites K times with fresh seeds: outcome counts per test, flakes, engine failures",
+                        description="Runs the suites --times times, each a pytest session with a fresh seed (or "
+                                    "--seed), under REPORTS/soak-<stamp>/, or accounts finished run directories "
+                                    "(--from). Prints per test the outcome counts (FLAKY: red in some runs only, with "
+                                    "the seed and replay command of each red run) and per engine-failure signature "
+                                    "its rate per run and per 1,000 requests. Exit 0 no test red in any run, 1 otherwise.")
+    so.add_argument("suites", nargs="*", help="suite files/dirs (default: suites/)")
+    so.add_argument("--times", type=int, default=3, help="runs (default 3)")
+    so.add_argument("--seed", help="one seed for every run (default: a fresh one per run)")
+    so.add_argument("-m", dest="markers", default=cfg.get("markers", "not slow and not gpu"), help="pytest marker expression")
+    so.add_argument("--reports", default=cfg.get("reports", "reports"), help="reports directory")
+    so.add_argument("--from", dest="from_dirs", nargs="+", metavar="RUN_DIR", help="account these run directories instead")
+    so.set_defaults(fn=cmd_soak)
     ju = sub.add_parser("judge", help="judge event logs on disk with the default checkers and print the verdicts",
                         description="Judge each event log (JSONL) on its own with the default checkers; the "
                                     "canaries minted in any of the logs are known to all of them. Exit 0 every log "
