@@ -64,6 +64,7 @@ class ArmedFault(Fault):
     target: dict
     params: dict
     agents: list = field(default_factory=list)
+    count: int | None = None  # how many firings it was armed for (None: the kind's default)
     healed: bool = field(default=False, init=False, compare=False)
     injector: ClassVar[str] = "agent"
 
@@ -182,7 +183,7 @@ class AgentClient:
             req["count"] = count
         for a in agents:
             _call(a["sock"], req, self.timeout)
-        f = ArmedFault(self, fid, role, kind, req["target"], req["params"], [a["pid"] for a in agents])
+        f = ArmedFault(self, fid, role, kind, req["target"], req["params"], [a["pid"] for a in agents], count=count)
         self._armed[fid] = f
         self._log("armed", f)
         return f

@@ -10,6 +10,8 @@
   kvchaos report DIR                                    (re)build verdicts.json + report.html of a run dir
   kvchaos replay RUN_DIR [SCENARIO] [--times N] [--attach A]
                                                         re-run a recorded scenario with the run's seed; reproduced?
+  kvchaos shrink RUN_DIR SCENARIO [--budget-s S] [--steps N]
+                                                        a failing scenario shrunk to a minimal one: repro + bug report
   kvchaos digests RUN_DIR [RUN_DIR ...]                  plan digest per scenario; where two runs differ
   kvchaos soak   [--times K] [--seed S] [SUITE ...] | --from RUN_DIR ...
                                                         suites K times (fresh seeds): outcomes per test, flakes,
@@ -24,7 +26,7 @@ strict timeout releases trials release_table lb_probe lb_disconnect_ms deploymen
 
 Exit status: ``run``/``repro`` pytest's; ``bisect`` 0 every trial measured, 3 some not; ``audit`` 0 no FAIL, 1 FAIL (``--strict``: or UNKNOWN);
 ``report`` 0 pass or accepted KNOWN only, 1 fail, 3 unknown or no chaos verdict; ``replay`` 0 every repetition
-reproduced, 1 not; ``digests`` 0 no scenario's plans differ between the runs, 1 some do; ``soak`` 0 no test red
+reproduced, 1 not; ``shrink`` 0 shrunk, 1 the failure did not re-run; ``digests`` 0 no scenario's plans differ between the runs, 1 some do; ``soak`` 0 no test red
 in any run, 1 otherwise; ``judge`` 0 every log PASS (or KNOWN accepted), 1 any log FAIL,
 3 otherwise (UNKNOWN, or KNOWN not accepted); 2 for bad input everywhere.
 
@@ -573,6 +575,21 @@ def cmd_replay(args) -> int:
     return 0 if all(sc["reproduced"] == sc["of"] for sc in res["scenarios"]) else 1
 
 
+def cmd_shrink(args) -> int:
+    from kvchaos.replay import ReplayError, shrink
+
+    try:
+        res = shrink(args.run_dir, args.scenario, budget_s=args.budget_s, max_steps=args.steps, attach=args.attach)
+    except ReplayError as e:
+        raise UsageError(f"shrink: {e}") from None
+    o, m = res["original"], res["minimal"]
+    print(f"{res['experiment']}: {res['target']['oracle']} FAIL kept; requests {o['requests']} -> {m['requests']}, "
+          f"tenants {o['tenants']} -> {m['tenants']}, faults {o['faults']} -> {m['faults']}, concurrency "
+          f"{o['concurrency']} -> {m['concurrency']} ({res['steps']} attempts, {res['wall_s']} s)")
+    print(f"repro: cd {REPO} && {sys.executable} {res['dir']}/repro.py\nbug report: {res['dir']}/BUG.md")
+    return 0 if res["reproduced"] else 1
+
+
 def cmd_digests(args) -> int:
     from kvchaos.replay import ReplayError, digests
 
@@ -791,6 +808,18 @@ def build_parser(cfg: dict) -> argparse.ArgumentParser:
     rl.add_argument("--attach", help="router=URL,prefill=URL,decode=URL: replay against running servers")
     rl.add_argument("--timeout", type=float, default=1800.0, help="per repetition, seconds (default 1800)")
     rl.set_defaults(fn=cmd_replay)
+    sh = sub.add_parser("shrink", help="shrink a failing scenario to a minimal one that still fails the same way",
+                        description="Re-runs the scenario's test with the run's seed; once its experiment is judged, "
+                                    "the same session (same cluster) delta-debugs it: fewer requests, faults, tenants, "
+                                    "less concurrency, keeping only changes after which the same checker still FAILs "
+                                    "with a witness of the same kind. Writes minimal.json, the minimal log, repro.py "
+                                    "and BUG.md. Exit 0 shrunk, 1 the failure did not re-run, 2 bad input.")
+    sh.add_argument("run_dir", help="a run directory (reports/<run-id>)")
+    sh.add_argument("scenario", help="the experiment's name (or id, or its test id)")
+    sh.add_argument("--budget-s", type=float, default=1200.0, help="wall-clock bound of the search (default 1200)")
+    sh.add_argument("--steps", type=int, default=40, help="at most this many attempts (default 40)")
+    sh.add_argument("--attach", help="router=URL,prefill=URL,decode=URL: against running servers")
+    sh.set_defaults(fn=cmd_shrink)
     dg = sub.add_parser("digests", help="plan digest of every scenario of run directories; where they differ",
                         description="Same seed, engine and layout => same plans: this lists each scenario's plan "
                                     "digest per run directory (a dry run's plans.jsonl or a run's experiments.jsonl). "

@@ -80,7 +80,8 @@ class Experiment:
                  seed=None, concurrency: int = 8, timeout_s: float = 60.0, settle_s: float = SETTLE_S,
                  drive=None, path: str | Path | None = None, model_name: str | None = None,
                  policy: Policy | None = None, probe_before: bool = True, via: str = "router",
-                 run_seed: int | None = None, dry: bool = False):
+                 run_seed: int | None = None, dry: bool = False, record: bool = True,
+                 shrink: dict | None = None):
         if not isinstance(checks, oracles.Composite):
             checks = oracles.compose(*checks)
         if not name or any(c in name for c in "/\\"):
@@ -88,6 +89,10 @@ class Experiment:
         self.name, self.plans, self.checks = name, list(plans), checks
         self.cluster, self.faults, self.run_dir = cluster, faults, Path(run_dir)
         self.test_id, self.seed, self.run_seed, self.dry = test_id, seed, run_seed, dry
+        # record: write the verdicts file and the experiments.jsonl line (a shrink attempt does not);
+        # shrink: {"budget_s", "max_steps"} — once judged, shrink this experiment (kvchaos.shrink)
+        self.record, self.shrink = record, shrink
+        self.shrunk: dict | None = None
         self.plans_digest = plans_digest(self.plans)
         self.concurrency, self.timeout_s, self.settle_s = concurrency, timeout_s, settle_s
         self.drive_fn, self.model_name, self.probe_before = drive, model_name, probe_before
@@ -185,6 +190,10 @@ class Experiment:
         self._record(self.policy.judge(self.verdicts, self.context()))
         for v in self.verdicts:
             print(v)
+        if self.shrink is not None:
+            from kvchaos.shrink import Shrinker
+
+            self.shrunk = Shrinker(self, self.run_dir / "shrink" / self.name, **self.shrink).run()
         if self._during and self._during.thread.is_alive():
             raise RuntimeError(f"experiment {self.name}: the during action did not finish in {DURING_JOIN_S} s")
         if self._during and self._during.error is not None:
@@ -243,6 +252,8 @@ class Experiment:
 
     def _record(self, j: Judgement) -> None:
         self.judgement = j
+        if not self.record:
+            return
         self.verdicts_path.parent.mkdir(parents=True, exist_ok=True)
         self.verdicts_path.write_text(json.dumps([i.to_dict() for i in j.items], indent=2, default=str))
         ctx = j.ctx

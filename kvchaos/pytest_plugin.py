@@ -107,6 +107,11 @@ def pytest_addoption(parser):
     g.addoption("--kvchaos-dry", action="store_true", default=False,
                 help="record each test's first experiment's plans (digest, seed) in <run dir>/plans.jsonl and "
                      "send nothing: no cluster is started (kvchaos digests compares two dry runs)")
+    g.addoption("--kvchaos-shrink", default=None, metavar="EXPERIMENT",
+                help="once the experiment of this name is judged FAIL, shrink it to a minimal scenario that still "
+                     "fails the same way (kvchaos.shrink): <run dir>/shrink/<name>/ (kvchaos shrink starts this)")
+    g.addoption("--kvchaos-shrink-budget-s", type=float, default=1200.0, help="shrink: wall-clock bound [1200]")
+    g.addoption("--kvchaos-shrink-steps", type=int, default=40, help="shrink: at most this many attempts [40]")
     g.addoption("--kvchaos-backends", default=os.environ.get("KVCHAOS_BACKENDS"),
                 help="comma-separated KV transfer backends to run the suites over, one cluster each "
                      "(e.g. mooncake_tcp,nixl) [the profile's]")
@@ -618,6 +623,9 @@ def experiment(request, kvchaos_run_dir, kvchaos_policy, seeds):
             kw["faults"] = request.getfixturevalue("faults")
         kw.setdefault("run_seed", seeds.run)
         kw["dry"] = dry
+        if request.config.getoption("--kvchaos-shrink") == name:
+            kw["shrink"] = {"budget_s": request.config.getoption("--kvchaos-shrink-budget-s"),
+                            "max_steps": request.config.getoption("--kvchaos-shrink-steps")}
         kw.setdefault("policy", kvchaos_policy)  # a cluster of its own brings its own self-test's policy
         ex = Experiment(name, plans, checks, run_dir=kvchaos_run_dir, test_id=request.node.nodeid, **kw)
         made.append(ex)

@@ -200,3 +200,47 @@ def digests(run_dirs) -> dict:
     differ = [r for r in rows if len(r["digests"]) > 1 and len(set(r["digests"].values())) > 1]
     missing = [r for r in rows if len(r["digests"]) < len(run_dirs)]
     return {"runs": seeds, "scenarios": rows, "differ": differ, "missing": missing}
+
+
+# --------------------------------------------------------------------------- shrinking
+def shrink(run_dir, scenario: str, budget_s: float = 1200.0, max_steps: int = 40, attach: str | None = None,
+           timeout_s: float = 3600.0, say=print) -> dict:
+    """Re-run the scenario's test with the run's seed and ``--kvchaos-shrink`` (kvchaos.shrink): once its
+    experiment is judged, the same session shrinks it on the same cluster. Returns ``minimal.json``."""
+    run_dir = Path(run_dir).resolve()
+    run = load_run(run_dir)
+    picked = select(scenarios(run_dir), scenario)
+    names = sorted({r["name"] for r in picked})
+    if len(names) != 1:
+        raise ReplayError(f"{scenario!r} names {len(names)} experiments ({', '.join(names)}): shrink takes one")
+    (rec,) = [r for r in picked if r["name"] == names[0]][-1:]
+    if rec.get("status") == "pass" and not rec.get("planted"):
+        say(f"note: {rec['name']} passed in the original run; shrinking needs it to fail again")
+    out_dir = run_dir / "shrinks"
+    out_dir.mkdir(exist_ok=True)
+    run_id = f"{run_dir.name}-shrink-{_slug(rec['name'])}-{int(time.time())}"
+    cmd = pytest_command(run, rec["test"], out_dir, attach) + [
+        "--kvchaos-shrink", rec["name"], "--kvchaos-shrink-budget-s", str(budget_s),
+        "--kvchaos-shrink-steps", str(max_steps), "-s"]
+    say(f"shrink {rec['name']} of {rec['test']} (seed {run['seed']}) -> {out_dir / run_id}")
+    log = out_dir / f"{run_id}.log"
+    with open(log, "w") as fh:
+        p = subprocess.Popen(cmd, cwd=REPO, env={**os.environ, "KVCHAOS_RUN_ID": run_id}, stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True)
+        try:
+            deadline = time.monotonic() + timeout_s
+            for line in p.stdout:  # progress: the shrinker's own lines
+                fh.write(line)
+                if line.startswith("shrink "):
+                    say(line.rstrip())
+                if time.monotonic() > deadline:
+                    p.kill()
+                    break
+        finally:
+            p.wait(timeout=60)
+    res_file = out_dir / run_id / "shrink" / rec["name"] / "minimal.json"
+    if not res_file.exists():
+        raise ReplayError(f"the shrinking run wrote no {res_file} (pytest exit {p.returncode}); see {log}")
+    res = json.loads(res_file.read_text())
+    res["dir"] = str(res_file.parent)
+    return res

@@ -31,3 +31,36 @@ def test_scenario(experiment, seeds, fake):
                     settle_s=0, timeout_s=10) as ex:
         pass
     ex.require(isolation=PASS)
+
+
+class LeakFirst(FakeEngine):
+    """Leaks ``text`` into its first ``n`` replies only (then answers cleanly): an engine whose leak
+    does not come back when the scenario is re-run."""
+
+    def __init__(self, text, n):
+        super().__init__()
+        self._text, self._left = text, n
+
+    @property
+    def leak_text(self):
+        if self._left <= 0:
+            return ""
+        self._left -= 1
+        return self._text
+
+    @leak_text.setter
+    def leak_text(self, v):
+        pass
+
+
+def test_shrinkable(experiment, seeds):
+    """Every reply holds plans[2]'s canary (``INNER_LEAK_FIRST=n``: only the first n replies)."""
+    wl = Workload(seeds(6), n_tenants=4, prefix="sh")
+    plans = [wl.request(wl.tenants[i % 4], n_canaries=2) for i in range(24)]
+    leak = canary.payload(plans[2].canaries[0])
+    eng = LeakFirst(leak, int(os.environ.get("INNER_LEAK_FIRST", "1000000")))
+    with eng:
+        with experiment("shrinkable", plans, [Isolation(), Sensitivity()], cluster=StandIn(eng.url), faults=None,
+                        seed=wl.seed, settle_s=0, timeout_s=10, concurrency=4) as ex:
+            pass
+    ex.require(isolation=PASS)

@@ -1,0 +1,379 @@
+"""Shrink a failing experiment to a minimal scenario that still fails the same way.
+
+Runs inside the test's own session, right after the experiment it shrinks was judged (pytest
+``--kvchaos-shrink NAME``, what ``kvchaos shrink RUN_DIR NAME`` starts): the cluster is up, so each
+attempt costs one experiment, not a cluster start. A *scenario* is data — the plans, the faults as
+armed (injector, role, kind, target, params with their seed, count), the concurrency and the path
+(router / pd) — and an attempt re-runs it as an experiment of its own (same checkers, policy,
+timeouts; its log under ``shrink/<name>/``), arming the recorded faults on entry.
+
+The failure kept is the original's: the first leak checker that FAILed (isolation before
+kv_lifecycle, cache_isolation, http_semantics) with a witness of the same kind (a foreign canary
+served with the same HTTP status; a late write after release; ...). Steps, each kept only when the
+attempt still fails that way:
+
+1. plans — delta debugging (ddmin: drop chunks, then complements, halving the chunk size);
+2. faults — drop each one;
+3. concurrency — halve down to 1;
+4. tenants — drop every plan of a tenant that is not the witness's victim or owner.
+
+Bounded by ``budget_s`` and ``max_steps``; an attempt that cannot run (a fault that cannot be armed)
+counts as not failing. Writes ``minimal.json`` (the scenario, sizes before / after, every attempt),
+the minimal attempt's log, ``repro.py`` (a script that needs only kvchaos and the engine: it starts
+the recorded cluster, arms the faults, sends the plans and prints the verdicts) and ``BUG.md`` (an
+upstream-style report: engine version and flags, steps, expected vs observed, witness).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import shutil
+import time
+from pathlib import Path
+
+LEAK_ORDER = ("isolation", "kv_lifecycle", "cache_isolation", "http_semantics")
+
+
+class ShrinkError(RuntimeError):
+    pass
+
+
+# --------------------------------------------------------------------------- scenario as data
+def fault_records(ex) -> list[dict]:
+    """The faults this experiment armed, as data (what an attempt re-arms)."""
+    kit = ex.faults
+    if kit is None:
+        return []
+    ids = set(ex._fault_ids())
+    out = []
+    agent = getattr(kit, "agent", None)
+    for f in (agent._armed.values() if agent is not None else ()):
+        if f.id in ids:
+            out.append({"injector": "agent", "role": f.role, "kind": f.kind, "target": dict(f.target),
+                        "params": dict(f.params), "count": f.count})
+            ids.discard(f.id)
+    net = getattr(kit, "net", None)
+    for f in (getattr(net, "_faults", {}).values() if net is not None else ()):
+        if f.id in ids:
+            out.append({"injector": "proxy", "proxy": f.proxy, "type": f.type, "stream": f.stream,
+                        "attributes": dict(f.attributes), "toxicity": f.toxicity})
+            ids.discard(f.id)
+    if ids:
+        raise ShrinkError(f"experiment {ex.name}: faults {sorted(ids)} are not agent or network faults "
+                          "(process faults act from a during action): not shrinkable")
+    return out
+
+
+def arm(kit, rec: dict):
+    if rec["injector"] == "agent":
+        return kit.agent.arm(rec["role"], rec["kind"], target=rec["target"], params=rec["params"], count=rec.get("count"))
+    if rec["injector"] == "proxy":
+        return kit.net.toxic(rec["proxy"], rec["type"], stream=rec["stream"], toxicity=rec["toxicity"], **rec["attributes"])
+    raise ShrinkError(f"cannot arm fault record {rec!r}")
+
+
+def subset(plans, keep_rids: set) -> list:
+    """The plans whose rid is kept, in order; a kept plan waiting for a dropped one waits for nothing."""
+    out = []
+    for p in plans:
+        if p.rid in keep_rids:
+            q = copy.copy(p)
+            if q.after is not None and q.after not in keep_rids:
+                q.after = None
+            out.append(q)
+    return out
+
+
+# --------------------------------------------------------------------------- the failure kept
+def witness_kind(oracle: str, w: dict) -> tuple:
+    if oracle in ("isolation", "cache_isolation"):
+        return (oracle, "foreign" if w.get("owner_tenant") else w.get("origin") or w.get("kind"), w.get("status"))
+    if oracle == "kv_lifecycle":
+        return (oracle, w.get("kind") or w.get("problem") or w.get("release_outcome"))
+    return (oracle, w.get("kind") or w.get("problem") or w.get("status"))
+
+
+def target_of(verdicts) -> tuple[str, set] | None:
+    by = {v.oracle: v for v in verdicts}
+    for o in LEAK_ORDER:
+        v = by.get(o)
+        if v is not None and v.status == "fail" and v.witnesses:
+            return o, {witness_kind(o, w) for w in v.witnesses}
+    return None
+
+
+def still_fails(verdicts, target: tuple[str, set]) -> bool:
+    oracle, kinds = target
+    v = {x.oracle: x for x in verdicts}.get(oracle)
+    return v is not None and v.status == "fail" and bool({witness_kind(oracle, w) for w in v.witnesses} & kinds)
+
+
+# --------------------------------------------------------------------------- the search
+class Shrinker:
+    def __init__(self, ex, out_dir: Path, budget_s: float = 1200.0, max_steps: int = 40, say=print):
+        from kvchaos.experiment import Experiment  # noqa: F401 - the attempts are experiments
+
+        if ex.drive_fn is not None or ex._during is not None:
+            raise ShrinkError(f"experiment {ex.name}: a custom drive or during action cannot be re-run from data; "
+                              "only experiments that send their plans (with faults armed in the with block) shrink")
+        self.ex, self.out = ex, Path(out_dir)
+        self.target = target_of(ex.verdicts)
+        if self.target is None:
+            raise ShrinkError(f"experiment {ex.name}: no leak checker FAILed with a witness — nothing to shrink")
+        self.faults = fault_records(ex)
+        self.budget_s, self.max_steps, self.say = budget_s, max_steps, say
+        self.t0 = time.monotonic()
+        self.attempts: list[dict] = []
+        self.best = {"rids": [p.rid for p in ex.plans], "faults": list(range(len(self.faults))),
+                     "concurrency": ex.concurrency, "log": str(ex.path)}
+        if self.out.exists():
+            shutil.rmtree(self.out)
+        self.out.mkdir(parents=True)
+
+    def exhausted(self) -> bool:
+        return len(self.attempts) >= self.max_steps or time.monotonic() - self.t0 >= self.budget_s
+
+    def attempt(self, rids: list, faults: list, concurrency: int, why: str) -> bool:
+        from kvchaos.experiment import Experiment
+
+        n = len(self.attempts) + 1
+        plans = subset(self.ex.plans, set(rids))
+        path = self.out / f"attempt-{n:03d}.events.jsonl"
+        t = time.monotonic()
+        rec = {"n": n, "why": why, "requests": len(plans), "faults": len(faults), "concurrency": concurrency}
+        try:
+            sub = Experiment(f"{self.ex.name}-shrink-{n}", plans, self.ex.checks, cluster=self.ex.cluster,
+                             faults=self.ex.faults, run_dir=self.ex.run_dir, test_id=self.ex.test_id, seed=self.ex.seed,
+                             concurrency=concurrency, timeout_s=self.ex.timeout_s, settle_s=self.ex.settle_s,
+                             model_name=self.ex.model_name, policy=self.ex.policy, via=self.ex.via, path=path,
+                             run_seed=self.ex.run_seed, record=False)
+            with sub:
+                for i in faults:
+                    arm(self.ex.faults, self.faults[i])
+            ok = still_fails(sub.verdicts, self.target)
+            rec["verdicts"] = {v.oracle: v.status for v in sub.verdicts}
+        except Exception as e:  # noqa: BLE001 - an attempt that cannot run does not fail the same way
+            ok = False
+            rec["error"] = repr(e)[:500]
+        rec.update(fails=ok, wall_s=round(time.monotonic() - t, 1), log=str(path))
+        self.attempts.append(rec)
+        self.say(f"shrink {n}: {why} — {len(plans)} requests, {len(faults)} faults, concurrency {concurrency}: "
+                 f"{'still fails' if ok else 'passes / differs'} ({rec['wall_s']} s)")
+        if ok:
+            self.best = {"rids": list(rids), "faults": list(faults), "concurrency": concurrency, "log": str(path)}
+        return ok
+
+    def ddmin(self) -> None:
+        rids = list(self.best["rids"])
+        n = 2
+        while len(rids) >= 2 and not self.exhausted():
+            size = max(1, len(rids) // n)
+            chunks = [rids[i:i + size] for i in range(0, len(rids), size)]
+            reduced = False
+            for c in chunks:  # a chunk alone
+                if self.exhausted():
+                    return
+                if len(c) < len(rids) and self.attempt(c, self.best["faults"], self.best["concurrency"],
+                                                       f"keep {len(c)} of {len(rids)} plans"):
+                    rids, n, reduced = c, 2, True
+                    break
+            if not reduced:
+                for c in chunks:  # its complement
+                    if self.exhausted():
+                        return
+                    rest = [r for r in rids if r not in set(c)]
+                    if rest and self.attempt(rest, self.best["faults"], self.best["concurrency"],
+                                             f"drop {len(c)} of {len(rids)} plans"):
+                        rids, n, reduced = rest, max(n - 1, 2), True
+                        break
+            if not reduced:
+                if size == 1:
+                    return
+                n = min(len(rids), 2 * n)
+
+    def drop_faults(self) -> None:
+        for i in list(self.best["faults"]):
+            if self.exhausted():
+                return
+            rest = [j for j in self.best["faults"] if j != i]
+            self.attempt(self.best["rids"], rest, self.best["concurrency"],
+                         f"drop fault {self.faults[i].get('kind') or self.faults[i].get('type')}")
+
+    def lower_concurrency(self) -> None:
+        c = self.best["concurrency"]
+        while c > 1 and not self.exhausted():
+            c = max(1, c // 2)
+            if not self.attempt(self.best["rids"], self.best["faults"], c, f"concurrency {c}"):
+                return
+
+    def drop_tenants(self) -> None:
+        plans = {p.rid: p for p in self.ex.plans}
+        keep = set()
+        for w in self._last_witnesses():  # the victim's and the owner's tenants stay
+            keep |= {w.get("victim_tenant"), w.get("owner_tenant"), w.get("tenant")}
+        tenants = sorted({plans[r].tenant for r in self.best["rids"]} - keep)
+        for t in tenants:
+            if self.exhausted():
+                return
+            rest = [r for r in self.best["rids"] if plans[r].tenant != t]
+            if rest:
+                self.attempt(rest, self.best["faults"], self.best["concurrency"], f"drop tenant {t}")
+
+    def _last_witnesses(self) -> list:
+        from kvchaos.workload import load_events
+
+        try:
+            recs = load_events(self.best["log"])
+        except Exception:  # noqa: BLE001
+            return []
+        oracle = self.target[0]
+        for v in self.ex.checks.check(recs):
+            if v.oracle == oracle:
+                return v.witnesses
+        return []
+
+    def run(self) -> dict:
+        self.say(f"shrink {self.ex.name}: {len(self.ex.plans)} requests, {len(self.faults)} faults, concurrency "
+                 f"{self.ex.concurrency}; keeping {self.target[0]} FAIL with witness kinds {sorted(map(str, self.target[1]))}")
+        # the original scenario once more as data: the search starts only from a failure that re-runs
+        if not self.attempt(self.best["rids"], self.best["faults"], self.best["concurrency"], "the original, re-run"):
+            return self.write(reproduced=False)
+        self.ddmin()
+        self.drop_faults()
+        self.lower_concurrency()
+        self.drop_tenants()
+        if len(self.best["rids"]) > 1:
+            self.ddmin()
+        return self.write(reproduced=True)
+
+    # ------------------------------------------------------------------ output
+    def write(self, reproduced: bool) -> dict:
+        plans = subset(self.ex.plans, set(self.best["rids"]))
+        faults = [self.faults[i] for i in self.best["faults"]]
+        cluster = self.ex.cluster.describe() if hasattr(self.ex.cluster, "describe") else {}
+        head = next((e for e in self.ex.events if e.get("ev") == "experiment"), {})
+        res = {"experiment": self.ex.name, "test": self.ex.test_id, "run_seed": self.ex.run_seed, "seed": self.ex.seed,
+               "engine": head.get("engine"), "layout": head.get("layout"), "cluster": cluster,
+               "target": {"oracle": self.target[0], "witness_kinds": sorted(map(list, self.target[1]))},
+               "original": {"requests": len(self.ex.plans), "faults": len(self.faults), "concurrency": self.ex.concurrency,
+                            "tenants": len({p.tenant for p in self.ex.plans})},
+               "minimal": {"requests": len(plans), "faults": len(faults), "concurrency": self.best["concurrency"],
+                           "tenants": len({p.tenant for p in plans})},
+               "reproduced": reproduced, "steps": len(self.attempts),
+               "wall_s": round(time.monotonic() - self.t0, 1),
+               "scenario": {"plans": [p.to_dict() for p in plans], "faults": faults,
+                            "concurrency": self.best["concurrency"], "via": self.ex.via,
+                            "timeout_s": self.ex.timeout_s, "checkers": [repr(c) for c in self.ex.checks.checkers]},
+               "attempts": self.attempts}
+        (self.out / "minimal.json").write_text(json.dumps(res, indent=2, default=str))
+        if reproduced and Path(self.best["log"]).exists():
+            shutil.copy(self.best["log"], self.out / "minimal.events.jsonl")
+            res["witnesses"] = self._last_witnesses()[:3]
+        (self.out / "repro.py").write_text(REPRO)
+        (self.out / "BUG.md").write_text(bug_report(res))
+        self.say(f"shrink {self.ex.name}: {res['original']['requests']} -> {res['minimal']['requests']} requests, "
+                 f"{res['original']['faults']} -> {res['minimal']['faults']} faults, concurrency "
+                 f"{res['original']['concurrency']} -> {res['minimal']['concurrency']} in {res['steps']} attempts "
+                 f"({res['wall_s']} s): {self.out}")
+        return res
+
+
+def bug_report(res: dict) -> str:
+    eng = res.get("engine") or {}
+    spec = (res.get("layout") or {}).get("spec") or {}
+    w = (res.get("witnesses") or [None])[0]
+    m, o = res["minimal"], res["original"]
+    faults = "\n".join(f"   - {json.dumps(f)}" for f in res["scenario"]["faults"]) or "   - (none)"
+    return f"""# {res['target']['oracle']} FAIL in {eng.get('name', 'sglang')} {eng.get('version')}: {res['experiment']}
+
+Found by kvchaos (`{res['test']}`, run seed {res['run_seed']}), shrunk from {o['requests']} requests /
+{o['tenants']} tenants / {o['faults']} faults / concurrency {o['concurrency']} to **{m['requests']} requests /
+{m['tenants']} tenants / {m['faults']} faults / concurrency {m['concurrency']}** ({res['steps']} attempts).
+{'' if res['reproduced'] else chr(10) + '**The original scenario did not fail again when re-run from data: nothing was shrunk.**' + chr(10)}
+## Environment
+- engine: {eng.get('name')} {eng.get('version')} (per role: {json.dumps(eng.get('roles'))})
+- deployment: prefill/decode disaggregation, KV transfer `{spec.get('transfer_backend')}`, layout
+  `{(res.get('layout') or {}).get('kv_layout')}`, page size {spec.get('page_size')}, dtype {spec.get('dtype')},
+  pool {spec.get('pool_tokens')} tokens, context {spec.get('context_length')}, device {spec.get('device')}
+- server flags: see `cluster` in `minimal.json`
+
+## Steps
+1. Start the deployment above (`python repro.py` does it on this machine and runs the rest).
+2. Arm these faults (the kvchaos in-engine agent / network proxy):
+{faults}
+3. Send the {m['requests']} requests of `minimal.json` (`scenario.plans`: prompt, endpoint, max tokens) through
+   the {res['scenario']['via']} with {m['concurrency']} in flight.
+
+## Expected
+Every reply holds only its own request's data; every KV write lands before its pages are freed.
+
+## Observed
+`{res['target']['oracle']}` FAIL, witness kinds {res['target']['witness_kinds']}.
+{('First witness:' + chr(10) + '```json' + chr(10) + json.dumps(w, indent=2, default=str) + chr(10) + '```') if w else ''}
+"""
+
+
+REPRO = '''"""Self-contained repro written by ``kvchaos shrink``: start the recorded cluster, arm the recorded
+faults, send the minimal plans, print the verdicts. Needs kvchaos and the engine; run it from the
+kvchaos checkout: ``python repro.py [--times N]``."""
+
+import argparse
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+from faults import FaultKit, install_network_proxy
+from kvchaos import oracles
+from kvchaos.cluster import Cluster, ClusterSpec
+from kvchaos.cluster.reaper import Reaper
+from kvchaos.experiment import Experiment
+from kvchaos.shrink import arm, still_fails
+from kvchaos.workload import EventLog, RequestPlan
+
+HERE = Path(__file__).resolve().parent
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--times", type=int, default=1)
+    args = ap.parse_args()
+    res = json.loads((HERE / "minimal.json").read_text())
+    sc = res["scenario"]
+    spec = ClusterSpec.from_dict(res["cluster"]["spec"])
+    plans = [RequestPlan(**{k: v for k, v in p.items() if k != "prompt_chars"}) for p in sc["plans"]]
+    checks = [oracles.Isolation(), oracles.Sensitivity(), oracles.HttpSemantics(), oracles.KVLifecycle(),
+              oracles.CacheIsolation(), oracles.Liveness(bound_s=sc["timeout_s"])]
+    target = (res["target"]["oracle"], {tuple(k) for k in res["target"]["witness_kinds"]})
+    work = Path(tempfile.mkdtemp(prefix="kvchaos-repro-"))
+    from kvchaos import canary
+
+    canary.SESSION.add_plans({p.rid: {"canaries": p.canaries, "tenant": p.tenant} for p in plans}, "repro")
+    install_network_proxy()  # network faults: the cluster's embedded proxy
+    reaper = Reaper("kvc-repro")
+    c = Cluster(spec, work, reaper=reaper).start()
+    hits = 0
+    try:
+        for i in range(1, args.times + 1):
+            with EventLog(work / f"faults-{i}.jsonl") as flog:
+                kit = FaultKit(c, flog)
+                ex = Experiment(f"repro-{i}", plans, checks, cluster=c, faults=kit, run_dir=work,
+                                concurrency=sc["concurrency"], timeout_s=sc["timeout_s"], via=sc["via"])
+                with ex:
+                    for f in sc["faults"]:
+                        arm(kit, f)
+            hit = still_fails(ex.verdicts, target)
+            hits += hit
+            print(f"repro {i}: " + ", ".join(f"{v.oracle} {v.status}" for v in ex.verdicts)
+                  + (" — REPRODUCED" if hit else ""))
+    finally:
+        c.stop()
+        reaper.close()
+    print(f"reproduced {hits}/{args.times} (logs: {work})")
+    return 0 if hits else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
+'''

@@ -1,0 +1,77 @@
+"""``kvchaos shrink``: a failing scenario delta-debugged to a minimal one that still fails the same way,
+end to end against tests/fake_engine.py (tests/data/replay_suite), and what it refuses."""
+
+import json
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+
+from kvchaos.shrink import ShrinkError, Shrinker, still_fails, subset, witness_kind
+from kvchaos.workload import Workload
+from tests.util import child_env
+
+REPO = Path(__file__).resolve().parents[1]
+INNER = REPO / "tests" / "data" / "replay_suite" / "test_replay_inner.py"
+
+
+def _original(tmp_path, **env):
+    r = subprocess.run([sys.executable, "-m", "pytest", f"{INNER}::test_shrinkable", "-p", "no:cacheprovider",
+                        "-o", "testpaths=", "-q", "--kvchaos-seed", "5", "--kvchaos-reports", str(tmp_path / "reports")],
+                       cwd=REPO, env=child_env(KVCHAOS_RUN_ID="orig", **env), capture_output=True, text=True, timeout=300)
+    assert r.returncode == 1 and "1 failed" in r.stdout, r.stdout[-2000:]  # the leak: red
+    return tmp_path / "reports" / "orig"
+
+
+def _shrink(run, **env):
+    return subprocess.run([sys.executable, "-m", "kvchaos", "shrink", str(run), "shrinkable", "--steps", "30"],
+                          cwd=REPO, env=child_env(**env), capture_output=True, text=True, timeout=600)
+
+
+def test_a_leak_shrinks_to_one_request_at_concurrency_one_with_repro_and_bug_report(tmp_path):
+    run = _original(tmp_path)
+    r = _shrink(run)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
+    assert "requests 24 -> 1" in r.stdout and "concurrency 4 -> 1" in r.stdout, r.stdout[-2000:]
+    assert "shrink 1: the original, re-run" in r.stdout  # progress shown as it goes
+    d = Path(r.stdout.split("bug report: ")[1].split()[0]).parent
+    res = json.loads((d / "minimal.json").read_text())
+    assert res["reproduced"] and res["original"]["requests"] == 24 and res["minimal"]["requests"] == 1
+    assert res["target"]["oracle"] == "isolation" and res["steps"] <= 30
+    (plan,) = res["scenario"]["plans"]
+    assert plan["tenant"] != "t002"  # the one left is a victim: another tenant's canary in its reply
+    assert all(a["fails"] == (a.get("verdicts", {}).get("isolation") == "fail") for a in res["attempts"])
+    assert (d / "minimal.events.jsonl").exists() and (d / "repro.py").exists()
+    bug = (d / "BUG.md").read_text()
+    assert "isolation FAIL" in bug and "**1 requests" in bug and "First witness" in bug
+
+
+def test_a_failure_that_does_not_re_run_is_not_shrunk(tmp_path):
+    run = _original(tmp_path, INNER_LEAK_FIRST="24")  # the engine leaks in the original only
+    r = _shrink(run, INNER_LEAK_FIRST="24")
+    assert r.returncode == 1, r.stdout[-2000:]
+    d = Path(r.stdout.split("bug report: ")[1].split()[0]).parent
+    res = json.loads((d / "minimal.json").read_text())
+    assert not res["reproduced"] and res["steps"] == 1 and res["minimal"]["requests"] == 24
+
+
+def test_what_shrink_refuses_and_its_predicates():
+    ex = types.SimpleNamespace(name="x", drive_fn=lambda e: None, _during=None)
+    with pytest.raises(ShrinkError, match="custom drive"):
+        Shrinker(ex, Path("/nonexistent"))
+    v = types.SimpleNamespace(oracle="isolation", status="pass", witnesses=[])
+    ex = types.SimpleNamespace(name="y", drive_fn=None, _during=None, verdicts=[v])
+    with pytest.raises(ShrinkError, match="nothing to shrink"):
+        Shrinker(ex, Path("/nonexistent"))
+    w = {"owner_tenant": "t001", "victim_tenant": "t002", "status": 200}
+    target = ("isolation", {witness_kind("isolation", w)})
+    fail = types.SimpleNamespace(oracle="isolation", status="fail", witnesses=[w])
+    assert still_fails([fail], target)
+    other = types.SimpleNamespace(oracle="isolation", status="fail", witnesses=[{**w, "status": 500}])
+    assert not still_fails([other], target)  # a witness of another kind is another failure
+    wl = Workload(3, n_tenants=2, prefix="ss")
+    a, b = wl.conversation(wl.tenants[0], turns=2)
+    kept = subset([a, b], {b.rid})
+    assert kept[0].after is None and b.after == a.rid  # the copy waits for nothing; the original is untouched
