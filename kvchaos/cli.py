@@ -582,6 +582,9 @@ def cmd_shrink(args) -> int:
         res = shrink(args.run_dir, args.scenario, budget_s=args.budget_s, max_steps=args.steps, attach=args.attach)
     except ReplayError as e:
         raise UsageError(f"shrink: {e}") from None
+    if res.get("refused"):
+        print(f"{res['experiment']}: not shrunk — {res['refused']} (verdicts this time: {res.get('verdicts')})")
+        return 1
     o, m = res["original"], res["minimal"]
     print(f"{res['experiment']}: {res['target']['oracle']} FAIL kept; requests {o['requests']} -> {m['requests']}, "
           f"tenants {o['tenants']} -> {m['tenants']}, faults {o['faults']} -> {m['faults']}, concurrency "

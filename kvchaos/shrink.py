@@ -279,6 +279,18 @@ class Shrinker:
         return res
 
 
+def refused(ex, out_dir: Path, why: str) -> dict:
+    """``minimal.json`` of a shrink that could not start (nothing failed, a during action, ...)."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    res = {"experiment": ex.name, "test": ex.test_id, "run_seed": ex.run_seed, "reproduced": False, "refused": why,
+           "verdicts": {v.oracle: v.status for v in ex.verdicts}, "steps": 0,
+           "original": {"requests": len(ex.plans), "concurrency": ex.concurrency}}
+    (out_dir / "minimal.json").write_text(json.dumps(res, indent=2, default=str))
+    print(f"shrink {ex.name}: not shrunk — {why}")
+    return res
+
+
 def bug_report(res: dict) -> str:
     eng = res.get("engine") or {}
     spec = (res.get("layout") or {}).get("spec") or {}

@@ -57,6 +57,12 @@ def test_a_failure_that_does_not_re_run_is_not_shrunk(tmp_path):
     assert not res["reproduced"] and res["steps"] == 1 and res["minimal"]["requests"] == 24
 
 
+def test_a_scenario_that_passes_this_time_is_refused_with_the_reason(tmp_path):
+    run = _original(tmp_path)
+    r = _shrink(run, INNER_LEAK_FIRST="0")  # the engine no longer leaks at all
+    assert r.returncode == 1 and "not shrunk — experiment shrinkable: no leak checker FAILed" in r.stdout, r.stdout[-2000:]
+
+
 def test_what_shrink_refuses_and_its_predicates():
     ex = types.SimpleNamespace(name="x", drive_fn=lambda e: None, _during=None)
     with pytest.raises(ShrinkError, match="custom drive"):
