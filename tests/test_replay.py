@@ -16,7 +16,7 @@ INNER = REPO / "tests" / "data" / "replay_suite" / "test_replay_inner.py"
 
 
 def _original(tmp_path, **env):
-    r = subprocess.run([sys.executable, "-m", "pytest", str(INNER), "-p", "no:cacheprovider", "-o", "testpaths=", "-q",
+    r = subprocess.run([sys.executable, "-m", "pytest", f"{INNER}::test_scenario", "-p", "no:cacheprovider", "-o", "testpaths=", "-q",
                         "--kvchaos-seed", "41", "--kvchaos-reports", str(tmp_path / "reports")],
                        cwd=REPO, env=child_env(KVCHAOS_RUN_ID="orig", **env), capture_output=True, text=True, timeout=300)
     return r, tmp_path / "reports" / "orig"
