@@ -8,7 +8,7 @@ armed (injector, role, kind, target, params with their seed, count), the concurr
 timeouts; its log under ``shrink/<name>/``), arming the recorded faults on entry.
 
 The failure kept is the original's: the first leak checker that FAILed (isolation before
-kv_lifecycle, cache_isolation, http_semantics) with a witness of the same kind (a foreign canary
+kv_lifecycle, cache_isolation, differential, http_semantics) with a witness of the same kind (a foreign canary
 served with the same HTTP status; a late write after release; ...). Steps, each kept only when the
 attempt still fails that way:
 
@@ -32,7 +32,7 @@ import shutil
 import time
 from pathlib import Path
 
-LEAK_ORDER = ("isolation", "kv_lifecycle", "cache_isolation", "http_semantics")
+LEAK_ORDER = ("isolation", "kv_lifecycle", "cache_isolation", "differential", "http_semantics")
 
 
 class ShrinkError(RuntimeError):
