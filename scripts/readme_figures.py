@@ -106,6 +106,24 @@ def engine_hunt() -> str:
     return "\n".join(out) + "\n\n(from `reports/findings/*/runs/provoke.json`)"
 
 
+def replay_shrink() -> str:
+    """Per committed scenario (``reports/replay-shrink/<name>/``): the reproduction rate of
+    ``kvchaos replay`` (replay.json, when there is one) and the sizes before / after ``kvchaos shrink``
+    (minimal.json)."""
+    out = ["| scenario | `kvchaos replay` | original: requests / tenants / faults / concurrency | "
+           "minimal | attempts | report |", "|---|---|---|---|---|---|"]
+    for path in sorted((REPO / "reports" / "replay-shrink").glob("*/minimal.json")):
+        d = path.parent
+        m = _load(path)
+        rep = _load(d / "replay.json") if (d / "replay.json").exists() else None
+        rate = (f"reproduced **{rep['scenarios'][0]['reproduced']}/{rep['scenarios'][0]['of']}**" if rep else "-")
+        o, n = m["original"], m["minimal"]
+        size = lambda x: f"{x['requests']} / {x['tenants']} / {x['faults']} / {x['concurrency']}"  # noqa: E731
+        out.append(f"| `{m['experiment']}` ({m['target']['oracle']} FAIL) | {rate} | {size(o)} | **{size(n)}** | "
+                   f"{m['steps']} | [BUG.md](reports/replay-shrink/{d.name}/BUG.md) |")
+    return "\n".join(out) + "\n\n(from `reports/replay-shrink/*/minimal.json` and `replay.json`)"
+
+
 def _release_table(path: Path) -> str:
     sys.path.insert(0, str(REPO))
     from kvchaos.releases import render_markdown
@@ -126,7 +144,7 @@ def release_table_auto_truncate() -> str:
 FIGURES = {"release-table": release_table, "release-table-auto-truncate": release_table_auto_truncate,
            "glm53-witness": glm53_witness, "replay-verdicts": replay_verdicts,
            "replay-witness": replay_witness, "detection-matrix": detection_matrix, "findings": findings,
-           "engine-hunt": engine_hunt}
+           "engine-hunt": engine_hunt, "replay-shrink": replay_shrink}
 
 
 def render(text: str) -> str:
