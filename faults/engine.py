@@ -249,7 +249,7 @@ class AgentClient:
     def _log(self, what: str, f: ArmedFault) -> None:
         if self.log is not None:
             self.log.emit("fault", action=what, fault=f.id, kind=f.kind, role=f.role, target=f.target,
-                          params=f.params, injector="agent")
+                          params=f.params, count=f.count, injector="agent")
 
     def _log_fired(self, f: ArmedFault, e: dict) -> None:
         key = (f.id, e.get("seq"), e.get("pid"))

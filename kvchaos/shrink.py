@@ -41,27 +41,26 @@ class ShrinkError(RuntimeError):
 
 # --------------------------------------------------------------------------- scenario as data
 def fault_records(ex) -> list[dict]:
-    """The faults this experiment armed, as data (what an attempt re-arms)."""
-    kit = ex.faults
-    if kit is None:
-        return []
-    ids = set(ex._fault_ids())
-    out = []
-    agent = getattr(kit, "agent", None)
-    for f in (agent._armed.values() if agent is not None else ()):
-        if f.id in ids:
-            out.append({"injector": "agent", "role": f.role, "kind": f.kind, "target": dict(f.target),
-                        "params": dict(f.params), "count": f.count})
-            ids.discard(f.id)
-    net = getattr(kit, "net", None)
-    for f in (getattr(net, "_faults", {}).values() if net is not None else ()):
-        if f.id in ids:
-            out.append({"injector": "proxy", "proxy": f.proxy, "type": f.type, "stream": f.stream,
-                        "attributes": dict(f.attributes), "toxicity": f.toxicity})
-            ids.discard(f.id)
-    if ids:
-        raise ShrinkError(f"experiment {ex.name}: faults {sorted(ids)} are not agent or network faults "
-                          "(process faults act from a during action): not shrinkable")
+    """The faults this experiment armed, as data (what an attempt re-arms), from its own log's
+    ``fault``/``armed`` records (the injectors have forgotten healed faults by now)."""
+    out, other = [], []
+    for e in ex.events:
+        if e.get("ev") == "fault" and e.get("injector") == "process":  # kills and freezes: not data to re-arm
+            other.append(f"{e.get('kind')} of {e.get('role')}")
+            continue
+        if e.get("ev") != "fault" or e.get("action") != "armed":
+            continue
+        if e.get("injector") == "agent":
+            out.append({"injector": "agent", "role": e["role"], "kind": e["kind"], "target": dict(e.get("target") or {}),
+                        "params": dict(e.get("params") or {}), "count": e.get("count")})
+        elif e.get("injector") == "proxy":
+            out.append({"injector": "proxy", "proxy": e["proxy"], "type": e["kind"], "stream": e["stream"],
+                        "attributes": dict(e.get("attributes") or {}), "toxicity": e["toxicity"]})
+        else:
+            other.append(e.get("fault") or e.get("kind"))
+    if other:
+        raise ShrinkError(f"experiment {ex.name}: faults {sorted(set(other))} are not agent or network faults "
+                          "(process kills and freezes are actions, not data to re-arm): not shrinkable")
     return out
 
 
