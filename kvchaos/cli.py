@@ -588,7 +588,8 @@ def cmd_shrink(args) -> int:
     o, m = res["original"], res["minimal"]
     print(f"{res['experiment']}: {res['target']['oracle']} FAIL kept; requests {o['requests']} -> {m['requests']}, "
           f"tenants {o['tenants']} -> {m['tenants']}, faults {o['faults']} -> {m['faults']}, concurrency "
-          f"{o['concurrency']} -> {m['concurrency']} ({res['steps']} attempts, {res['wall_s']} s)")
+          f"{o['concurrency']} -> {m['concurrency']} ({res['steps']} attempts, {res['wall_s']} s); the minimal one "
+          f"failed again {res.get('confirmed')}/{res.get('confirm_runs')}")
     print(f"repro: cd {REPO} && {sys.executable} {res['dir']}/repro.py\nbug report: {res['dir']}/BUG.md")
     return 0 if res["reproduced"] else 1
 
