@@ -111,7 +111,7 @@ def replay_shrink() -> str:
     ``kvchaos replay`` (replay.json, when there is one) and the sizes before / after ``kvchaos shrink``
     (minimal.json)."""
     out = ["| scenario | `kvchaos replay` | original: requests / tenants / faults / concurrency | "
-           "minimal | attempts | report |", "|---|---|---|---|---|---|"]
+           "minimal | attempts | minimal failed again | report |", "|---|---|---|---|---|---|---|"]
     for path in sorted((REPO / "reports" / "replay-shrink").glob("*/minimal.json")):
         d = path.parent
         m = _load(path)
@@ -120,7 +120,8 @@ def replay_shrink() -> str:
         o, n = m["original"], m["minimal"]
         size = lambda x: f"{x['requests']} / {x['tenants']} / {x['faults']} / {x['concurrency']}"  # noqa: E731
         out.append(f"| `{m['experiment']}` ({m['target']['oracle']} FAIL) | {rate} | {size(o)} | **{size(n)}** | "
-                   f"{m['steps']} | [BUG.md](reports/replay-shrink/{d.name}/BUG.md) |")
+                   f"{m['steps']} | {m.get('confirmed')}/{m.get('confirm_runs')} | "
+                   f"[BUG.md](reports/replay-shrink/{d.name}/BUG.md) |")
     return "\n".join(out) + "\n\n(from `reports/replay-shrink/*/minimal.json` and `replay.json`)"
 
 
