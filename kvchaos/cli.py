@@ -10,7 +10,7 @@
   kvchaos report DIR                                    (re)build verdicts.json + report.html of a run dir
   kvchaos replay RUN_DIR [SCENARIO] [--times N] [--attach A]
                                                         re-run a recorded scenario with the run's seed; reproduced?
-  kvchaos shrink RUN_DIR SCENARIO [--budget-s S] [--steps N]
+  kvchaos shrink RUN_DIR SCENARIO [--checker C] [--budget-s S] [--steps N]
                                                         a failing scenario shrunk to a minimal one: repro + bug report
   kvchaos digests RUN_DIR [RUN_DIR ...]                  plan digest per scenario; where two runs differ
   kvchaos soak   [--times K] [--seed S] [SUITE ...] | --from RUN_DIR ...
@@ -579,13 +579,18 @@ def cmd_shrink(args) -> int:
     from kvchaos.replay import ReplayError, shrink
 
     try:
-        res = shrink(args.run_dir, args.scenario, budget_s=args.budget_s, max_steps=args.steps, attach=args.attach)
+        res = shrink(args.run_dir, args.scenario, budget_s=args.budget_s, max_steps=args.steps, attach=args.attach,
+                     checker=args.checker)
     except ReplayError as e:
         raise UsageError(f"shrink: {e}") from None
     if res.get("refused"):
         print(f"{res['experiment']}: not shrunk — {res['refused']} (verdicts this time: {res.get('verdicts')})")
         return 1
     o, m = res["original"], res["minimal"]
+    if not res["reproduced"]:
+        print(f"{res['experiment']}: the scenario did not FAIL {res['target']['oracle']} the same way when re-run from "
+              f"data ({res['attempts'][0].get('verdicts')}): not shrunk; see {res['dir']}/minimal.json")
+        return 1
     print(f"{res['experiment']}: {res['target']['oracle']} FAIL kept; requests {o['requests']} -> {m['requests']}, "
           f"tenants {o['tenants']} -> {m['tenants']}, faults {o['faults']} -> {m['faults']}, concurrency "
           f"{o['concurrency']} -> {m['concurrency']} ({res['steps']} attempts, {res['wall_s']} s); the minimal one "
@@ -823,6 +828,8 @@ def build_parser(cfg: dict) -> argparse.ArgumentParser:
     sh.add_argument("--budget-s", type=float, default=1200.0, help="wall-clock bound of the search (default 1200)")
     sh.add_argument("--steps", type=int, default=40, help="at most this many attempts (default 40)")
     sh.add_argument("--attach", help="router=URL,prefill=URL,decode=URL: against running servers")
+    sh.add_argument("--checker", help="the checker whose FAIL to keep (default: the first leak checker that failed: "
+                                      "isolation, kv_lifecycle, cache_isolation, differential, http_semantics)")
     sh.set_defaults(fn=cmd_shrink)
     dg = sub.add_parser("digests", help="plan digest of every scenario of run directories; where they differ",
                         description="Same seed, engine and layout => same plans: this lists each scenario's plan "

@@ -112,6 +112,8 @@ def pytest_addoption(parser):
                      "fails the same way (kvchaos.shrink): <run dir>/shrink/<name>/ (kvchaos shrink starts this)")
     g.addoption("--kvchaos-shrink-budget-s", type=float, default=1200.0, help="shrink: wall-clock bound [1200]")
     g.addoption("--kvchaos-shrink-steps", type=int, default=40, help="shrink: at most this many attempts [40]")
+    g.addoption("--kvchaos-shrink-checker", default=None,
+                help="shrink: the checker whose FAIL to keep [the first leak checker that failed]")
     g.addoption("--kvchaos-backends", default=os.environ.get("KVCHAOS_BACKENDS"),
                 help="comma-separated KV transfer backends to run the suites over, one cluster each "
                      "(e.g. mooncake_tcp,nixl) [the profile's]")
@@ -625,7 +627,8 @@ def experiment(request, kvchaos_run_dir, kvchaos_policy, seeds):
         kw["dry"] = dry
         if request.config.getoption("--kvchaos-shrink") == name:
             kw["shrink"] = {"budget_s": request.config.getoption("--kvchaos-shrink-budget-s"),
-                            "max_steps": request.config.getoption("--kvchaos-shrink-steps")}
+                            "max_steps": request.config.getoption("--kvchaos-shrink-steps"),
+                            "checker": request.config.getoption("--kvchaos-shrink-checker")}
         kw.setdefault("policy", kvchaos_policy)  # a cluster of its own brings its own self-test's policy
         ex = Experiment(name, plans, checks, run_dir=kvchaos_run_dir, test_id=request.node.nodeid, **kw)
         made.append(ex)

@@ -204,7 +204,7 @@ def digests(run_dirs) -> dict:
 
 # --------------------------------------------------------------------------- shrinking
 def shrink(run_dir, scenario: str, budget_s: float = 1200.0, max_steps: int = 40, attach: str | None = None,
-           timeout_s: float = 3600.0, say=print) -> dict:
+           checker: str | None = None, timeout_s: float = 3600.0, say=print) -> dict:
     """Re-run the scenario's test with the run's seed and ``--kvchaos-shrink`` (kvchaos.shrink): once its
     experiment is judged, the same session shrinks it on the same cluster. Returns ``minimal.json``."""
     run_dir = Path(run_dir).resolve()
@@ -221,7 +221,7 @@ def shrink(run_dir, scenario: str, budget_s: float = 1200.0, max_steps: int = 40
     run_id = f"{run_dir.name}-shrink-{_slug(rec['name'])}-{int(time.time())}"
     cmd = pytest_command(run, rec["test"], out_dir, attach) + [
         "--kvchaos-shrink", rec["name"], "--kvchaos-shrink-budget-s", str(budget_s),
-        "--kvchaos-shrink-steps", str(max_steps), "-s"]
+        "--kvchaos-shrink-steps", str(max_steps), "-s"] + (["--kvchaos-shrink-checker", checker] if checker else [])
     say(f"shrink {rec['name']} of {rec['test']} (seed {run['seed']}) -> {out_dir / run_id}")
     log = out_dir / f"{run_id}.log"
     with open(log, "w") as fh:

@@ -97,12 +97,18 @@ def witness_kind(oracle: str, w: dict) -> tuple:
     return (oracle, w.get("kind") or w.get("problem") or w.get("status"))
 
 
-def target_of(verdicts) -> tuple[str, set] | None:
+def target_of(verdicts, checker: str | None = None) -> tuple[str, set] | None:
+    """The failure to keep: ``checker``'s FAIL, or the first leak checker (``LEAK_ORDER``) that FAILed
+    with witnesses."""
     by = {v.oracle: v for v in verdicts}
-    for o in LEAK_ORDER:
+    for o in ((checker,) if checker else LEAK_ORDER):
         v = by.get(o)
         if v is not None and v.status == "fail" and v.witnesses:
-            return o, {witness_kind(o, w) for w in v.witnesses}
+            kinds = {witness_kind(o, w) for w in v.witnesses}
+            # a leak of the scenario's own requests is what it reproduces; another run's data left in
+            # the pool (also seen in a session's later experiments) counts only when there is nothing else
+            own = {k for k in kinds if "this log" in k}
+            return o, own or kinds
     return None
 
 
@@ -114,16 +120,18 @@ def still_fails(verdicts, target: tuple[str, set]) -> bool:
 
 # --------------------------------------------------------------------------- the search
 class Shrinker:
-    def __init__(self, ex, out_dir: Path, budget_s: float = 1200.0, max_steps: int = 40, say=print):
+    def __init__(self, ex, out_dir: Path, budget_s: float = 1200.0, max_steps: int = 40, checker: str | None = None,
+                 say=print):
         from kvchaos.experiment import Experiment  # noqa: F401 - the attempts are experiments
 
         if ex.drive_fn is not None or ex._during is not None:
             raise ShrinkError(f"experiment {ex.name}: a custom drive or during action cannot be re-run from data; "
                               "only experiments that send their plans (with faults armed in the with block) shrink")
         self.ex, self.out = ex, Path(out_dir)
-        self.target = target_of(ex.verdicts)
+        self.target = target_of(ex.verdicts, checker)
         if self.target is None:
-            raise ShrinkError(f"experiment {ex.name}: no leak checker FAILed with a witness — nothing to shrink")
+            raise ShrinkError(f"experiment {ex.name}: " + (f"{checker} did not FAIL with a witness" if checker else
+                              "no leak checker FAILed with a witness") + " — nothing to shrink")
         self.faults = fault_records(ex)
         self.budget_s, self.max_steps, self.say = budget_s, max_steps, say
         self.t0 = time.monotonic()
@@ -204,6 +212,8 @@ class Shrinker:
                          f"drop fault {self.faults[i].get('kind') or self.faults[i].get('type')}")
 
     def lower_concurrency(self) -> None:
+        # more in flight than there are requests is the same run: no attempt needed to say so
+        self.best["concurrency"] = min(self.best["concurrency"], max(1, len(self.best["rids"])))
         c = self.best["concurrency"]
         while c > 1 and not self.exhausted():
             c = max(1, c // 2)

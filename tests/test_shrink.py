@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from kvchaos.shrink import ShrinkError, Shrinker, still_fails, subset, witness_kind
+from kvchaos.shrink import ShrinkError, Shrinker, still_fails, subset, target_of, witness_kind
 from kvchaos.workload import Workload
 from tests.util import child_env
 
@@ -25,8 +25,8 @@ def _original(tmp_path, **env):
     return tmp_path / "reports" / "orig"
 
 
-def _shrink(run, **env):
-    return subprocess.run([sys.executable, "-m", "kvchaos", "shrink", str(run), "shrinkable", "--steps", "30"],
+def _shrink(run, *args, **env):
+    return subprocess.run([sys.executable, "-m", "kvchaos", "shrink", str(run), "shrinkable", "--steps", "30", *args],
                           cwd=REPO, env=child_env(**env), capture_output=True, text=True, timeout=600)
 
 
@@ -56,9 +56,8 @@ def test_a_leak_shrinks_to_victim_and_owner_at_concurrency_one_with_repro_and_bu
 def test_a_failure_that_does_not_re_run_is_not_shrunk(tmp_path):
     run = _original(tmp_path, INNER_LEAK_FIRST="24")  # the engine leaks in the original only
     r = _shrink(run, INNER_LEAK_FIRST="24")
-    assert r.returncode == 1, r.stdout[-2000:]
-    d = Path(r.stdout.split("bug report: ")[1].split()[0]).parent
-    res = json.loads((d / "minimal.json").read_text())
+    assert r.returncode == 1 and "did not FAIL isolation the same way when re-run" in r.stdout, r.stdout[-2000:]
+    res = json.loads(Path(r.stdout.split("see ")[-1].split()[0]).read_text())
     assert not res["reproduced"] and res["steps"] == 1 and res["minimal"]["requests"] == 24
 
 
@@ -66,6 +65,8 @@ def test_a_scenario_that_passes_this_time_is_refused_with_the_reason(tmp_path):
     run = _original(tmp_path)
     r = _shrink(run, INNER_LEAK_FIRST="0")  # the engine no longer leaks at all
     assert r.returncode == 1 and "not shrunk — experiment shrinkable: no leak checker FAILed" in r.stdout, r.stdout[-2000:]
+    r = _shrink(run, "--checker", "sensitivity")  # a checker that did not fail is named
+    assert r.returncode == 1 and "sensitivity did not FAIL with a witness" in r.stdout, r.stdout[-2000:]
 
 
 def test_what_shrink_refuses_and_its_predicates():
@@ -84,6 +85,9 @@ def test_what_shrink_refuses_and_its_predicates():
     assert not still_fails([other], target)  # a witness of another kind is another failure
     stale = types.SimpleNamespace(oracle="isolation", status="fail", witnesses=[{**w, "origin": "session (seed 1)"}])
     assert not still_fails([stale], target)  # another run's data in the pool: not this scenario's leak
+    both = types.SimpleNamespace(oracle="isolation", status="fail", witnesses=[*stale.witnesses, {**w, "origin": "this log"}])
+    assert target_of([both]) == target  # the original leaked both: the scenario's own leak is the one kept
+    assert target_of([stale])[1] == {witness_kind("isolation", stale.witnesses[0])}  # nothing else: that one
     wl = Workload(3, n_tenants=2, prefix="ss")
     a, b = wl.conversation(wl.tenants[0], turns=2)
     kept = subset([a, b], {b.rid})
