@@ -310,6 +310,16 @@ def refused(ex, out_dir: Path, why: str) -> dict:
     return res
 
 
+EXPECTED = {
+    "isolation": "Every reply holds only its own request's data (no other tenant's canary in any HTTP 200 reply).",
+    "cache_isolation": "No request reuses a cached prefix computed for another cache_salt.",
+    "kv_lifecycle": "No KV write lands in decode pages after decode released them.",
+    "differential": "Each reply is token-identical to the same prompt served alone by a single (non-disaggregated) "
+                    "server of the same model and settings, greedy.",
+    "http_semantics": "A prompt the engine cannot serve is rejected with a 4xx and an error, never answered HTTP 200.",
+}
+
+
 def bug_report(res: dict) -> str:
     eng = res.get("engine") or {}
     spec = (res.get("layout") or {}).get("spec") or {}
@@ -338,7 +348,7 @@ minimal scenario failed again in {res.get('confirmed')} of {res.get('confirm_run
    the {res['scenario']['via']} with {m['concurrency']} in flight.
 
 ## Expected
-Every reply holds only its own request's data; every KV write lands before its pages are freed.
+{EXPECTED.get(res['target']['oracle'], "the checker passes")}
 
 ## Observed
 `{res['target']['oracle']}` FAIL, witness kinds {res['target']['witness_kinds']}.
@@ -385,8 +395,19 @@ def main() -> int:
     install_network_proxy()  # network faults: the cluster's embedded proxy
     reaper = Reaper("kvc-repro")
     c = Cluster(spec, work, reaper=reaper).start()
+    ref = None
     hits = 0
     try:
+        if target[0] == "differential":  # the same prompts served alone by a clean single server
+            import httpx
+
+            from kvchaos.cluster import SingleServer
+
+            ref = SingleServer(spec, work / "reference", reaper=reaper).start()
+            body = lambda p: {"text": p.prompt, "sampling_params": {"max_new_tokens": p.max_new_tokens,  # noqa: E731
+                                                                     "temperature": 0}}
+            checks.append(oracles.Differential(lambda _ev: {
+                p.rid: httpx.post(ref.endpoints.router + "/generate", json=body(p), timeout=120).json() for p in plans}))
         for i in range(1, args.times + 1):
             with EventLog(work / f"faults-{i}.jsonl") as flog:
                 kit = FaultKit(c, flog)
@@ -400,6 +421,8 @@ def main() -> int:
             print(f"repro {i}: " + ", ".join(f"{v.oracle} {v.status}" for v in ex.verdicts)
                   + (" — REPRODUCED" if hit else ""))
     finally:
+        if ref is not None:
+            ref.stop()
         c.stop()
         reaper.close()
     print(f"reproduced {hits}/{args.times} (logs: {work})")

@@ -37,8 +37,19 @@ def main() -> int:
     install_network_proxy()  # network faults: the cluster's embedded proxy
     reaper = Reaper("kvc-repro")
     c = Cluster(spec, work, reaper=reaper).start()
+    ref = None
     hits = 0
     try:
+        if target[0] == "differential":  # the same prompts served alone by a clean single server
+            import httpx
+
+            from kvchaos.cluster import SingleServer
+
+            ref = SingleServer(spec, work / "reference", reaper=reaper).start()
+            body = lambda p: {"text": p.prompt, "sampling_params": {"max_new_tokens": p.max_new_tokens,  # noqa: E731
+                                                                     "temperature": 0}}
+            checks.append(oracles.Differential(lambda _ev: {
+                p.rid: httpx.post(ref.endpoints.router + "/generate", json=body(p), timeout=120).json() for p in plans}))
         for i in range(1, args.times + 1):
             with EventLog(work / f"faults-{i}.jsonl") as flog:
                 kit = FaultKit(c, flog)
@@ -52,6 +63,8 @@ def main() -> int:
             print(f"repro {i}: " + ", ".join(f"{v.oracle} {v.status}" for v in ex.verdicts)
                   + (" — REPRODUCED" if hit else ""))
     finally:
+        if ref is not None:
+            ref.stop()
         c.stop()
         reaper.close()
     print(f"reproduced {hits}/{args.times} (logs: {work})")
