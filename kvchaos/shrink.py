@@ -356,32 +356,22 @@ minimal scenario failed again in {res.get('confirmed')} of {res.get('confirm_run
 """
 
 
-REPRO = '''"""Self-contained repro written by ``kvchaos shrink``: start the recorded cluster, arm the recorded
-faults, send the minimal plans, print the verdicts. Needs kvchaos and the engine; run it from the
-kvchaos checkout: ``python repro.py [--times N]``."""
+def reproduce(minimal_dir, times: int = 1) -> int:
+    """What a shrink's ``repro.py`` runs: start the cluster recorded in ``minimal_dir/minimal.json``
+    (and a single reference server for a differential target), arm the recorded faults, send the
+    minimal plans ``times`` times, print each run's verdicts; returns how many failed the same way."""
+    import tempfile
 
-import argparse
-import json
-import sys
-import tempfile
-from pathlib import Path
+    import httpx
 
-from faults import FaultKit, install_network_proxy
-from kvchaos import oracles
-from kvchaos.cluster import Cluster, ClusterSpec
-from kvchaos.cluster.reaper import Reaper
-from kvchaos.experiment import Experiment
-from kvchaos.shrink import arm, still_fails
-from kvchaos.workload import EventLog, RequestPlan
+    from faults import FaultKit, install_network_proxy
+    from kvchaos import canary, oracles
+    from kvchaos.cluster import Cluster, ClusterSpec, SingleServer
+    from kvchaos.cluster.reaper import Reaper
+    from kvchaos.experiment import Experiment
+    from kvchaos.workload import EventLog, RequestPlan
 
-HERE = Path(__file__).resolve().parent
-
-
-def main() -> int:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--times", type=int, default=1)
-    args = ap.parse_args()
-    res = json.loads((HERE / "minimal.json").read_text())
+    res = json.loads((Path(minimal_dir) / "minimal.json").read_text())
     sc = res["scenario"]
     spec = ClusterSpec.from_dict(res["cluster"]["spec"])
     plans = [RequestPlan(**{k: v for k, v in p.items() if k != "prompt_chars"}) for p in sc["plans"]]
@@ -389,8 +379,6 @@ def main() -> int:
               oracles.CacheIsolation(), oracles.Liveness(bound_s=sc["timeout_s"])]
     target = (res["target"]["oracle"], {tuple(k) for k in res["target"]["witness_kinds"]})
     work = Path(tempfile.mkdtemp(prefix="kvchaos-repro-"))
-    from kvchaos import canary
-
     canary.SESSION.add_plans({p.rid: {"canaries": p.canaries, "tenant": p.tenant} for p in plans}, "repro")
     install_network_proxy()  # network faults: the cluster's embedded proxy
     reaper = Reaper("kvc-repro")
@@ -399,16 +387,12 @@ def main() -> int:
     hits = 0
     try:
         if target[0] == "differential":  # the same prompts served alone by a clean single server
-            import httpx
-
-            from kvchaos.cluster import SingleServer
-
             ref = SingleServer(spec, work / "reference", reaper=reaper).start()
             body = lambda p: {"text": p.prompt, "sampling_params": {"max_new_tokens": p.max_new_tokens,  # noqa: E731
                                                                      "temperature": 0}}
             checks.append(oracles.Differential(lambda _ev: {
                 p.rid: httpx.post(ref.endpoints.router + "/generate", json=body(p), timeout=120).json() for p in plans}))
-        for i in range(1, args.times + 1):
+        for i in range(1, times + 1):
             with EventLog(work / f"faults-{i}.jsonl") as flog:
                 kit = FaultKit(c, flog)
                 ex = Experiment(f"repro-{i}", plans, checks, cluster=c, faults=kit, run_dir=work,
@@ -425,10 +409,22 @@ def main() -> int:
             ref.stop()
         c.stop()
         reaper.close()
-    print(f"reproduced {hits}/{args.times} (logs: {work})")
-    return 0 if hits else 1
+    print(f"reproduced {hits}/{times} (logs: {work})")
+    return hits
 
+
+REPRO = '''"""Repro written by ``kvchaos shrink``: starts the cluster recorded in minimal.json beside this file,
+arms the recorded faults, sends the minimal plans and prints the verdicts (kvchaos.shrink.reproduce).
+Needs kvchaos and the engine: ``python repro.py [--times N]``; exit 0 when it failed the same way."""
+
+import argparse
+import sys
+from pathlib import Path
+
+from kvchaos.shrink import reproduce
 
 if __name__ == "__main__":
-    sys.exit(main())
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--times", type=int, default=1)
+    sys.exit(0 if reproduce(Path(__file__).resolve().parent, ap.parse_args().times) else 1)
 '''
