@@ -25,9 +25,15 @@ MATRIX_CLEAN_TRIALS ?= 1
 # SEED=random (or any integer) draws other plans and fault parameters — make soak runs fresh ones
 SEED ?= 0
 
+# two sessions: the harness's tests that need no cluster on 2 xdist workers (they share nothing),
+# then everything that drives a real cluster, one at a time (the engines want both cores). Both
+# always run; the target fails if either does. Each leaves its own reports/<run-id>/.
 test: setup
+	@rc=0; \
+	$(PY) -m pytest -m "not cluster and not slow and not gpu" -n 2 -p no:cacheprovider --kvchaos-seed $(SEED) $(PYTEST_ARGS) || rc=1; \
 	KVCHAOS_MATRIX_TRIALS=$(MATRIX_TRIALS) KVCHAOS_MATRIX_CLEAN_TRIALS=$(MATRIX_CLEAN_TRIALS) \
-	  $(PY) -m pytest -m "not slow and not gpu" -p no:cacheprovider --kvchaos-seed $(SEED) $(PYTEST_ARGS)
+	  $(PY) -m pytest -m "cluster and not slow and not gpu" -p no:cacheprovider --kvchaos-seed $(SEED) $(PYTEST_ARGS) || rc=1; \
+	exit $$rc
 
 test-matrix: setup  # the detection matrix at 5 mutated + 2 clean trials per class, on the profile's layouts
 	KVCHAOS_MATRIX_TRIALS=5 KVCHAOS_MATRIX_CLEAN_TRIALS=2 \

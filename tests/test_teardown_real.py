@@ -60,6 +60,47 @@ def test_no_leftover_processes_after_pytest_is_killed_mid_suite(tmp_path, sig):
             os.killpg(inner.pid, signal.SIGKILL)
 
 
+@pytest.mark.slow  # two clusters side by side: ~3 min of CI's 30
+def test_xdist_workers_each_run_a_cluster_and_none_survives_a_sigkill_of_pytest(tmp_path):
+    """``-n 2``: one cluster per worker, no port shared; SIGKILL of the controlling pytest leaves no
+    worker, engine, router or reaper behind."""
+    out = tmp_path / "inner.json"
+    env = {**os.environ, "KVCHAOS_INNER_OUT": str(out)}
+    inner = subprocess.Popen(
+        [sys.executable, "-m", "pytest", str(REPO / "tests/data/inner_xdist_suite.py"), "-q", "-p", "no:cacheprovider",
+         "-n", "2", "--dist", "each", "--kvchaos-reports", str(tmp_path / "reports"), "-o", "testpaths="],
+        env=env, cwd=REPO, stdout=open(tmp_path / "inner.log", "w"), stderr=subprocess.STDOUT,
+        start_new_session=True)
+    files = [Path(f"{out}.gw0"), Path(f"{out}.gw1")]
+    try:
+        deadline = time.monotonic() + 600
+        while not all(f.exists() for f in files):
+            assert inner.poll() is None, f"inner pytest exited early:\n{(tmp_path / 'inner.log').read_text()[-3000:]}"
+            assert time.monotonic() < deadline, "the workers' clusters never came up"
+            time.sleep(0.5)
+        infos = [json.loads(f.read_text()) for f in files]
+        assert infos[0]["pytest_pid"] != infos[1]["pytest_pid"] and infos[0]["token"] != infos[1]["token"]
+        assert not set(infos[0]["ports"]) & set(infos[1]["ports"]), "two workers' clusters share a port"
+        for i in infos:
+            assert httpx.get(i["router"] + "/health", timeout=5).status_code == 200
+        trees = {}
+        for i in infos:
+            trees.update(related(set(i["pgids"]), i["token"]))
+        workers = {str(i["pytest_pid"]): proc_table()[i["pytest_pid"]][3] for i in infos}
+        os.kill(inner.pid, signal.SIGKILL)  # the controller only: its workers must not outlive it
+        inner.wait(timeout=60)
+        watch = {**trees, **workers}
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline and _alive(watch):
+            time.sleep(0.5)
+        assert _alive(watch) == [], f"after SIGKILL of pytest -n 2, still alive: {_alive(watch)}"
+        for i in infos:
+            assert related(set(i["pgids"]), i["token"]) == {}
+    finally:
+        if inner.poll() is None:
+            os.killpg(inner.pid, signal.SIGKILL)
+
+
 def test_server_that_dies_at_start_is_reported_with_its_log(tmp_path):
     spec = ClusterSpec.load("cpu", prefill_args=["--no-such-flag-kvchaos"], startup_timeout_s=240)
     c = Cluster(spec, tmp_path, proxy_factory=open_network_proxy)
