@@ -189,7 +189,7 @@ class Shrinker:
                                                        f"keep {len(c)} of {len(rids)} plans"):
                     rids, n, reduced = c, 2, True
                     break
-            if not reduced:
+            if not reduced and len(chunks) > 2:  # of two chunks each is the other's complement: tried
                 for c in chunks:  # its complement
                     if self.exhausted():
                         return
