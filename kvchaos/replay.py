@@ -50,23 +50,24 @@ def load_run(run_dir) -> dict:
 
 
 def scenarios(run_dir) -> list[dict]:
-    """The run's experiments (the last record per id stands), or its dry-run plan records."""
+    """The run's experiments (``kvchaos.report.collect.experiment_records``: the last record per id
+    stands), or its dry-run plan records."""
+    from kvchaos.report.collect import ReportError, experiment_records
+
     d = Path(run_dir)
-    out: dict[str, dict] = {}
-    for name in ("experiments.jsonl", "plans.jsonl"):
-        f = d / name
-        if not f.exists():
+    try:
+        out = experiment_records(d)
+    except ReportError as e:
+        raise ReplayError(str(e)) from None
+    f = d / "plans.jsonl"
+    for i, line in enumerate(f.read_text().splitlines() if f.exists() else (), 1):
+        if not line.strip():
             continue
-        for i, line in enumerate(f.read_text().splitlines(), 1):
-            if not line.strip():
-                continue
-            try:
-                r = json.loads(line)
-            except json.JSONDecodeError:
-                raise ReplayError(f"{f}:{i}: not JSON") from None
-            key = r.get("id") or f"{r.get('test')}|{r.get('name')}|{r.get('kv_layout')}"
-            out[key] = r
-    return list(out.values())
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            raise ReplayError(f"{f}:{i}: not JSON") from None
+    return out
 
 
 def select(recs: list[dict], scenario: str | None) -> list[dict]:

@@ -51,17 +51,14 @@ def read_run(run_dir: Path) -> dict:
     prog = _lines(run_dir / "progress.jsonl")
     outcomes = {e["nodeid"]: e["outcome"] for e in prog if e.get("ev") == "end" and e.get("nodeid")}
     finished = next((e for e in prog if e.get("ev") == "finished"), None)
-    exps: dict[str, dict] = {}
-    for f in run_dir.rglob("experiments.jsonl"):
-        for r in _lines(f):
-            if r.get("id"):
-                exps[r["id"]] = {**r, "_base": f.parent}
+    # this run's own experiments only: replays/ and shrinks/ beneath it are runs of their own
+    exps = {r["id"]: r for r in _lines(run_dir / "experiments.jsonl") if r.get("id")}
     requests = 0
     for r in exps.values():
         if r.get("n") is not None:
             requests += int(r["n"])
         elif r.get("events"):  # recorded before experiments.jsonl held n: the plans in its log
-            p = Path(r["events"]) if Path(r["events"]).is_absolute() else r["_base"] / r["events"]
+            p = Path(r["events"]) if Path(r["events"]).is_absolute() else run_dir / r["events"]
             requests += sum(1 for e in _lines(p) if e.get("ev") == "plan")
     errors = _lines(run_dir / "engine_errors.jsonl")
     return {"run_dir": str(run_dir), "seed": seed, "outcomes": outcomes, "requests": requests,

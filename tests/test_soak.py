@@ -28,6 +28,9 @@ def test_a_test_red_in_one_run_only_is_flaky_and_names_its_seed(tmp_path):
     a = _run(tmp_path / "a", 11, {"t::ok": "passed", "t::flap": "passed", "t::known": "known"}, 500)
     b = _run(tmp_path / "b", 12, {"t::ok": "passed", "t::flap": "failed", "t::known": "known"}, 1500,
              engine_errors=["mooncake_transfer_worker_died"])
+    nested = b / "replays" / "b-replay-1"  # a replay's run beneath the run: not this run's requests
+    nested.mkdir(parents=True)
+    (nested / "experiments.jsonl").write_text(json.dumps({"id": "r1", "name": "x", "n": 999}) + "\n")
     res = account([a, b])
     assert res["flaky"] == ["t::flap"] and res["red"] == ["t::flap"]
     assert res["tests"]["t::flap"]["red_seeds"] == [{"seed": 12, "run_dir": str(b)}]
