@@ -15,7 +15,10 @@ attempt still fails that way:
 1. plans — delta debugging (ddmin: drop chunks, then complements, halving the chunk size);
 2. faults — drop each one;
 3. concurrency — halve down to 1;
-4. tenants — drop every plan of a tenant that is not the witness's victim or owner.
+4. tenants — drop every plan of a tenant that is not the witness's victim or owner;
+5. prompts — halve the filler between a prompt's canaries (all prompts at once while that still
+   fails, then one prompt at a time), keeping its canaries, the probe's head and tail and its
+   trigger, and any prefix it shares with other plans by design (:func:`shorten`).
 
 Bounded by ``budget_s`` and ``max_steps``; an attempt that cannot run (a fault that cannot be armed)
 counts as not failing. Writes ``minimal.json`` (the scenario, sizes before / after, every attempt),
@@ -31,6 +34,9 @@ import json
 import shutil
 import time
 from pathlib import Path
+
+from kvchaos import canary
+from kvchaos.probe import MIN_HEAD, MIN_TAIL, TRIGGER
 
 CONFIRM = 3  # re-runs of the minimal scenario at the end
 LEAK_ORDER = ("isolation", "kv_lifecycle", "cache_isolation", "differential", "http_semantics")
@@ -73,16 +79,65 @@ def arm(kit, rec: dict):
     raise ShrinkError(f"cannot arm fault record {rec!r}")
 
 
-def subset(plans, keep_rids: set) -> list:
-    """The plans whose rid is kept, in order; a kept plan waiting for a dropped one waits for nothing."""
+def subset(plans, keep_rids: set, prompts: dict | None = None) -> list:
+    """The plans whose rid is kept, in order; a kept plan waiting for a dropped one waits for nothing;
+    ``prompts`` (rid -> text) replaces the prompts of a shrink's shortened plans."""
     out = []
     for p in plans:
         if p.rid in keep_rids:
             q = copy.copy(p)
             if q.after is not None and q.after not in keep_rids:
                 q.after = None
+            if prompts and p.rid in prompts:
+                q.prompt = prompts[p.rid]
+                q.n_tokens = len(q.prompt)
             out.append(q)
     return out
+
+
+def shortenable(p) -> bool:
+    """A probe prompt whose length is not what the plan is about: not oversized, not a timing arm, not
+    one a later turn resends (conversation) or another tenant sends verbatim (identical)."""
+    return (not p.oversized and p.timing is None and p.expect_echo and p.sharing not in ("conversation", "identical")
+            and p.prompt.endswith(TRIGGER))
+
+
+def shorten(text: str, keep: int = 0) -> str | None:
+    """``text`` with each run of filler after its first ``keep`` characters cut to half (the first
+    half kept), never below the probe's head before the first canary or its tail before the
+    trigger; every canary, the space on either side of it, and the trigger stay. ``None`` when
+    nothing is left to cut. The canaries come out the same, in the same order."""
+    if not text.endswith(TRIGGER):
+        return None
+    body_end = len(text) - len(TRIGGER)
+    found = canary.find(text)
+    for o, c in found:  # a shared prefix that ends inside a canary (a diverging pair) keeps that canary whole
+        if o < keep < o + len(c):
+            keep = o + len(c)
+    guard = [(0, keep)] + [(max(0, o - 1), min(body_end, o + len(c) + 1)) for o, c in found] + [(body_end, len(text))]
+    guard.sort()
+    merged = [list(guard[0])]
+    for a, b in guard[1:]:
+        if a <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], b)
+        else:
+            merged.append([a, b])
+    first_canary = found[0][0] if found else body_end
+    out = [text[merged[0][0]:merged[0][1]]]
+    for (_, a), (b, e) in zip(merged, merged[1:]):
+        gap = text[a:b]
+        floor = 1
+        if b == body_end:
+            floor = MIN_TAIL
+        if a < first_canary:
+            floor = max(floor, MIN_HEAD - a)
+        out.append(gap[:max(floor, len(gap) // 2)] if len(gap) > floor else gap)
+        out.append(text[b:e])
+    new = "".join(out)
+    if len(new) >= len(text):
+        return None
+    assert [c for _, c in canary.find(new)] == [c for _, c in found], "shorten lost or split a canary"
+    return new
 
 
 # --------------------------------------------------------------------------- the failure kept
@@ -137,7 +192,7 @@ class Shrinker:
         self.t0 = time.monotonic()
         self.attempts: list[dict] = []
         self.best = {"rids": [p.rid for p in ex.plans], "faults": list(range(len(self.faults))),
-                     "concurrency": ex.concurrency, "log": str(ex.path)}
+                     "concurrency": ex.concurrency, "prompts": {}, "log": str(ex.path)}
         if self.out.exists():
             shutil.rmtree(self.out)
         self.out.mkdir(parents=True)
@@ -145,14 +200,16 @@ class Shrinker:
     def exhausted(self) -> bool:
         return len(self.attempts) >= self.max_steps or time.monotonic() - self.t0 >= self.budget_s
 
-    def attempt(self, rids: list, faults: list, concurrency: int, why: str) -> bool:
+    def attempt(self, rids: list, faults: list, concurrency: int, why: str, prompts: dict | None = None) -> bool:
         from kvchaos.experiment import Experiment
 
         n = len(self.attempts) + 1
-        plans = subset(self.ex.plans, set(rids))
+        prompts = self.best["prompts"] if prompts is None else prompts
+        plans = subset(self.ex.plans, set(rids), prompts)
         path = self.out / f"attempt-{n:03d}.events.jsonl"
         t = time.monotonic()
-        rec = {"n": n, "why": why, "requests": len(plans), "faults": len(faults), "concurrency": concurrency}
+        rec = {"n": n, "why": why, "requests": len(plans), "faults": len(faults), "concurrency": concurrency,
+               "prompt_chars": sum(len(p.prompt) for p in plans)}
         try:
             sub = Experiment(f"{self.ex.name}-shrink-{n}", plans, self.ex.checks, cluster=self.ex.cluster,
                              faults=self.ex.faults, run_dir=self.ex.run_dir, test_id=self.ex.test_id, seed=self.ex.seed,
@@ -169,10 +226,11 @@ class Shrinker:
             rec["error"] = repr(e)[:500]
         rec.update(fails=ok, wall_s=round(time.monotonic() - t, 1), log=str(path))
         self.attempts.append(rec)
-        self.say(f"shrink {n}: {why} — {len(plans)} requests, {len(faults)} faults, concurrency {concurrency}: "
-                 f"{'still fails' if ok else 'passes / differs'} ({rec['wall_s']} s)")
+        self.say(f"shrink {n}: {why} — {len(plans)} requests, {len(faults)} faults, concurrency {concurrency}, "
+                 f"{rec['prompt_chars']} prompt chars: {'still fails' if ok else 'passes / differs'} ({rec['wall_s']} s)")
         if ok:
-            self.best = {"rids": list(rids), "faults": list(faults), "concurrency": concurrency, "log": str(path)}
+            self.best = {"rids": list(rids), "faults": list(faults), "concurrency": concurrency,
+                         "prompts": dict(prompts), "log": str(path)}
         return ok
 
     def ddmin(self) -> None:
@@ -233,6 +291,41 @@ class Shrinker:
             if rest:
                 self.attempt(rest, self.best["faults"], self.best["concurrency"], f"drop tenant {t}")
 
+    def shorten_prompts(self) -> None:
+        """All shortenable prompts halved together while that still fails; then each prompt on its own
+        (another prompt's length may be what the failure needs)."""
+        plans = {p.rid: p for p in self.ex.plans}
+        rids = [r for r in self.best["rids"] if shortenable(plans[r])]
+
+        def cut(which, prompts):
+            out = dict(prompts)
+            for r in which:
+                s = shorten(out.get(r, plans[r].prompt), plans[r].shared_chars)
+                if s is not None:
+                    out[r] = s
+            return out
+
+        def chars(prompts, which):
+            return sum(len(prompts.get(r, plans[r].prompt)) for r in which)
+
+        while len(rids) > 1 and not self.exhausted():
+            trial = cut(rids, self.best["prompts"])
+            if trial == self.best["prompts"]:
+                return
+            if not self.attempt(self.best["rids"], self.best["faults"], self.best["concurrency"],
+                                f"shorten {len(rids)} prompts, {chars(self.best['prompts'], rids)} -> "
+                                f"{chars(trial, rids)} chars", prompts=trial):
+                break
+        for r in rids:
+            while not self.exhausted():
+                trial = cut([r], self.best["prompts"])
+                if trial == self.best["prompts"]:
+                    break
+                if not self.attempt(self.best["rids"], self.best["faults"], self.best["concurrency"],
+                                    f"shorten prompt of {r}, {chars(self.best['prompts'], [r])} -> {chars(trial, [r])} "
+                                    "chars", prompts=trial):
+                    break
+
     def _last_witnesses(self) -> list:
         from kvchaos.workload import load_events
 
@@ -258,6 +351,7 @@ class Shrinker:
         self.drop_tenants()
         if len(self.best["rids"]) > 1:
             self.ddmin()
+        self.shorten_prompts()
         # the minimal scenario again, CONFIRM times: a repro that failed once by chance says so
         best, hits = dict(self.best), 0
         for i in range(CONFIRM):
@@ -267,7 +361,7 @@ class Shrinker:
 
     # ------------------------------------------------------------------ output
     def write(self, reproduced: bool, confirmed: int | None = None) -> dict:
-        plans = subset(self.ex.plans, set(self.best["rids"]))
+        plans = subset(self.ex.plans, set(self.best["rids"]), self.best["prompts"])
         faults = [self.faults[i] for i in self.best["faults"]]
         cluster = self.ex.cluster.describe() if hasattr(self.ex.cluster, "describe") else {}
         head = next((e for e in self.ex.events if e.get("ev") == "experiment"), {})
@@ -275,9 +369,10 @@ class Shrinker:
                "engine": head.get("engine"), "layout": head.get("layout"), "cluster": cluster,
                "target": {"oracle": self.target[0], "witness_kinds": sorted(map(list, self.target[1]))},
                "original": {"requests": len(self.ex.plans), "faults": len(self.faults), "concurrency": self.ex.concurrency,
-                            "tenants": len({p.tenant for p in self.ex.plans})},
+                            "tenants": len({p.tenant for p in self.ex.plans}),
+                            "prompt_chars": sum(len(p.prompt) for p in self.ex.plans)},
                "minimal": {"requests": len(plans), "faults": len(faults), "concurrency": self.best["concurrency"],
-                           "tenants": len({p.tenant for p in plans})},
+                           "tenants": len({p.tenant for p in plans}), "prompt_chars": sum(len(p.prompt) for p in plans)},
                "reproduced": reproduced, "confirmed": confirmed, "confirm_runs": CONFIRM if reproduced else 0,
                "steps": len(self.attempts),
                "wall_s": round(time.monotonic() - self.t0, 1),
@@ -293,7 +388,8 @@ class Shrinker:
         (self.out / "BUG.md").write_text(bug_report(res))
         self.say(f"shrink {self.ex.name}: {res['original']['requests']} -> {res['minimal']['requests']} requests, "
                  f"{res['original']['faults']} -> {res['minimal']['faults']} faults, concurrency "
-                 f"{res['original']['concurrency']} -> {res['minimal']['concurrency']} in {res['steps']} attempts "
+                 f"{res['original']['concurrency']} -> {res['minimal']['concurrency']}, prompt chars "
+                 f"{res['original']['prompt_chars']} -> {res['minimal']['prompt_chars']} in {res['steps']} attempts "
                  f"({res['wall_s']} s), minimal failed again {confirmed}/{CONFIRM}: {self.out}")
         return res
 
@@ -329,8 +425,9 @@ def bug_report(res: dict) -> str:
     return f"""# {res['target']['oracle']} FAIL in {eng.get('name', 'sglang')} {eng.get('version')}: {res['experiment']}
 
 Found by kvchaos (`{res['test']}`, run seed {res['run_seed']}), shrunk from {o['requests']} requests /
-{o['tenants']} tenants / {o['faults']} faults / concurrency {o['concurrency']} to **{m['requests']} requests /
-{m['tenants']} tenants / {m['faults']} faults / concurrency {m['concurrency']}** ({res['steps']} attempts); the
+{o['tenants']} tenants / {o['faults']} faults / concurrency {o['concurrency']} / {o.get('prompt_chars', '?')} prompt
+characters to **{m['requests']} requests / {m['tenants']} tenants / {m['faults']} faults / concurrency
+{m['concurrency']} / {m.get('prompt_chars', '?')} prompt characters** ({res['steps']} attempts); the
 minimal scenario failed again in {res.get('confirmed')} of {res.get('confirm_runs')} re-runs.
 {'' if res['reproduced'] else chr(10) + '**The original scenario did not fail again when re-run from data: nothing was shrunk.**' + chr(10)}
 ## Environment

@@ -44,6 +44,7 @@ class FakeEngine:
                  eager_first_chunk=False):
         self.behaviour, self.delay_s, self.chunk_delay_s, self.leak_text = behaviour, delay_s, chunk_delay_s, leak_text
         self.chunk_chars, self.eager_first_chunk = chunk_chars, eager_first_chunk
+        self.leak_min_chars = 0  # leak only into replies to prompts at least this long
         self.requests = []
         self.stopped = threading.Event()
         eng = self
@@ -65,7 +66,9 @@ class FakeEngine:
                 if eng.behaviour == "hang":
                     time.sleep(30)
                 time.sleep(eng.delay_s)
-                reply = "".join(canary.payload(c) + "][" for _, c in canary.find(text)) + eng.leak_text
+                reply = "".join(canary.payload(c) + "][" for _, c in canary.find(text))
+                if len(text) >= eng.leak_min_chars:
+                    reply += eng.leak_text
                 if eng.behaviour == "error500":
                     return self._json(500, {"error": {"message": f"engine failed after: {reply}"}})
                 if body.get("stream"):

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from kvchaos.shrink import ShrinkError, Shrinker, still_fails, subset, target_of, witness_kind
+from kvchaos import canary
+from kvchaos.shrink import ShrinkError, Shrinker, shorten, shortenable, still_fails, subset, target_of, witness_kind
 from kvchaos.workload import Workload
 from tests.util import child_env
 
@@ -23,6 +24,17 @@ def _original(tmp_path, **env):
                        cwd=REPO, env=child_env(KVCHAOS_RUN_ID="orig", **env), capture_output=True, text=True, timeout=300)
     assert r.returncode == 1 and "1 failed" in r.stdout, r.stdout[-2000:]  # the leak: red
     return tmp_path / "reports" / "orig"
+
+
+def _original_plans(res) -> list[dict]:
+    from kvchaos.workload import load_events
+
+    log = next(a for a in res["attempts"] if a["n"] == 1)["log"]  # the original, re-run from data
+    return [e for e in load_events(log) if e.get("ev") == "plan"]
+
+
+def _original_prompts(res) -> list[str]:
+    return [p["prompt"] for p in _original_plans(res)]
 
 
 def _shrink(run, *args, **env):
@@ -51,6 +63,27 @@ def test_a_leak_shrinks_to_victim_and_owner_at_concurrency_one_with_repro_and_bu
     assert (d / "minimal.events.jsonl").exists() and (d / "repro.py").exists()
     bug = (d / "BUG.md").read_text()
     assert "isolation FAIL" in bug and "**2 requests" in bug and "First witness" in bug and "3 of 3 re-runs" in bug
+    # prompts: this engine leaks whatever the length, so each ends at the probe's floor with its canaries whole
+    assert res["minimal"]["prompt_chars"] < 0.5 * sum(len(p) for p in _original_prompts(res))
+    for p in res["scenario"]["plans"]:
+        assert [c for _, c in canary.find(p["prompt"])] == p["canaries"] and p["n_tokens"] == len(p["prompt"])
+        assert shorten(p["prompt"]) is None and p["prompt"].endswith("[")
+    assert f"{res['minimal']['prompt_chars']} prompt characters" in bug
+
+
+def test_a_leak_that_needs_a_long_prompt_keeps_the_victims_length(tmp_path):
+    run = _original(tmp_path, INNER_LEAK_MIN_CHARS="300")
+    r = _shrink(run, "--steps", "60", INNER_LEAK_MIN_CHARS="300")
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
+    d = Path(r.stdout.split("bug report: ")[1].split()[0]).parent
+    res = json.loads((d / "minimal.json").read_text())
+    assert res["confirmed"] == 3 and res["minimal"]["requests"] == 2
+    owner, victim = sorted(res["scenario"]["plans"], key=lambda p: p["tenant"] != "t002")
+    original = {p["rid"]: p for p in _original_plans(res)}
+    # the owner's prompt is free to shrink; the victim's cannot go below what the leak needs
+    assert len(owner["prompt"]) < len(original[owner["rid"]]["prompt"]) and shorten(owner["prompt"]) is None
+    assert 300 <= len(victim["prompt"]) and shorten(victim["prompt"]) is not None
+    assert any(a["why"].startswith("shorten") and not a["fails"] for a in res["attempts"])  # refused cuts are tried
 
 
 def test_a_failure_that_does_not_re_run_is_not_shrunk(tmp_path):
@@ -92,3 +125,33 @@ def test_what_shrink_refuses_and_its_predicates():
     a, b = wl.conversation(wl.tenants[0], turns=2)
     kept = subset([a, b], {b.rid})
     assert kept[0].after is None and b.after == a.rid  # the copy waits for nothing; the original is untouched
+
+
+def test_shorten_keeps_canaries_shared_prefix_head_and_tail():
+    from kvchaos.probe import MIN_HEAD, MIN_TAIL
+
+    wl = Workload(3, n_tenants=3, prefix="sp", page_size=4)
+    alone = wl.request(wl.tenants[0], n_tokens=500)
+    sys_ = wl.request(wl.tenants[1], sharing="tenant")
+    pair = wl.diverging("t000", "t001", at="mid")
+    for p in [alone, sys_, *pair]:
+        assert shortenable(p)
+        text, lengths = p.prompt, [len(p.prompt)]
+        while (s := shorten(text, p.shared_chars)) is not None:
+            assert s[:p.shared_chars] == p.prompt[:p.shared_chars]  # what other plans share by design stays
+            text = s
+            lengths.append(len(text))
+        assert lengths == sorted(lengths, reverse=True) and len(lengths) > 2, lengths
+        assert [c for _, c in canary.find(text)] == p.canaries  # every canary, in order
+        found = canary.find(text)
+        assert found[0][0] >= MIN_HEAD and len(text) - 1 - (found[-1][0] + len(found[-1][1])) >= MIN_TAIL
+    assert len(text) < len(pair[1].prompt) and text[:pair[1].shared_chars] == pair[0].prompt[:pair[1].shared_chars]
+    assert shorten(alone.prompt)[-1] == "[" and len(shorten(alone.prompt)) < 0.6 * len(alone.prompt)
+    # prompts whose length or text is the point are never cut
+    conv = wl.conversation(wl.tenants[2], turns=2)
+    same = wl.identical(["t000", "t001"])
+    big = wl.request(wl.tenants[0])
+    assert not any(shortenable(p) for p in [*conv, *same])
+    big.oversized = True
+    assert not shortenable(big)
+    assert shorten("no trigger here") is None

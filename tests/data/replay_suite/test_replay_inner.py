@@ -54,11 +54,13 @@ class LeakFirst(FakeEngine):
 
 
 def test_shrinkable(experiment, seeds):
-    """Every reply holds plans[2]'s canary (``INNER_LEAK_FIRST=n``: only the first n replies)."""
+    """Every reply holds plans[2]'s canary (``INNER_LEAK_FIRST=n``: only the first n replies;
+    ``INNER_LEAK_MIN_CHARS=k``: only replies to prompts of at least k characters)."""
     wl = Workload(seeds(6), n_tenants=4, prefix="sh")
     plans = [wl.request(wl.tenants[i % 4], n_canaries=2) for i in range(24)]
     leak = canary.payload(plans[2].canaries[0])
     eng = LeakFirst(leak, int(os.environ.get("INNER_LEAK_FIRST", "1000000")))
+    eng.leak_min_chars = int(os.environ.get("INNER_LEAK_MIN_CHARS", "0"))  # a leak that needs a long prompt
     with eng:
         with experiment("shrinkable", plans, [Isolation(), Sensitivity()], cluster=StandIn(eng.url), faults=None,
                         seed=wl.seed, settle_s=0, timeout_s=10, concurrency=4) as ex:
