@@ -593,7 +593,8 @@ def cmd_shrink(args) -> int:
         return 1
     print(f"{res['experiment']}: {res['target']['oracle']} FAIL kept; requests {o['requests']} -> {m['requests']}, "
           f"tenants {o['tenants']} -> {m['tenants']}, faults {o['faults']} -> {m['faults']}, concurrency "
-          f"{o['concurrency']} -> {m['concurrency']} ({res['steps']} attempts, {res['wall_s']} s); the minimal one "
+          f"{o['concurrency']} -> {m['concurrency']}, prompt characters {o.get('prompt_chars')} -> {m.get('prompt_chars')} "
+          f"({res['steps']} attempts, {res['wall_s']} s); the minimal one "
           f"failed again {res.get('confirmed')}/{res.get('confirm_runs')}")
     print(f"repro: cd {REPO} && {sys.executable} {res['dir']}/repro.py\nbug report: {res['dir']}/BUG.md")
     return 0 if res["reproduced"] else 1

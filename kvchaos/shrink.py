@@ -17,8 +17,13 @@ attempt still fails that way:
 3. concurrency — halve down to 1;
 4. tenants — drop every plan of a tenant that is not the witness's victim or owner;
 5. prompts — halve the filler between a prompt's canaries (all prompts at once while that still
-   fails, then one prompt at a time), keeping its canaries, the probe's head and tail and its
-   trigger, and any prefix it shares with other plans by design (:func:`shorten`).
+   fails twice in a row, then one prompt at a time), keeping its canaries, the probe's head and
+   tail and its trigger, and any prefix it shares by design with a plan still in the scenario
+   (:func:`shorten`).
+
+The minimal scenario is then re-run ``CONFIRM`` times; when under half of those fail (it failed by
+chance: a stale page that happened to hold other data), the step kept before it is confirmed
+instead, up to ``BACKOFF`` steps back, and the one that failed most often is written.
 
 Bounded by ``budget_s`` and ``max_steps``; an attempt that cannot run (a fault that cannot be armed)
 counts as not failing. Writes ``minimal.json`` (the scenario, sizes before / after, every attempt),
@@ -39,6 +44,7 @@ from kvchaos import canary
 from kvchaos.probe import MIN_HEAD, MIN_TAIL, TRIGGER
 
 CONFIRM = 3  # re-runs of the minimal scenario at the end
+BACKOFF = 3  # earlier accepted steps confirmed in turn when the minimal one fails again in under half its re-runs
 LEAK_ORDER = ("isolation", "kv_lifecycle", "cache_isolation", "differential", "http_semantics")
 
 
@@ -191,6 +197,7 @@ class Shrinker:
         self.budget_s, self.max_steps, self.say = budget_s, max_steps, say
         self.t0 = time.monotonic()
         self.attempts: list[dict] = []
+        self.accepted: list[dict] = []  # every step kept, in order (the last is the smallest)
         self.best = {"rids": [p.rid for p in ex.plans], "faults": list(range(len(self.faults))),
                      "concurrency": ex.concurrency, "prompts": {}, "log": str(ex.path)}
         if self.out.exists():
@@ -200,7 +207,8 @@ class Shrinker:
     def exhausted(self) -> bool:
         return len(self.attempts) >= self.max_steps or time.monotonic() - self.t0 >= self.budget_s
 
-    def attempt(self, rids: list, faults: list, concurrency: int, why: str, prompts: dict | None = None) -> bool:
+    def attempt(self, rids: list, faults: list, concurrency: int, why: str, prompts: dict | None = None,
+                confirm: bool = False) -> bool:
         from kvchaos.experiment import Experiment
 
         n = len(self.attempts) + 1
@@ -228,9 +236,10 @@ class Shrinker:
         self.attempts.append(rec)
         self.say(f"shrink {n}: {why} — {len(plans)} requests, {len(faults)} faults, concurrency {concurrency}, "
                  f"{rec['prompt_chars']} prompt chars: {'still fails' if ok else 'passes / differs'} ({rec['wall_s']} s)")
-        if ok:
+        if ok and not confirm:
             self.best = {"rids": list(rids), "faults": list(faults), "concurrency": concurrency,
                          "prompts": dict(prompts), "log": str(path)}
+            self.accepted.append(self.best)
         return ok
 
     def ddmin(self) -> None:
@@ -296,11 +305,15 @@ class Shrinker:
         (another prompt's length may be what the failure needs)."""
         plans = {p.rid: p for p in self.ex.plans}
         rids = [r for r in self.best["rids"] if shortenable(plans[r])]
+        # a prefix shared by design stays only while a plan it is shared with is still in the scenario
+        groups = [plans[r].group for r in self.best["rids"]]
+        keep = {r: plans[r].shared_chars if plans[r].group is not None and groups.count(plans[r].group) > 1 else 0
+                for r in rids}
 
         def cut(which, prompts):
             out = dict(prompts)
             for r in which:
-                s = shorten(out.get(r, plans[r].prompt), plans[r].shared_chars)
+                s = shorten(out.get(r, plans[r].prompt), keep[r])
                 if s is not None:
                     out[r] = s
             return out
@@ -312,19 +325,25 @@ class Shrinker:
             trial = cut(rids, self.best["prompts"])
             if trial == self.best["prompts"]:
                 return
-            if not self.attempt(self.best["rids"], self.best["faults"], self.best["concurrency"],
-                                f"shorten {len(rids)} prompts, {chars(self.best['prompts'], rids)} -> "
-                                f"{chars(trial, rids)} chars", prompts=trial):
+            if not self._cut_holds(trial, f"shorten {len(rids)} prompts, {chars(self.best['prompts'], rids)} -> "
+                                          f"{chars(trial, rids)} chars"):
                 break
         for r in rids:
             while not self.exhausted():
                 trial = cut([r], self.best["prompts"])
                 if trial == self.best["prompts"]:
                     break
-                if not self.attempt(self.best["rids"], self.best["faults"], self.best["concurrency"],
-                                    f"shorten prompt of {r}, {chars(self.best['prompts'], [r])} -> {chars(trial, [r])} "
-                                    "chars", prompts=trial):
+                if not self._cut_holds(trial, f"shorten prompt of {r}, {chars(self.best['prompts'], [r])} -> "
+                                              f"{chars(trial, [r])} chars"):
                     break
+
+    def _cut_holds(self, prompts: dict, why: str) -> bool:
+        """A prompt cut is kept only when it fails twice in a row: re-sent unchanged, a prompt's own KV
+        from the first run is what a stale page holds the second time, so a cut whose failure needed
+        other data there (measured: a short transfer at 84 prompt characters) does not hold."""
+        b = self.best
+        return (self.attempt(b["rids"], b["faults"], b["concurrency"], why, prompts=prompts, confirm=True)
+                and self.attempt(b["rids"], b["faults"], b["concurrency"], why + " (again)", prompts=prompts))
 
     def _last_witnesses(self) -> list:
         from kvchaos.workload import load_events
@@ -352,12 +371,27 @@ class Shrinker:
         if len(self.best["rids"]) > 1:
             self.ddmin()
         self.shorten_prompts()
-        # the minimal scenario again, CONFIRM times: a repro that failed once by chance says so
-        best, hits = dict(self.best), 0
-        for i in range(CONFIRM):
-            hits += self.attempt(best["rids"], best["faults"], best["concurrency"], f"confirm {i + 1}/{CONFIRM}")
-        self.best = best
+        hits = self.confirm()
         return self.write(reproduced=True, confirmed=hits)
+
+    def confirm(self) -> int:
+        """The minimal scenario again, CONFIRM times: a repro that failed once by chance says so. A step
+        that failed by chance (a stale page that happened to hold other data) is no repro: under half
+        its re-runs failing, the step kept before it is confirmed instead (up to BACKOFF steps back).
+        Leaves ``self.best`` at the step most re-runs failed (the smallest of those); returns how many."""
+        tried, steps = [], list(reversed(self.accepted[-(BACKOFF + 1):]))
+        for back, best in enumerate(steps):
+            hits = sum(self.attempt(best["rids"], best["faults"], best["concurrency"],
+                                    f"confirm {i + 1}/{CONFIRM}" + (f" ({back} step(s) back)" if back else ""),
+                                    prompts=best["prompts"], confirm=True) for i in range(CONFIRM))
+            tried.append((hits, -back, best))
+            if 2 * hits > CONFIRM or back + 1 == len(steps):
+                break
+            self.say(f"shrink {self.ex.name}: the minimal scenario failed again {hits}/{CONFIRM} only — confirming "
+                     "the step kept before it")
+        hits, back, self.best = max(tried, key=lambda t: (t[0], t[1]))  # most re-failures; then the smallest
+        self.backed_off = -back
+        return hits
 
     # ------------------------------------------------------------------ output
     def write(self, reproduced: bool, confirmed: int | None = None) -> dict:
@@ -374,6 +408,7 @@ class Shrinker:
                "minimal": {"requests": len(plans), "faults": len(faults), "concurrency": self.best["concurrency"],
                            "tenants": len({p.tenant for p in plans}), "prompt_chars": sum(len(p.prompt) for p in plans)},
                "reproduced": reproduced, "confirmed": confirmed, "confirm_runs": CONFIRM if reproduced else 0,
+               "backed_off": getattr(self, "backed_off", 0),
                "steps": len(self.attempts),
                "wall_s": round(time.monotonic() - self.t0, 1),
                "scenario": {"plans": [p.to_dict() for p in plans], "faults": faults,
@@ -424,11 +459,16 @@ def bug_report(res: dict) -> str:
     faults = "\n".join(f"   - {json.dumps(f)}" for f in res["scenario"]["faults"]) or "   - (none)"
     return f"""# {res['target']['oracle']} FAIL in {eng.get('name', 'sglang')} {eng.get('version')}: {res['experiment']}
 
-Found by kvchaos (`{res['test']}`, run seed {res['run_seed']}), shrunk from {o['requests']} requests /
-{o['tenants']} tenants / {o['faults']} faults / concurrency {o['concurrency']} / {o.get('prompt_chars', '?')} prompt
-characters to **{m['requests']} requests / {m['tenants']} tenants / {m['faults']} faults / concurrency
-{m['concurrency']} / {m.get('prompt_chars', '?')} prompt characters** ({res['steps']} attempts); the
-minimal scenario failed again in {res.get('confirmed')} of {res.get('confirm_runs')} re-runs.
+Found by kvchaos (`{res['test']}`, run seed {res['run_seed']}) and shrunk in {res['steps']} attempts:
+
+| scenario | requests | tenants | faults | concurrency | prompt characters |
+|---|---|---|---|---|---|
+| original | {o['requests']} | {o['tenants']} | {o['faults']} | {o['concurrency']} | {o.get('prompt_chars', '-')} |
+| **minimal** | **{m['requests']}** | **{m['tenants']}** | **{m['faults']}** | **{m['concurrency']}** | **{m.get('prompt_chars', '-')}** |
+
+The minimal scenario failed again in {res.get('confirmed')} of {res.get('confirm_runs')} re-runs on the same cluster{
+    f" ({res['backed_off']} shrink step(s) back from the smallest, which failed again less often)"
+    if res.get('backed_off') else ''}.
 {'' if res['reproduced'] else chr(10) + '**The original scenario did not fail again when re-run from data: nothing was shrunk.**' + chr(10)}
 ## Environment
 - engine: {eng.get('name')} {eng.get('version')} (per role: {json.dumps(eng.get('roles'))})
@@ -512,7 +552,8 @@ def reproduce(minimal_dir, times: int = 1) -> int:
 
 REPRO = '''"""Repro written by ``kvchaos shrink``: starts the cluster recorded in minimal.json beside this file,
 arms the recorded faults, sends the minimal plans and prints the verdicts (kvchaos.shrink.reproduce).
-Needs kvchaos and the engine: ``python repro.py [--times N]``; exit 0 when it failed the same way."""
+Needs kvchaos and the engine: ``python repro.py [--times N]`` (3 by default: on a fresh cluster a leak of
+stale pages may need earlier traffic in the pool); exit 0 when any run failed the same way."""
 
 import argparse
 import sys
@@ -522,6 +563,6 @@ from kvchaos.shrink import reproduce
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser()
-    ap.add_argument("--times", type=int, default=1)
+    ap.add_argument("--times", type=int, default=3)
     sys.exit(0 if reproduce(Path(__file__).resolve().parent, ap.parse_args().times) else 1)
 '''

@@ -110,7 +110,7 @@ def replay_shrink() -> str:
     """Per committed scenario (``reports/replay-shrink/<name>/``): the reproduction rate of
     ``kvchaos replay`` (replay.json, when there is one) and the sizes before / after ``kvchaos shrink``
     (minimal.json)."""
-    out = ["| scenario | `kvchaos replay` | original: requests / tenants / faults / concurrency | "
+    out = ["| scenario | `kvchaos replay` | original: requests / tenants / faults / concurrency / prompt chars | "
            "minimal | attempts | minimal failed again | report |", "|---|---|---|---|---|---|---|"]
     for path in sorted((REPO / "reports" / "replay-shrink").glob("*/minimal.json")):
         d = path.parent
@@ -118,7 +118,8 @@ def replay_shrink() -> str:
         rep = _load(d / "replay.json") if (d / "replay.json").exists() else None
         rate = (f"reproduced **{rep['scenarios'][0]['reproduced']}/{rep['scenarios'][0]['of']}**" if rep else "-")
         o, n = m["original"], m["minimal"]
-        size = lambda x: f"{x['requests']} / {x['tenants']} / {x['faults']} / {x['concurrency']}"  # noqa: E731
+        size = lambda x: (f"{x['requests']} / {x['tenants']} / {x['faults']} / {x['concurrency']} / "  # noqa: E731
+                          f"{x.get('prompt_chars', '-')}")
         out.append(f"| `{m['experiment']}` ({m['target']['oracle']} FAIL) | {rate} | {size(o)} | **{size(n)}** | "
                    f"{m['steps']} | {m.get('confirmed')}/{m.get('confirm_runs')} | "
                    f"[BUG.md](reports/replay-shrink/{d.name}/BUG.md) |")

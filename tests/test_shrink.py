@@ -62,13 +62,13 @@ def test_a_leak_shrinks_to_victim_and_owner_at_concurrency_one_with_repro_and_bu
     assert any(a["verdicts"]["isolation"] == "fail" and not a["fails"] for a in res["attempts"])
     assert (d / "minimal.events.jsonl").exists() and (d / "repro.py").exists()
     bug = (d / "BUG.md").read_text()
-    assert "isolation FAIL" in bug and "**2 requests" in bug and "First witness" in bug and "3 of 3 re-runs" in bug
+    assert "isolation FAIL" in bug and "| **minimal** | **2** | **2** |" in bug and "First witness" in bug and "3 of 3 re-runs" in bug
     # prompts: this engine leaks whatever the length, so each ends at the probe's floor with its canaries whole
     assert res["minimal"]["prompt_chars"] < 0.5 * sum(len(p) for p in _original_prompts(res))
     for p in res["scenario"]["plans"]:
         assert [c for _, c in canary.find(p["prompt"])] == p["canaries"] and p["n_tokens"] == len(p["prompt"])
         assert shorten(p["prompt"]) is None and p["prompt"].endswith("[")
-    assert f"{res['minimal']['prompt_chars']} prompt characters" in bug
+    assert f"**{res['minimal']['prompt_chars']}** |" in bug
 
 
 def test_a_leak_that_needs_a_long_prompt_keeps_the_victims_length(tmp_path):
@@ -155,3 +155,30 @@ def test_shorten_keeps_canaries_shared_prefix_head_and_tail():
     big.oversized = True
     assert not shortenable(big)
     assert shorten("no trigger here") is None
+
+
+def test_a_minimal_step_that_fails_again_by_chance_backs_off_to_the_step_kept_before_it():
+    sh = object.__new__(Shrinker)  # the confirmation alone: attempts stubbed by what each scenario does
+    sh.ex, sh.say, said = types.SimpleNamespace(name="x"), None, []
+    sh.say = said.append
+    steps = [{"rids": list("abcd"), "faults": [], "concurrency": 2, "prompts": {}},
+             {"rids": list("ab"), "faults": [], "concurrency": 1, "prompts": {}},
+             {"rids": ["a"], "faults": [], "concurrency": 1, "prompts": {"a": "short"}}]
+    runs = []
+
+    def attempt(rids, faults, concurrency, why, prompts=None, confirm=False):
+        assert confirm and prompts is not None
+        runs.append(("".join(rids), why))
+        return rates["".join(rids)].pop(0)
+
+    sh.attempt = attempt
+    sh.accepted = steps
+    rates = {"a": [True, False, False], "ab": [True, True, False], "abcd": [True, True, True]}
+    assert sh.confirm() == 2 and sh.best is steps[1] and sh.backed_off == 1
+    assert [r for r, _ in runs] == ["a"] * 3 + ["ab"] * 3 and "confirm 1/3 (1 step(s) back)" in runs[3][1]
+    assert said and "failed again 1/3 only" in said[0]
+    runs.clear()
+    rates = {"a": [True, True, False]}  # the smallest step re-fails in most runs: kept, nothing else run
+    assert sh.confirm() == 2 and sh.best is steps[2] and sh.backed_off == 0 and len(runs) == 3
+    rates = {"a": [False] * 3, "ab": [False] * 3, "abcd": [True, False, False]}  # none in most: the best seen
+    assert sh.confirm() == 1 and sh.best is steps[0] and sh.backed_off == 2
