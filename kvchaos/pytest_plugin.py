@@ -56,7 +56,9 @@ import json
 import os
 import shutil
 import subprocess
+import tempfile
 import time
+import uuid
 from pathlib import Path
 
 import pytest
@@ -129,6 +131,8 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "every_layout(own=True): runs on every layout of the profile's [suites] "
                             "layouts in a default run (without --kvchaos-layouts); own=False: on the others only")
     config.addinivalue_line("markers", "layouts(*names): the only KV layouts this test applies to")
+    config.addinivalue_line("markers", "exclusive: measures time; under pytest-xdist no other worker runs a test "
+                            "meanwhile (kvchaos.machine_lock)")
     config.addinivalue_line("markers", "backends(*names): the KV transfer backends this test applies to "
                             "(default: every backend for suites/, the first one for the harness's own tests)")
     # the cluster layer does not import the fault layer: the network fault proxy is wired in here
@@ -137,6 +141,7 @@ def pytest_configure(config):
     install_network_proxy()
     run_id = os.environ.get("KVCHAOS_RUN_ID") or time.strftime("%Y%m%d-%H%M%S") + f"-{os.getpid()}"
     worker = os.environ.get("PYTEST_XDIST_WORKER")
+    _machine_lock(config)
     if worker:
         run_id += f"-{worker}"
     config._kvchaos_run_id = run_id
@@ -256,6 +261,43 @@ def pytest_sessionfinish(session, exitstatus):
         tr.ensure_newline()
         for line in msg.splitlines():
             tr.write_line(line)
+
+
+# --------------------------------------------------------------------------- xdist: one machine
+def _machine_lock(config) -> None:
+    """Under pytest-xdist every test holds the run's machine lock, shared — ``exclusive`` tests alone
+    (:mod:`kvchaos.machine_lock`). The controller fixes the run's uid (its workers' lock file) and
+    removes the lock files at its end."""
+    from kvchaos.machine_lock import MachineLock
+
+    def path(uid):
+        return Path(tempfile.gettempdir()) / f"kvchaos-xdist-{uid}.lock"
+
+    if hasattr(config, "workerinput"):  # a real xdist worker (a child pytest may inherit a worker's env)
+        uid = config.workerinput.get("testrunuid")
+        config._kvchaos_machine_lock = MachineLock(path(uid)) if uid else None
+    elif getattr(config.option, "numprocesses", None) and hasattr(config.option, "testrunuid"):
+        if not config.option.testrunuid:
+            config.option.testrunuid = uuid.uuid4().hex
+        config._kvchaos_machine_lock_cleanup = MachineLock(path(config.option.testrunuid))
+
+
+@pytest.hookimpl(hookwrapper=True, tryfirst=True)
+def pytest_runtest_protocol(item, nextitem):
+    lock = getattr(item.config, "_kvchaos_machine_lock", None)
+    if lock is None:
+        yield
+        return
+    with lock.hold(exclusive=item.get_closest_marker("exclusive") is not None) as waited:
+        if waited >= 1.0:
+            item.user_properties.append(("kvchaos_machine_lock_wait_s", round(waited, 1)))
+        yield
+
+
+def pytest_unconfigure(config):
+    lock = getattr(config, "_kvchaos_machine_lock_cleanup", None)
+    if lock is not None:
+        lock.remove()
 
 
 # --------------------------------------------------------------------------- KNOWN outcome

@@ -1,0 +1,86 @@
+"""``kvchaos.machine_lock``: under pytest-xdist an ``exclusive`` test runs with no other test running,
+the others still run side by side, an exclusive waiter is not starved, and waits are bounded."""
+
+import glob
+import json
+import multiprocessing
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+from kvchaos.machine_lock import MachineLock, MachineLockTimeout
+from tests.util import child_env
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _overlap(a, b):
+    return a["start"] < b["end"] and b["start"] < a["end"]
+
+
+def test_under_xdist_an_exclusive_test_overlaps_no_other_and_the_others_run_side_by_side(tmp_path):
+    out = tmp_path / "inner"
+    before = set(glob.glob(str(Path(tempfile.gettempdir()) / "kvchaos-xdist-*")))
+    r = subprocess.run([sys.executable, "-m", "pytest", str(REPO / "tests/data/inner_exclusive_suite.py"), "-q",
+                        "-p", "no:cacheprovider", "-n", "2", "--kvchaos-reports", str(tmp_path / "reports"),
+                        "-o", "testpaths="], cwd=REPO, env=child_env(KVCHAOS_INNER_OUT=str(out)),
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and "7 passed" in r.stdout, r.stdout[-2000:] + r.stderr[-2000:]
+    recs = [json.loads(ln) for f in tmp_path.glob("inner.gw*") for ln in f.read_text().splitlines()]
+    assert len(recs) == 7 and len({x["name"] for x in recs}) == 7
+    ex = next(x for x in recs if x["exclusive"])
+    others = [x for x in recs if not x["exclusive"]]
+    assert not [x["name"] for x in others if _overlap(ex, x)], "a test ran while the exclusive one did"
+    # without the marker tests do run in parallel: the check above could have failed
+    assert any(_overlap(a, b) for i, a in enumerate(others) for b in others[i + 1:]), recs
+    # the controller removes the run's lock files
+    assert set(glob.glob(str(Path(tempfile.gettempdir()) / "kvchaos-xdist-*"))) <= before
+
+
+def _hold(path, exclusive, seconds, q):
+    with MachineLock(path).hold(exclusive):
+        q.put(("in", exclusive, time.monotonic()))
+        time.sleep(seconds)
+        q.put(("out", exclusive, time.monotonic()))
+
+
+def _churn(path, until):
+    while time.monotonic() < until:  # shared holders back to back: an exclusive waiter must still get in
+        with MachineLock(path).hold():
+            time.sleep(0.05)
+
+
+def test_an_exclusive_waiter_is_not_starved_and_waits_are_bounded(tmp_path):
+    lock = tmp_path / "m.lock"
+    ctx = multiprocessing.get_context("spawn")
+    churners = [ctx.Process(target=_churn, args=(lock, time.monotonic() + 20)) for _ in range(2)]
+    for p in churners:
+        p.start()
+    try:
+        time.sleep(1.0)
+        t0 = time.monotonic()
+        with MachineLock(lock, timeout_s=10).hold(exclusive=True) as waited:
+            got = time.monotonic() - t0
+        assert got < 5 and waited < 5, f"exclusive waited {got:.1f} s behind back-to-back shared holders"
+    finally:
+        for p in churners:
+            p.terminate()
+            p.join(10)
+    q = ctx.Queue()
+    holder = ctx.Process(target=_hold, args=(lock, False, 3.0, q))
+    holder.start()
+    try:
+        assert q.get(timeout=30)[0] == "in"
+        t0 = time.monotonic()
+        with pytest.raises(MachineLockTimeout, match="m.lock"):
+            with MachineLock(lock, timeout_s=0.5).hold(exclusive=True):
+                pass
+        assert time.monotonic() - t0 < 2
+        with MachineLock(lock, timeout_s=1).hold():  # shared beside shared: no wait
+            pass
+    finally:
+        holder.join(30)
