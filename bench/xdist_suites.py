@@ -142,6 +142,8 @@ def _cmd(pid: int) -> str:
 
 
 def main() -> int:
+    # a SIGTERM of the bench must reach its pytest too (the finally in run() kills pytest's process group)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     ap = argparse.ArgumentParser()
     ap.add_argument("-n", type=int, default=2, help="xdist workers")
     ap.add_argument("--sigkill-after", type=float, default=None,
