@@ -10,8 +10,8 @@ Prints, from this one run: the outcome line, the wall time, each worker's peak P
 lowest MemAvailable, how many such workers this machine's memory holds (MemTotal / the largest
 worker peak), and the processes left alive (0 is the only pass). ``--sigkill-after S`` kills the
 controlling pytest with SIGKILL S seconds after it started (pick S past the clusters' start: the
-suites are running) and waits up to 90 s for every remembered process to go. ``--serial`` also runs the same suites without xdist first and
-prints the wall-time ratio.
+suites are running) and waits up to 90 s for every remembered process to go. ``--serial`` also runs
+the same suites without xdist first and prints the wall-time ratio.
 
 Usage: python bench/xdist_suites.py [-n 2] [--sigkill-after S] [--serial] [-- extra pytest args]
 Exit status: 0 when pytest passed (or was killed on purpose) and nothing was left behind.
@@ -30,36 +30,10 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+from kvchaos.cluster.reaper import _still_same, proc_table, related  # noqa: E402 - the reaper's own process table
+
 MARKERS = "cluster and not slow and not gpu"  # make test's cluster session
-
-
-def proc_table() -> dict[int, tuple[int, str]]:
-    """pid -> (ppid, start time) of every process now."""
-    out = {}
-    for d in os.listdir("/proc"):
-        if not d.isdigit():
-            continue
-        try:
-            stat = Path(f"/proc/{d}/stat").read_text()
-        except OSError:
-            continue
-        rest = stat.rsplit(")", 1)[1].split()
-        out[int(d)] = (int(rest[1]), rest[19])  # ppid, starttime (clock ticks since boot)
-    return out
-
-
-def descendants(root: int, table: dict) -> set[int]:
-    kids: dict[int, list[int]] = {}
-    for pid, (ppid, _) in table.items():
-        kids.setdefault(ppid, []).append(pid)
-    seen, todo = set(), [root]
-    while todo:
-        p = todo.pop()
-        if p in seen:
-            continue
-        seen.add(p)
-        todo.extend(kids.get(p, []))
-    return seen
 
 
 def pss_kib(pid: int) -> int:
@@ -88,13 +62,12 @@ def run(n: int, extra: list[str], run_id: str, sigkill_after: float | None, out:
     try:
         while p.poll() is None:
             table = proc_table()
-            workers = [pid for pid, (pp, _) in table.items() if pp == p.pid] if n > 1 else [p.pid]
+            workers = [pid for pid, (pp, *_r) in table.items() if pp == p.pid] if n > 1 else [p.pid]
             total = 0
             for w in workers:
-                tree = descendants(w, table)
-                for q in tree:
-                    if q in table:
-                        seen.setdefault(q, table[q][1])
+                tree = related({w}, (), table)  # the worker and everything it started: pid -> start time
+                for q, st in tree.items():
+                    seen.setdefault(q, st)
                 kib = sum(pss_kib(q) for q in tree)
                 peak[w] = max(peak.get(w, 0), kib)
                 total += kib
@@ -113,14 +86,14 @@ def run(n: int, extra: list[str], run_id: str, sigkill_after: float | None, out:
     wall = time.monotonic() - t0
     deadline = time.monotonic() + 90
     while True:
-        table = proc_table()
-        alive = sorted(q for q, st in seen.items() if q in table and table[q][1] == st and q != p.pid)
+        alive = sorted(_still_same(seen, proc_table()) - {p.pid})
         if not alive or time.monotonic() > deadline:
             break
         time.sleep(1)
     text = log.read_text(errors="replace")
     summary = next((ln.strip("= ") for ln in reversed(text.splitlines()) if re.search(r"\d+ (passed|failed)", ln)), "")
-    return {"n": n, "rc": p.returncode, "killed": killed, "tests_ended_at_kill": done_at_kill, "wall_s": round(wall, 1), "summary": summary,
+    return {"n": n, "rc": p.returncode, "killed": killed, "tests_ended_at_kill": done_at_kill, "wall_s": round(wall, 1),
+            "summary": summary,
             "peak_gib": {f"worker{i}": round(v / 2**20, 2) for i, v in enumerate(peak.values())},
             "peak_total_gib": round(peak_total / 2**20, 2), "min_available_gib": round(min_avail / 2**20, 2),
             "processes_seen": len(seen), "left_alive": [_cmd(q) for q in alive], "log": str(log)}

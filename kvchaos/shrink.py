@@ -137,7 +137,7 @@ def shorten(text: str, keep: int = 0) -> str | None:
             floor = MIN_TAIL
         if a < first_canary:
             floor = max(floor, MIN_HEAD - a)
-        out.append(gap[:max(floor, len(gap) // 2)] if len(gap) > floor else gap)
+        out.append(gap[:max(floor, len(gap) // 2)])  # a gap at or under its floor stays whole
         out.append(text[b:e])
     new = "".join(out)
     if len(new) >= len(text):
@@ -198,6 +198,7 @@ class Shrinker:
         self.t0 = time.monotonic()
         self.attempts: list[dict] = []
         self.accepted: list[dict] = []  # every step kept, in order (the last is the smallest)
+        self.backed_off = 0  # steps back from the smallest to the one written (confirm)
         self.best = {"rids": [p.rid for p in ex.plans], "faults": list(range(len(self.faults))),
                      "concurrency": ex.concurrency, "prompts": {}, "log": str(ex.path)}
         if self.out.exists():
@@ -408,7 +409,7 @@ class Shrinker:
                "minimal": {"requests": len(plans), "faults": len(faults), "concurrency": self.best["concurrency"],
                            "tenants": len({p.tenant for p in plans}), "prompt_chars": sum(len(p.prompt) for p in plans)},
                "reproduced": reproduced, "confirmed": confirmed, "confirm_runs": CONFIRM if reproduced else 0,
-               "backed_off": getattr(self, "backed_off", 0),
+               "backed_off": self.backed_off,
                "steps": len(self.attempts),
                "wall_s": round(time.monotonic() - self.t0, 1),
                "scenario": {"plans": [p.to_dict() for p in plans], "faults": faults,
