@@ -159,3 +159,14 @@ def test_foreign_canary_only_in_a_cut_line_is_a_leak():
     v = oracles.isolation(ev)
     assert v.status == oracles.FAIL, v
     assert {(w["victim_rid"], w["owner_rid"]) for w in v.witnesses} == {(victim.rid, owner.rid)}
+
+
+def test_sglang_error_response_is_an_error():
+    """SGLang answers a failed request with its ErrorResponse (``{"object": "error", "message": ...}``,
+    e.g. decode's 500 for a request aborted before decoding): logged as the error, not as empty text."""
+    from kvchaos.workload.driver import _extract
+
+    msg = "Decode handshake failed for request rank=0 ... Aborted by AbortReq."
+    body = {"object": "error", "message": msg, "type": "500", "param": None, "code": 500}
+    assert _extract(body, "generate") == ("", None, None, msg)
+    assert _extract({"text": "ok", "meta_info": {}}, "generate") == ("ok", None, {}, None)

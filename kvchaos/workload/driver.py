@@ -360,6 +360,8 @@ def _extract(parsed, endpoint):
     if "error" in parsed or "raw" in parsed:
         err = parsed.get("error") or parsed.get("raw")
         return "", None, None, err if isinstance(err, str) else json.dumps(err)[:2000]
+    if parsed.get("object") == "error":  # SGLang's ErrorResponse: {"object": "error", "message", "code"}
+        return "", None, None, str(parsed.get("message") or json.dumps(parsed))[:2000]
     if endpoint == "generate" or "meta_info" in parsed:
         return parsed.get("text", ""), parsed.get("output_ids"), parsed.get("meta_info"), None
     if "choices" in parsed:
