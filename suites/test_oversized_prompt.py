@@ -44,6 +44,7 @@ import pytest
 from faults import FaultKit
 from kvchaos import canary, releases
 from kvchaos.cluster import ClusterSpec
+from kvchaos.cluster.layouts import parse
 from kvchaos.experiment import PASS
 from kvchaos.oracles import HttpSemantics, Isolation, Liveness, Sensitivity, kv_page_size, kv_pages_written, pages_for
 from kvchaos.suite import own_cluster, server_field
@@ -106,7 +107,7 @@ def _sweep(experiment, name, lengths, e, seed, checks, at=8):
     return ex, table
 
 
-def _check_answer_and_reject(ex, table):
+def _check_answer_and_reject(ex, table, rejects=True):
     run = ex.run
     for row in table:
         if row["expect"] == "answer":
@@ -116,7 +117,7 @@ def _check_answer_and_reject(ex, table):
             assert not missing, f"{row}: answered without its own canaries {missing}: {text[:120]!r}"
         elif row["expect"] == "reject":
             assert row["status"] is not None and 400 <= row["status"] < 500, row
-    ex.require(isolation=PASS, http_semantics=PASS, liveness=PASS)
+    ex.require(isolation=PASS, liveness=PASS, **({"http_semantics": PASS} if rejects else {}))
 
 
 def test_edges_answered_or_rejected_with_other_tenants_running(experiment, seeds, faults, edges):
@@ -128,6 +129,37 @@ def test_edges_answered_or_rejected_with_other_tenants_running(experiment, seeds
     faults.log.emit("observed", edges=e, table=table)
     assert [r["expect"] for r in table] == ["answer", "answer"] + ["reject"] * 4, table
     _check_answer_and_reject(ex, table)
+
+
+@pytest.mark.every_layout(own=False)  # CI: on the profile's paged layout (mla-p64-bf16); page 1 has no page edge
+def test_page_edges_answered_with_whole_pages(experiment, seeds, faults, cluster, kvchaos_layout):
+    """Prompts one token either side of KV page boundaries — the first page, the second, and the
+    last page below decode's admit edge, up to the edge itself — among 8 other tenants' traffic on a
+    paged pool. Each must be answered with its own canaries, and prefill must have written exactly
+    the pages its prompt fills (the last one partly: the rest of that page holds whatever an earlier
+    request left there, which attention must not read)."""
+    page = parse(kvchaos_layout).page_size
+    if page == 1:
+        pytest.skip(f"{kvchaos_layout}: page size 1 has no page edge (test_edges covers its pool edges)")
+    pf, dc = cluster.server_info("prefill"), cluster.server_info("decode")
+    pool = min(server_field(pf, "max_total_num_tokens"), server_field(dc, "max_total_num_tokens"))
+    limit = min(server_field(pf, "max_req_input_len"), server_field(dc, "max_req_input_len"))
+    e = {"pool": pool, "limit": limit, "reserve": server_field(dc, "num_reserved_decode_tokens"), "page": page}
+    e["admit_edge"] = min(pool - e["reserve"], limit)
+    last = (e["admit_edge"] - 1) // page * page  # the last page boundary below the admit edge
+    lengths = sorted({page - 1, page, page + 1, 2 * page + 1, last - 1, last, last + 1, e["admit_edge"]})
+    ex, table = _sweep(experiment, "page_edges", lengths, e, seeds(604), [Isolation(), Liveness(bound_s=BOUND_S)])
+    sent, ps = kv_pages_written(ex.events), kv_page_size(ex.events)
+    for row in table:
+        meta = (ex.run.bodies.get(row["rid"]) or {}).get("meta") or {}
+        row["prompt_tokens"], row["pages_sent"] = meta.get("prompt_tokens"), sent.get(row["rid"])
+    faults.log.emit("observed", edges=e, table=table)
+    assert ps == page, f"the agent's transfer events report page size {ps}, the layout says {page}"
+    assert all(r["expect"] == "answer" for r in table), table
+    _check_answer_and_reject(ex, table, rejects=False)  # every edge is admitted: nothing to reject
+    # the path really ran at the edges: whole pages for the prompt the engine saw, no more, no fewer
+    bad = [r for r in table if r["prompt_tokens"] is None or r["pages_sent"] != pages_for(r["prompt_tokens"], page)]
+    assert not bad, f"pages written != pages the prompt fills: {bad}"
 
 
 @pytest.mark.slow  # CI time; the intake-reject hang (same router join) is exercised by the incident's fixed arm
