@@ -31,6 +31,12 @@ class AgentError(RuntimeError):
     pass
 
 
+# the hook that holds a request at each ``park`` stage (faults/agent/scheduler.py PARK_STAGES)
+PARK_HOOKS = {"decode_prealloc": "DecodePreallocQueue._update_handshake_waiters",
+              "prefill_waiting": "Scheduler.get_new_batch_prefill",
+              "decode_waiting": "_get_new_prebuilt_batch"}
+
+
 def _call(sock_path: str, req: dict, timeout: float = 10.0) -> dict:
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     s.settimeout(timeout)
@@ -87,10 +93,10 @@ class ArmedFault(Fault):
             time.sleep(0.05)
 
     def release(self) -> None:
-        """Let a held write land (``hold`` faults)."""
+        """Let what the fault holds go: a held write lands (``hold``), a parked request moves on (``park``)."""
         n = sum(self.client._each(self.role, {"cmd": "release", "id": self.id}, key="released"))
         if not n:
-            raise AgentError(f"fault {self.id}: no agent had a held write to release")
+            raise AgentError(f"fault {self.id}: no agent held anything of it to release")
         self.client._log("released", self)
 
     def heal(self) -> None:
@@ -168,10 +174,15 @@ class AgentClient:
     # ------------------------------------------------------------ faults
     def arm(self, role: str, kind: str, target: dict | None = None, params: dict | None = None,
             count: int | None = None, ttl_s: float = 600.0, hooks: tuple[str, ...] | None = None) -> ArmedFault:
+        if kind == "park" and (params or {}).get("stage") not in PARK_HOOKS:
+            raise ValueError(f"park: params.stage must be one of {tuple(PARK_HOOKS)}, got {(params or {}).get('stage')!r}")
         need = hooks if hooks is not None else (("send_kvcache",) if kind in ("delay", "fail", "short", "hold") else
                          ("is_unadmitted_reject",) if kind in ("reject_admitted", "input_limit") else
                          ("TokenToKVPoolAllocator.alloc",) if kind == "double_alloc" else
-                         ("check_status",) if kind == "stall_status_read" else ("send_kvcache",))
+                         ("check_status",) if kind == "stall_status_read" else
+                         ("Req.load_kv_cache", "DecodePreallocQueue.__init__") if kind == "retract" else
+                         (PARK_HOOKS[(params or {}).get("stage")],) if kind == "park" else
+                         ("send_kvcache",))
         agents = self.wait_agents(role, need)
         fid = f"{kind}-{uuid.uuid4().hex[:8]}"
         params = dict(params or {})

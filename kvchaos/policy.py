@@ -184,6 +184,15 @@ def _sig_released_on_timeout(v, ctx, want):
     return ok == bool(want), f"late writes into rooms not released on timeout: {bad[:5]}"
 
 
+def _sig_retried_after_abort(v, ctx, want):
+    """Every abort_semantics witness is an aborted request answered 200 as a success that prefill saw
+    again under a new bootstrap room after its abort (``attempts`` >= 2: a load balancer re-sent it)."""
+    bad = [w.get("rid") for w in v.witnesses
+           if not (w.get("status") == 200 and w.get("finish_reason") != "abort" and (w.get("attempts") or 0) >= 2)]
+    ok = bool(v.witnesses) and not bad
+    return ok == bool(want), f"aborted requests not answered by a second attempt: {bad[:5]}"
+
+
 def _sig_engine_error(v, ctx, sig):
     ok = any(e.get("signature") == sig for e in ctx.engine_errors)
     return ok, f"no {sig!r} engine error in the servers' logs during this experiment"
@@ -202,6 +211,7 @@ SIGNATURES = {
     "engine_error": _sig_engine_error,
     "salts_lost_before_engine": _sig_salts_lost_before_engine,
     "released_on_timeout": _sig_released_on_timeout,
+    "retried_after_abort": _sig_retried_after_abort,
 }
 
 

@@ -3,13 +3,19 @@
 - :func:`abort_in_flight` — the abort choreography as an experiment's ``during`` action: each
   victim's KV write is held inside prefill's transfer, the request is aborted on both engines while
   held, then the write is released and lands late.
+- :func:`abort_at_stages` — one victim per PD stage (held in decode's pre-allocation, prefill's
+  waiting queue, the KV transfer, decode's waiting queue, or decoding), each aborted on both engines
+  while it is there; the aborts are recorded for :class:`kvchaos.oracles.AbortSemantics`.
 - :func:`server_field` — a value from a nested ``/server_info`` answer.
+- :func:`single_server_reference` — the same prompts served alone by a clean single server (greedy),
+  for :class:`kvchaos.oracles.Differential`.
 - :func:`own_cluster` — a cluster of a test's own (another release, another deployment), with its own
   planted-leak self-test gating the policy its experiments are judged by.
 """
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import contextlib
 import time
 
@@ -80,6 +86,94 @@ def abort_in_flight(cluster, faults, victims, hold_s=0.3):
             out.append({"rid": v.rid, "room": held.get("room"), "aborted_at": t_abort, "abort_status": st,
                         "late_write_at": late["wall"], "room_status_at_write": late.get("room_status_at_write")})
         return out
+
+    choreograph.holds = holds
+    return choreograph
+
+
+def single_server_reference(server, plans, timeout_s: float = 120.0):
+    """``Differential``'s reference: each plan's prompt served alone, greedy, with its own
+    ``max_new_tokens``, by ``server`` (a clean single server), when the checker runs (after the run)."""
+    def ref(_events):
+        out = {}
+        for p in plans:
+            r = httpx.post(server.endpoints.router + "/generate", timeout=timeout_s,
+                           json={"text": p.prompt, "sampling_params": {"max_new_tokens": p.max_new_tokens,
+                                                                       "temperature": 0}})
+            r.raise_for_status()
+            out[p.rid] = r.json()
+        return out
+    return ref
+
+
+# where each stage's victim is held, and by what (faults/agent: ``park`` stages, the transfer ``hold``)
+ABORT_STAGES = {"decode_prealloc": ("decode", "park"), "prefill_waiting": ("prefill", "park"),
+                "transferring": ("prefill", "hold"), "decode_waiting": ("decode", "park"),
+                "decoding": (None, None)}
+
+
+def abort_at_stages(ex, cluster, faults, victims: dict, settle_s: float = 0.5, wait_s: float = 90.0):
+    """Arm what holds each victim at its stage (call inside the experiment's ``with`` block) and
+    return the action for ``ex.during(...)``. ``victims``: stage (:data:`ABORT_STAGES`) -> plan.
+    For each, on a thread of its own: wait until it is held there (``decoding``: until its first streamed byte — a
+    ``stream`` plan with a long reply), POST ``/abort_request`` with its exact rid to prefill and to
+    decode, wait ``settle_s``, let it go. Every abort is a ``fault`` record (action
+    ``abort_request``: rid, stage, ``held`` — whether it was provably still at that stage — and the
+    two servers' statuses) in the faults log, which the experiment copies into its own."""
+    bad = set(victims) - set(ABORT_STAGES)
+    if bad:
+        raise ValueError(f"unknown abort stage(s) {sorted(bad)}; one of {tuple(ABORT_STAGES)}")
+    holds = {}
+    for stage, v in victims.items():
+        role, kind = ABORT_STAGES[stage]
+        if kind == "hold":
+            holds[stage] = faults.agent.arm(role, "hold", target={"rid": v.rid}, params={"max_hold_s": 30})
+        elif kind == "park":
+            holds[stage] = faults.agent.arm(role, "park", target={"rid": v.rid}, params={"stage": stage})
+
+    def first_byte(rid):
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline:
+            if any(e.get("ev") == "first_byte" and e.get("rid") == rid for e in list(ex.log.records)):
+                return True
+            if any(e.get("ev") == "end" and e.get("rid") == rid for e in list(ex.log.records)):
+                return False
+            time.sleep(0.01)
+        return False
+
+    def one(stage, v) -> dict:
+        role, _kind = ABORT_STAGES[stage]
+        h = holds.get(stage)
+        try:
+            if h is not None:
+                faults.agent.wait_event(role, "fault_fired", fault=h.id, phase="held", timeout=wait_s)
+                held = True
+            else:
+                held = False  # decoding: nothing holds it; the reply may finish before the abort lands
+                if not first_byte(v.rid):
+                    raise TimeoutError(f"{v.rid} never streamed a byte")
+        except TimeoutError as e:
+            return {"rid": v.rid, "stage": stage, "error": str(e)}
+        t_abort = time.time()
+        st = {}
+        for r in ("prefill", "decode"):
+            try:
+                st[r] = httpx.post(f"{getattr(cluster.endpoints, r)}/abort_request", json={"rid": v.rid},
+                                   timeout=10).status_code
+            except httpx.HTTPError as e:
+                st[r] = repr(e)
+        faults.log.emit("fault", action="abort_request", kind="abort", stage=stage, rid=v.rid, held=held,
+                        abort_status=st, at=t_abort)
+        time.sleep(settle_s)
+        if h is not None:
+            h.release()
+        return {"rid": v.rid, "stage": stage, "held": held, "aborted_at": t_abort, "abort_status": st}
+
+    def choreograph() -> list[dict]:
+        # each victim on its own: one held at a late stage must not keep another from being aborted
+        # at an early one (or let a decoding one finish before its turn)
+        with cf.ThreadPoolExecutor(len(victims) or 1) as pool:
+            return [f.result() for f in [pool.submit(one, st, v) for st, v in victims.items()]]
 
     choreograph.holds = holds
     return choreograph

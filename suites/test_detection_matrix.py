@@ -58,7 +58,7 @@ import pytest
 
 from kvchaos.experiment import FAIL, PASS
 from kvchaos.oracles import CacheIsolation, Differential, HttpSemantics, Isolation, KVLifecycle, Liveness
-from kvchaos.suite import abort_in_flight, server_field
+from kvchaos.suite import abort_in_flight, server_field, single_server_reference
 from kvchaos.workload import SHARED_MIX, Workload
 
 # a default run (CI) puts it on the profile's other layouts — MLA, paged, bf16 — and not again on the
@@ -148,19 +148,6 @@ def scenario_abort_in_flight(experiment, seeds, faults, cluster, trial, mutate):
             "verdicts": {k: v.status for k, v in ex.by.items()}, "witness": life.witnesses[:1]}
 
 
-def _reference(reference_server, plans):
-    """The same prompts served alone by a clean single server (after the run)."""
-    def ref(_events):
-        out = {}
-        for p in plans:
-            r = httpx.post(reference_server.endpoints.router + "/generate", timeout=120,
-                           json={"text": p.prompt, "sampling_params": {"max_new_tokens": p.max_new_tokens,
-                                                                       "temperature": 0}})
-            out[p.rid] = r.json()
-        return out
-    return ref
-
-
 def scenario_shared_pages(experiment, seeds, faults, cluster, trial, mutate, reference_server):
     """A's KV write is parked in prefill (hold) after decode pre-allocated A's pages; B (another
     tenant, same prompt length) is pre-allocated meanwhile — with the mutation, 390 of A's pages are
@@ -183,7 +170,7 @@ def scenario_shared_pages(experiment, seeds, faults, cluster, trial, mutate, ref
             fa.result(), fb.result()
         ex.send(tail, 6)
 
-    checks = [Isolation(), Liveness(bound_s=BOUND_S), Differential(_reference(reference_server, [a, b, *tail[:4]]))]
+    checks = [Isolation(), Liveness(bound_s=BOUND_S), Differential(single_server_reference(reference_server, [a, b, *tail[:4]]))]
     with experiment(f"matrix_double_alloc_{'mut' if mutate else 'clean'}_{trial}", [a, b, *tail], checks,
                     seed=wl.seed, drive=drive, timeout_s=BOUND_S) as ex:
         state["double"] = faults.agent.arm("decode", "double_alloc", params={"pages": 390}, count=1) if mutate else None
@@ -207,7 +194,7 @@ def scenario_short_transfer(experiment, seeds, faults, cluster, trial, mutate, r
     wl = Workload(seeds(760 + trial), n_tenants=8, prefix=f"xt{'m' if mutate else 'c'}{trial}")
     plans = wl.mix(background(mutate) + 8, lengths=(200, 500))
     shorted = [p for p in plans if p.tenant == "t005"][:3]
-    checks = [Isolation(), Liveness(bound_s=BOUND_S), Differential(_reference(reference_server, shorted))]
+    checks = [Isolation(), Liveness(bound_s=BOUND_S), Differential(single_server_reference(reference_server, shorted))]
     with experiment(f"matrix_short_transfer_{'mut' if mutate else 'clean'}_{trial}", plans, checks,
                     seed=wl.seed, timeout_s=BOUND_S) as ex:
         if mutate:  # every KV send of these requests stops after one page

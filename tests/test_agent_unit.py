@@ -276,15 +276,15 @@ def test_subsystem_modules_declare_the_kinds_and_hooks_read_the_live_agent(agent
     """faults.agent is a package, one module per SGLang subsystem; its KINDS / MUTATIONS / HOOKS are
     assembled from them, and ``faults.agent.AGENT`` is a live view of ``control.AGENT`` (what every
     hook reads at call time — the fixture set it through ``faults.agent``)."""
-    from faults.agent import allocator, cache, control, scheduler, transfer
+    from faults.agent import allocator, cache, control, retraction, scheduler, transfer
 
     assert agent_mod.AGENT is agent and control.AGENT is agent
     assert set(agent_mod.KINDS) == {"delay", "fail", "short", "hold", "stall_status_read", "reject_admitted",
                                     "early_free", "double_alloc", "input_limit", "salt_ignored", "prefix_collision",
-                                    "deferred_release_timeout"}
+                                    "deferred_release_timeout", "retract", "park"}
     assert set(agent_mod.MUTATIONS) == {"reject_admitted", "early_free", "double_alloc", "input_limit", "salt_ignored",
-                                        "deferred_release_timeout"}
-    mods = (transfer, scheduler, allocator, cache)
+                                        "deferred_release_timeout", "retract"}
+    mods = (transfer, scheduler, allocator, cache, retraction)
     # a module two subsystems hook gets one hook running both, in table order
     want = {}
     for m in mods:
@@ -479,3 +479,151 @@ def test_delay_jitter_draws_from_the_faults_seed(agent, mgr):
     a, b, c = draws(11, range(10, 16)), draws(11, range(20, 26)), draws(12, range(30, 36))
     assert a == b and len(set(a)) > 1
     assert a != c
+
+
+class _Pool:
+    """Stands in for decode's KV allocator: one K and one V buffer per layer, SGLang's host-copy API."""
+
+    def __init__(self, slots=64, layers=2):
+        import torch
+
+        self.k = [torch.arange(slots * 4, dtype=torch.float32).reshape(slots, 4) + 1000 * i for i in range(layers)]
+        self.v = [-t for t in self.k]
+
+    def get_cpu_copy(self, indices, mamba_indices=None, req_pool_index=None):
+        return [[[k[indices].clone(), v[indices].clone()]] for k, v in zip(self.k, self.v)]
+
+    def load_cpu_copy(self, copy, indices, mamba_indices=None, req_pool_index=None):
+        for layer, ((k, v),) in enumerate(copy):
+            self.k[layer][indices], self.v[layer][indices] = k, v
+
+
+class _Req:
+    """Stands in for schedule_batch.Req's retraction path (offload_kv_cache / load_kv_cache, 0.5.23)."""
+
+    def __init__(self, rid, seqlen):
+        self.rid, self.seqlen, self.output_ids, self.retraction_count = rid, seqlen, [1, 2, 3], 0
+        self.kv = types.SimpleNamespace(req_pool_idx=0, retraction_backup=None, mamba_pool_idx=None)
+
+    def offload_kv_cache(self, req_to_token_pool, alloc):
+        idx = req_to_token_pool.req_to_token[self.kv.req_pool_idx, : self.seqlen - 1]
+        self.kv.retraction_backup = types.SimpleNamespace(cpu_tensors=alloc.get_cpu_copy(idx))
+
+    def load_kv_cache(self, req_to_token_pool, alloc):
+        idx = req_to_token_pool.req_to_token[self.kv.req_pool_idx, : self.seqlen - 1]
+        alloc.load_cpu_copy(self.kv.retraction_backup.cpu_tensors, idx)
+        self.kv.retraction_backup = None
+
+
+def test_retraction_evidence_checks_the_restored_kv_and_retract_switches_live_settings(decode_agent, monkeypatch):
+    import sys
+
+    import torch
+
+    from faults.agent import retraction
+
+    mod = types.ModuleType("fake_schedule_batch")
+    mod.Req = type("Req", (_Req,), {})
+    retraction._hook_schedule_batch(mod)
+    pool, r2t = _Pool(), types.SimpleNamespace(req_to_token=torch.zeros(2, 64, dtype=torch.long))
+    r2t.req_to_token[0, :10] = torch.arange(10)
+    req = mod.Req("rid-a", 11)
+    req.offload_kv_cache(r2t, pool)
+    r2t.req_to_token[0, :10] = torch.arange(20, 30)  # resumed into new slots: the copy goes there
+    req.load_kv_cache(r2t, pool)
+    # a request whose new slots another write changes while it is restored
+    class Clobbered(_Req):
+        def load_kv_cache(self, r, a):
+            _Req.load_kv_cache(self, r, a)
+            a.k[1][25] += 1.0
+
+    mod2 = types.ModuleType("fake_schedule_batch2")
+    mod2.Req = Clobbered
+    retraction._hook_schedule_batch(mod2)
+    bad = mod2.Req("rid-b", 11)
+    bad.offload_kv_cache(r2t, pool)
+    bad.load_kv_cache(r2t, pool)
+    evs = [e for e in decode_agent.events if e["ev"] in ("kv_retracted", "kv_resumed")]
+    assert [(e["ev"], e["rid"]) for e in evs] == [("kv_retracted", "rid-a"), ("kv_resumed", "rid-a"),
+                                                 ("kv_retracted", "rid-b"), ("kv_resumed", "rid-b")]
+    assert evs[1]["restored_equal"] is True and evs[1]["digest"] == evs[0]["digest"] and evs[1]["restored_tokens"] == 10
+    assert evs[3]["restored_equal"] is False and evs[3]["digest"] != evs[2]["digest"]
+
+    # the live settings: the scheduler module's test trigger and the prealloc queues' reservation
+    sched = types.ModuleType(retraction.SCHED)
+    sched.TEST_RETRACT, sched.TEST_RETRACT_INTERVAL = False, 3
+    monkeypatch.setitem(sys.modules, retraction.SCHED, sched)
+    dmod = types.ModuleType("fake_decode")
+    dmod.DecodePreallocQueue = type("DecodePreallocQueue", (), {"__init__": lambda self: setattr(
+        self, "num_reserved_decode_tokens", 512)})
+    retraction._hook_decode_queue(dmod)
+    q = dmod.DecodePreallocQueue()
+    ctl = AgentClient(decode_agent.dir)
+    for bad, why in (({"interval": 1}, "interval must be 0"), ({"reserve": 0}, "reserve must be >= 1")):
+        with pytest.raises(AgentError, match=why):
+            ctl.arm("decode", "retract", params=bad, hooks=())
+    assert (sched.TEST_RETRACT, q.num_reserved_decode_tokens) == (False, 512)  # a refused arm changed nothing
+    f = ctl.arm("decode", "retract", params={"interval": 4, "reserve": 16}, hooks=())
+    assert (sched.TEST_RETRACT, sched.TEST_RETRACT_INTERVAL, q.num_reserved_decode_tokens) == (True, 4, 16)
+    f.heal()
+    assert (sched.TEST_RETRACT, sched.TEST_RETRACT_INTERVAL, q.num_reserved_decode_tokens) == (False, 3, 512)
+
+
+def test_park_holds_a_request_at_its_stage_until_released_aborted_or_healed(decode_agent):
+    """``park`` keeps one request out of a decode stage without blocking the scheduler: out of
+    pre-allocation (not ready after the handshake), out of the waiting queue a batch is built from;
+    released by the harness, by its own abort, or by heal."""
+    from faults.agent import scheduler as sched_mod
+
+    mod = types.ModuleType("fake_decode")
+
+    class DecodePreallocQueue:
+        def __init__(self, rids):
+            self.queue = [types.SimpleNamespace(req=types.SimpleNamespace(rid=r, bootstrap_room=i, finished_reason=None),
+                                                waiting_for_input=False) for i, r in enumerate(rids)]
+
+        def _update_handshake_waiters(self):
+            for dr in self.queue:  # every handshake done
+                dr.waiting_for_input = True
+
+    class SchedulerDisaggregationDecodeMixin:
+        def _get_new_prebuilt_batch(self, running_batch):
+            took, self.waiting_queue = list(self.waiting_queue), []  # SGLang replaces the list
+            return [r.rid for r in took]
+
+    mod.DecodePreallocQueue, mod.SchedulerDisaggregationDecodeMixin = DecodePreallocQueue, SchedulerDisaggregationDecodeMixin
+    sched_mod._hook_decode(mod)
+    ctl = AgentClient(decode_agent.dir)
+    with pytest.raises(ValueError, match="params.stage must be one of"):  # the harness refuses before asking
+        ctl.arm("decode", "park", target={"rid": "r-b"}, params={"stage": "nowhere"})
+    with pytest.raises(ValueError, match="params.stage must be one of"):  # and so does the agent
+        decode_agent.command({"cmd": "arm", "id": "p0", "kind": "park", "target": {"rid": "r-b"}, "params": {}})
+    assert not decode_agent.faults
+
+    q = DecodePreallocQueue(["r-a", "r-b", "r-c"])
+    f = ctl.arm("decode", "park", target={"rid": "r-b"}, params={"stage": "decode_prealloc"}, hooks=())
+    for _ in range(3):
+        q._update_handshake_waiters()
+        assert [dr.waiting_for_input for dr in q.queue] == [True, False, True]
+    f.release()
+    q._update_handshake_waiters()
+    assert [dr.waiting_for_input for dr in q.queue] == [True, True, True]
+
+    s = SchedulerDisaggregationDecodeMixin()
+    reqs = {r: types.SimpleNamespace(rid=r, bootstrap_room=i, finished_reason=None) for i, r in enumerate("xyz")}
+    s.waiting_queue = list(reqs.values())
+    g = ctl.arm("decode", "park", target={"rid": "y"}, params={"stage": "decode_waiting"}, hooks=())
+    assert s._get_new_prebuilt_batch(None) == ["x", "z"] and [r.rid for r in s.waiting_queue] == ["y"]
+    assert s._get_new_prebuilt_batch(None) == [] and [r.rid for r in s.waiting_queue] == ["y"]
+    reqs["y"].finished_reason = "abort"  # an abort reached it: no longer held
+    assert s._get_new_prebuilt_batch(None) == ["y"]
+    s.waiting_queue = [types.SimpleNamespace(rid="w", bootstrap_room=9, finished_reason=None)]
+    h = ctl.arm("decode", "park", target={"rid": "w"}, params={"stage": "decode_waiting"}, hooks=())
+    assert s._get_new_prebuilt_batch(None) == []
+    h.heal()
+    assert s._get_new_prebuilt_batch(None) == ["w"]
+    fired = [(e["rid"], e["phase"], e.get("finished"), e.get("healed")) for e in decode_agent.events
+             if e["ev"] == "fault_fired" and e["kind"] == "park"]
+    assert fired == [("r-b", "held", None, None), ("r-b", "released", False, False), ("y", "held", None, None),
+                     ("y", "released", True, False), ("w", "held", None, None), ("w", "released", False, True)]
+    g.heal()

@@ -219,3 +219,70 @@ def test_kv_lifecycle_names_the_release_outcome_and_who_got_the_pages():
     (w,) = v.witnesses
     assert w["release_outcome"] == "timeout"
     assert w["reused_by"] == [{"rid": "r2", "room": 8, "pages": 2, "transfer_start_after_release_ms": 1000.0}]
+
+
+@pytest.mark.parametrize("case,status", [
+    ("resumed_bit_exact", PASS), ("restored_differs", FAIL), ("digest_changed", FAIL), ("answered_unresumed", FAIL),
+    ("aborted_unresumed", PASS), ("nothing_retracted", UNKNOWN), ("hook_failed", UNKNOWN), ("other_log", UNKNOWN)])
+def test_retraction(case, status):
+    ag = {"source": "agent", "ev": "agent"}
+    ret = {**ag, "agent_ev": "kv_retracted", "rid": "r1", "kept_tokens": 300, "digest": "aa", "wall": 10.0}
+    res = {**ag, "agent_ev": "kv_resumed", "rid": "r1", "restored_tokens": 300, "digest": "aa", "restored_equal": True,
+           "wall": 10.2}
+    ev = clean_log() + [ret, res]
+    if case == "restored_differs":  # planted: the pool at the new slots is not what was copied out
+        ev[-1] = {**res, "restored_equal": False, "digest": "bb"}
+    elif case == "digest_changed":  # the host copy itself changed between retraction and resume
+        ev[-1] = {**res, "digest": "bb"}
+    elif case == "answered_unresumed":  # r1 was answered 200, but decode never restored its KV
+        ev = ev[:-1]
+    elif case == "aborted_unresumed":  # r2 was retracted and then failed: no answer to judge
+        ev = [e for e in clean_log() if not (e.get("rid") == "r2" and e["ev"] in ("status", "body", "end"))]
+        ev += done("r2", "", status=500, error="aborted") + [ret, res, {**ret, "rid": "r2"}]
+    elif case == "nothing_retracted":
+        ev = clean_log()
+    elif case == "hook_failed":
+        ev = ev[:-1] + [{**ag, "agent_ev": "hook_error", "hook": "load_kv_cache", "error": "boom"}]
+    elif case == "other_log":  # retractions of requests this log did not send are not evidence
+        ev = clean_log() + [{**ret, "rid": "zz"}, {**res, "rid": "zz"}]
+    v = oracles.retraction(ev)
+    assert v.status == status, v
+    if status == FAIL:
+        assert v.witnesses[0]["rid"] == "r1" and len(v.witnesses) == 1
+    if case == "resumed_bit_exact":
+        assert v.stats["retractions"] == 1 and v.stats["resumes"] == 1
+    with pytest.raises(ValueError, match="min_retractions"):
+        oracles.Retraction(min_retractions=0)
+
+
+@pytest.mark.parametrize("case,status", [
+    ("error_and_abort_200", PASS), ("held_but_success_200", FAIL), ("error_without_message", FAIL),
+    ("too_late_unheld", PASS), ("no_abort", UNKNOWN), ("never_answered", UNKNOWN)])
+def test_abort_semantics(case, status):
+    def ab(rid, stage, held=True):
+        return {"ev": "fault", "action": "abort_request", "kind": "abort", "rid": rid, "stage": stage, "held": held}
+
+    def reply(rid, finish, status=200, error=None):
+        return [{"ev": "status", "rid": rid, "status": status},
+                {"ev": "body", "rid": rid, "text": "x", "error": error, "meta": {"finish_reason": {"type": finish}}},
+                {"ev": "end", "rid": rid, "outcome": "ok" if status == 200 else "http_error"}]
+
+    ev = [plan("r1", "ta", [A]), plan("r2", "tb", [B]), ab("r1", "decode_prealloc"), ab("r2", "decode_waiting")]
+    ev += reply("r1", "abort", 500, error="Decode handshake failed") + reply("r2", "abort")
+    if case == "held_but_success_200":  # planted: parked in decode's waiting queue, aborted, then served whole
+        ev = ev[:4] + reply("r1", "abort", 500, error="e") + reply("r2", "length")
+    elif case == "error_without_message":
+        ev = ev[:4] + reply("r1", None, 500) + reply("r2", "abort")
+    elif case == "too_late_unheld":  # nothing held it: the abort may land after the reply ended
+        ev = ev[:3] + [ab("r2", "decoding", held=False)] + reply("r1", "abort", 500, error="e") + reply("r2", "stop")
+    elif case == "no_abort":
+        ev = [e for e in ev if e["ev"] != "fault"]
+    elif case == "never_answered":
+        ev = ev[:4]
+    v = oracles.abort_semantics(ev)
+    assert v.status == status, v
+    if status == FAIL:
+        assert len(v.witnesses) == 1 and v.witnesses[0]["rid"] == ("r2" if case == "held_but_success_200" else "r1")
+    if case == "error_and_abort_200":
+        assert v.stats["outcomes"]["decode_waiting"] == {"rid": "r2", "status": 200, "finish_reason": "abort",
+                                                          "held": True, "attempts": None, "text_chars": 1, "error": None}

@@ -310,3 +310,25 @@ def test_hang_band_is_known_only_when_every_hung_request_is_a_band_prompt_or_que
         assert j.status == want, (early, j.message())
         if want == "known":
             assert j.known[0].finding.id == "sglang-pd-hang-band"
+
+
+# an abort answered as a success is KNOWN (sglang-router-retries-aborted-requests) only when prefill saw
+# the request again under a new room after its abort; the same 200 on a single attempt stays a FAIL
+def _aborted_log(rooms):
+    ev = [HEADER] + crowd()
+    ev += [plan("ab1", "t5", ["[ABCDEFGHIJ]"]), {"ev": "fault", "action": "abort_request", "rid": "ab1",
+                                                 "stage": "transferring", "held": True}]
+    ev += reply("ab1", "ABCDEFGHIJ][")  # its own complete reply, finish_reason stop
+    return ev + [{"ev": "agent", "agent_ev": "bootstrap_queued", "rid": "ab1", "room": r} for r in rooms]
+
+
+def test_an_abort_answered_as_a_success_is_known_only_when_it_was_retried():
+    p = Policy(accept_known=True)
+    for rooms, want in (([11, 12], "known"), ([11], FAIL), ([], FAIL)):
+        ev = _aborted_log(rooms)
+        v = oracles.abort_semantics(ev)
+        assert v.status == FAIL, v
+        j = p.judge([v], Context.of(ev), {"abort_semantics": PASS})
+        assert j.status == want, (rooms, j.message())
+        if want == "known":
+            assert j.known[0].finding.id == "sglang-router-retries-aborted-requests"

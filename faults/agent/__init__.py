@@ -31,6 +31,8 @@ module           what
 ``allocator``    decode's KV allocator (page size 1 and paged); mutation ``double_alloc``
 ``cache``        the prefix cache (``UnifiedRadixCache``): ``prefix_match`` evidence (salt received and
                  used, cached tokens); mutations ``salt_ignored``, ``prefix_collision``
+``retraction``   decode retraction: ``kv_retracted`` / ``kv_resumed`` evidence (the restored KV read
+                 back and compared with the host copy); setting ``retract`` (test trigger, reservation)
 ``__init__``     ``boot``, the ``HOOKS`` table assembled from the modules, the import machinery
 ================ =====================================================================================
 
@@ -87,6 +89,11 @@ hook                            purpose
 ``MooncakeKVManager``           (``SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE``, default on):
 (decode)                        decode frees an aborted request's pages without waiting for
                                 in-flight writes to drain (``_handle_legacy_abort_notification``)
+``Req.offload_kv_cache`` /      decode retraction with the ``cpu_tensor`` backup: ``kv_retracted``
+``Req.load_kv_cache`` (decode)  (rid, tokens kept, host-copy digest) and ``kv_resumed`` (the pool read
+                                back at the new slots equals the host copy?); the ``retract``
+                                setting switches ``scheduler.TEST_RETRACT`` / its interval and
+                                ``DecodePreallocQueue.num_reserved_decode_tokens`` on the live process
 ``TokenToKVPoolAllocator``      mutation ``double_alloc`` (page size 1): the next pre-allocation
 ``.alloc`` / ``.free`` (decode) (``alloc(delta_len)``) hands out N token slots that a live
                                 allocation already holds (one page, two requests); the second free
@@ -122,6 +129,7 @@ from . import transfer
 from . import scheduler
 from . import allocator
 from . import cache
+from . import retraction
 from .allocator import _hook_allocator, _hook_paged_allocator, _shared, _swallow, _whole_pages
 from .control import (
     KINDS,
@@ -182,7 +190,7 @@ def _merged(*tables) -> dict:
 
 
 # module name -> hook, in the order the original single-module table had them
-HOOKS = _merged(transfer.HOOKS, scheduler.HOOKS, allocator.HOOKS, cache.HOOKS)
+HOOKS = _merged(transfer.HOOKS, scheduler.HOOKS, allocator.HOOKS, cache.HOOKS, retraction.HOOKS)
 
 
 # ================================================================== import machinery

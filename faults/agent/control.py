@@ -27,16 +27,24 @@ MUTATIONS: tuple[str, ...] = ()
 _UNLIMITED: set[str] = set()  # kinds whose ``count`` defaults to unlimited instead of 1
 _MUT_ON: dict = {}  # mutation kind -> fn(agent, fault) at arm
 _MUT_OFF: dict = {}  # kind -> fn(agent, fault) at heal (mutations, and kinds with something to undo)
+_CHECK: dict = {}  # kind -> fn(params) raising ValueError on bad params, before anything is armed
+_HELD: set[str] = set()  # kinds that park something until ``release`` (or heal): each gets an Event
 
 
-def register_fault(kind: str, *, unlimited: bool = False, mutation: bool = False, on=None, off=None) -> None:
+def register_fault(kind: str, *, unlimited: bool = False, mutation: bool = False, on=None, off=None,
+                   check=None, held: bool = False) -> None:
     """Declare a fault kind. ``mutation``: a switch (no target, no count; ``on`` runs at arm). ``off``
     runs at heal for any kind that has something to undo. ``unlimited``: ``count`` defaults to
-    unlimited (else 1)."""
+    unlimited (else 1). ``check(params)`` refuses bad params at arm. ``held``: it parks something
+    until the harness releases it (or heals it)."""
     global KINDS, MUTATIONS
     if kind in KINDS:
         raise ValueError(f"fault kind {kind!r} registered twice")
     KINDS += (kind,)
+    if check is not None:
+        _CHECK[kind] = check
+    if held:
+        _HELD.add(kind)
     if unlimited:
         _UNLIMITED.add(kind)
     if mutation:
@@ -97,12 +105,13 @@ class Agent:
         return rec
 
     # ------------------------------------------------------------- faults
-    def match(self, kind: str, room=None, rid=None) -> dict | None:
-        """The first live fault of ``kind`` whose target matches; consumes one of its count."""
+    def match(self, kind: str, room=None, rid=None, where=None) -> dict | None:
+        """The first live fault of ``kind`` whose target matches (and ``where(fault)``, if given);
+        consumes one of its count."""
         now = time.monotonic()
         with self.lock:
             for f in list(self.faults.values()):
-                if f["kind"] != kind:
+                if f["kind"] != kind or (where is not None and not where(f)):
                     continue
                 if now > f["expires"]:
                     self.faults.pop(f["id"], None)
@@ -137,6 +146,8 @@ class Agent:
         _check_target(target)
         fid = str(req.get("id") or f"f{int(time.time() * 1000) % 10**9}-{random.randrange(10**6)}")
         params = dict(req.get("params") or {})
+        if kind in _CHECK:
+            _CHECK[kind](params)
         count = req.get("count", None if kind in _UNLIMITED else 1)
         f = {"id": fid, "kind": kind, "target": target, "params": params, "count": count, "fired": 0,
              "armed_at": time.time(), "expires": time.monotonic() + float(req.get("ttl_s", 600)),
@@ -146,7 +157,7 @@ class Agent:
             if fid in self.faults:
                 raise ValueError(f"fault id {fid!r} already armed")
             self.faults[fid] = f
-            if kind == "hold":
+            if kind in _HELD:
                 self.holds[fid] = threading.Event()
             if kind in MUTATIONS:
                 _MUT_ON[kind](self, f)

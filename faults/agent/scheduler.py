@@ -1,7 +1,8 @@
 """Scheduler side of PD disaggregation: prefill's bootstrap queue (room ↔ rid), the intake reject
 path (``reject_admitted``: ``is_unadmitted_reject`` / ``is_aborted``), decode's transfer queue
 (``kv_released`` evidence, where ``early_free`` fires; ``deferred_hold`` / ``deferred_release`` with
-SGLang's drained-or-timeout outcome), ``Scheduler`` tracking, the switches of the
+SGLang's drained-or-timeout outcome), ``Scheduler`` tracking, ``park`` (a request held at a queue
+stage: decode pre-allocation, prefill's waiting queue, decode's waiting queue), the switches of the
 ``reject_admitted`` / ``input_limit`` / ``early_free`` mutations, and the ``deferred_release_timeout``
 setting (decode's drain-ack timeout on the live queues)."""
 
@@ -76,6 +77,90 @@ def _timeout_off(agent, f: dict):
         q.deferred_kv_release_timeout = v
 
 
+# ---------------------------------------------------------------- park: a request held at a queue stage
+# stage -> (role, what it holds)
+PARK_STAGES = {
+    "decode_prealloc": ("decode", "after the handshake, before decode pre-allocates its pages (prefill "
+                                  "waits in its bootstrap queue: decode has sent no metadata)"),
+    "prefill_waiting": ("prefill", "bootstrapped, in prefill's waiting queue, not yet prefilled"),
+    "decode_waiting": ("decode", "its KV received, in decode's waiting queue, not yet decoding"),
+}
+
+
+def _park_check(params: dict) -> None:
+    if params.get("stage") not in PARK_STAGES:
+        raise ValueError(f"park: params.stage must be one of {tuple(PARK_STAGES)}, got {params.get('stage')!r}")
+
+
+def _finished(req) -> bool:
+    return getattr(req, "finished_reason", None) is not None or getattr(req, "to_finish", None) is not None
+
+
+def _parked(req, stage: str) -> bool:
+    """Whether ``req`` is held at ``stage`` now. The first time a ``park`` fault of that stage matches
+    it: ``fault_fired`` phase ``held``; it is let go once the harness releases it, the fault is healed,
+    or the request has finished (an abort reached it): phase ``released``. Never blocks: the
+    scheduler keeps running (and ingesting aborts) while the request waits."""
+    A = _ctl.AGENT
+    if A is None or (not A.faults and not A.state("parked", dict)):
+        return False
+    rid, room = getattr(req, "rid", None), getattr(req, "bootstrap_room", None)
+    table = A.state("parked", dict)
+    fid = table.get(rid)
+    if fid is None:
+        f = A.match("park", room, rid, where=lambda f: f["params"].get("stage") == stage)
+        if f is None:
+            return False
+        fid = table[rid] = f["id"]
+        A.emit("fault_fired", fault=fid, kind="park", stage=stage, rid=rid, room=room, phase="held")
+    ev = A.holds.get(fid)
+    if ev is None or ev.is_set() or _finished(req):
+        table.pop(rid, None)
+        A.emit("fault_fired", fault=fid, kind="park", stage=stage, rid=rid, room=room, phase="released",
+               finished=_finished(req), healed=ev is None)
+        return False
+    return True
+
+
+def _hide_parked(queue_attr: str, stage: str):
+    """A wrapper maker: the method runs with the requests parked at ``stage`` taken out of
+    ``self.<queue_attr>`` (so it cannot schedule them), put back in front afterwards (the method
+    may have replaced the list)."""
+    def make(orig):
+        def wrapper(self, *a, **k):
+            A = _ctl.AGENT
+            if A is None or _ctl.ROLE != PARK_STAGES[stage][0] or (not A.faults and not A.state("parked", dict)):
+                return orig(self, *a, **k)
+            q = getattr(self, queue_attr)
+            held = [r for r in q if _parked(r, stage)]
+            if not held:
+                return orig(self, *a, **k)
+            ids = {id(r) for r in held}
+            setattr(self, queue_attr, [r for r in q if id(r) not in ids])
+            try:
+                return orig(self, *a, **k)
+            finally:
+                setattr(self, queue_attr, held + getattr(self, queue_attr))
+        return wrapper
+    return make
+
+
+def _make_handshake(orig):
+    """``DecodePreallocQueue._update_handshake_waiters``: a parked request stays not ready for
+    pre-allocation (``waiting_for_input`` False) after the handshake, so decode neither allocates
+    its pages nor sends prefill the metadata; the poll sets it True again on the next pass."""
+    def _update_handshake_waiters(self, *a, **k):
+        out = orig(self, *a, **k)
+        A = _ctl.AGENT
+        if A is not None and (A.faults or A.state("parked", dict)):
+            for dr in list(getattr(self, "queue", ())):
+                if getattr(dr, "waiting_for_input", False) and _parked(dr.req, "decode_prealloc"):
+                    dr.waiting_for_input = False
+        return out
+    return _update_handshake_waiters
+
+
+register_fault("park", check=_park_check, held=True)
 register_fault("reject_admitted", mutation=True, on=_reject_on, off=_reject_admitted_off)
 register_fault("deferred_release_timeout", mutation=True, on=_timeout_on, off=_timeout_off)
 register_fault("early_free", mutation=True, on=_early_on, off=_early_off)
@@ -96,6 +181,8 @@ def _hook_prefill(mod):
                         if len(AGENT.room_rid) > 100000:
                             for r in list(AGENT.room_rid)[:50000]:
                                 AGENT.room_rid.pop(r, None)
+                    # one per attempt: a request a load balancer re-sends comes back under a new room
+                    AGENT.emit("bootstrap_queued", rid=req.rid, room=room)
                 return orig(self, req, *a, **k)
             return add
         _wrap(q, "add", make_add)
@@ -190,6 +277,12 @@ def _hook_decode(mod):
                 return _release_request
             _wrap(tq, "_release_request", make_release)
         _hook_deferred(tq)
+    pq = getattr(mod, "DecodePreallocQueue", None)
+    if pq is not None and hasattr(pq, "_update_handshake_waiters"):
+        _wrap(pq, "_update_handshake_waiters", _make_handshake)
+    mixin = getattr(mod, "SchedulerDisaggregationDecodeMixin", None)
+    if mixin is not None and hasattr(mixin, "_get_new_prebuilt_batch"):
+        _wrap(mixin, "_get_new_prebuilt_batch", _hide_parked("waiting_queue", "decode_waiting"))
 
 
 def _room_rid(decode_req):
@@ -236,6 +329,8 @@ def _hook_scheduler(mod):
     sch = getattr(mod, "Scheduler", None)
     if sch is not None:
         _track_instances(sch, "Scheduler")
+        if hasattr(sch, "get_new_batch_prefill"):
+            _wrap(sch, "get_new_batch_prefill", _hide_parked("waiting_queue", "prefill_waiting"))
 
 
 HOOKS = {

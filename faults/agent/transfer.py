@@ -45,7 +45,7 @@ def _fail_off(agent, f: dict):
 register_fault("delay", unlimited=True)
 register_fault("fail", off=_fail_off)
 register_fault("short")
-register_fault("hold")
+register_fault("hold", held=True)
 register_fault("stall_status_read")
 
 

@@ -15,6 +15,10 @@
   prefill, ``kv_released`` on decode): no KV write lands in decode pages after decode gave them back
   (an abort that frees pages while a write to them is in flight: late writes into recycled pages).
   Sees the bug even when no reply happens to show the foreign data.
+* :func:`abort_semantics` — a request aborted at any stage comes back as aborted (an error, or 200
+  with finish reason ``abort``), never as a 200 success while the abort provably reached it in time.
+* :func:`retraction` — from decode's own evidence: every request decode retracted got its own KV
+  back bit-exact when it resumed, and none was answered without being resumed.
 """
 
 from __future__ import annotations
@@ -480,6 +484,109 @@ def kv_lifecycle(events: list[dict], tolerance_s: float = 0.0) -> Verdict:
                    f"writes: every write ended before its pages were released", [], stats)
 
 
+def _finish_type(body: dict):
+    fr = (body.get("meta") or {}).get("finish_reason")
+    return fr.get("type") if isinstance(fr, dict) else fr
+
+
+def abort_semantics(events: list[dict]) -> Verdict:
+    """Every request the harness aborted (``fault`` records, action ``abort_request``) got the
+    outcome of an abort: an error status with an error message, or HTTP 200 whose finish reason is
+    ``abort``. A 200 that finished as a success (``length`` / ``stop``) is a FAIL when the abort was
+    sent while the request was provably held at its stage (it could not have finished before: the
+    abort was lost — the shape of SGLang #33507); when nothing held it the abort may have come too
+    late, and that reply's content is judged by isolation / differential. Per stage, what came back
+    is in the stats. UNKNOWN when no aborted request got an answer."""
+    run = Run(events)
+    aborts = {e["rid"]: e for e in events if e.get("ev") == "fault" and e.get("action") == "abort_request"
+              and e.get("rid")}
+    rooms = defaultdict(list)  # rid -> prefill's bootstrap rooms in order: one per attempt (a retry: a new one)
+    for e in events:
+        if agent_kind(e) == "bootstrap_queued" and e.get("rid") in aborts and e.get("room") not in rooms[e["rid"]]:
+            rooms[e["rid"]].append(e.get("room"))
+    witnesses, outcomes, undecided = [], {}, []
+    for rid, a in aborts.items():
+        status, body = run.statuses.get(rid), run.bodies.get(rid) or {}
+        ftype = _finish_type(body)
+        outcomes[a.get("stage") or rid] = {"rid": rid, "status": status, "finish_reason": ftype, "held": a.get("held"),
+                                           "attempts": len(rooms.get(rid, ())) or None,
+                                           "text_chars": len(body.get("text") or ""),
+                                           "error": (body.get("error") or "")[:160] or None}
+        if status is None:
+            undecided.append(rid)
+            continue
+        base = {"rid": rid, "tenant": run.plans.get(rid, {}).get("tenant"), "stage": a.get("stage"), "status": status,
+                "finish_reason": ftype, "held": a.get("held"), "attempts": len(rooms.get(rid, ())) or None}
+        if status == 200 and ftype != "abort" and a.get("held"):
+            witnesses.append({**base, "problem": f"aborted while held at {a.get('stage')}, answered HTTP 200 finished "
+                                                 f"as {ftype!r}: the abort was lost and the reply passed for complete"})
+        elif status != 200 and not (400 <= status < 600 and body.get("error")):
+            witnesses.append({**base, "problem": f"abort answered HTTP {status} without an error message"})
+    stats = {"aborted": len(aborts), "no_status": len(undecided), "outcomes": outcomes}
+    if witnesses:
+        w = witnesses[0]
+        return Verdict("abort_semantics", FAIL, f"{len(witnesses)} of {len(aborts)} aborted requests did not come back "
+                       f"as aborted (first: {w['rid']} at {w['stage']}: {w['problem']})", witnesses, stats)
+    decided = len(aborts) - len(undecided)
+    if not decided:
+        return Verdict("abort_semantics", UNKNOWN, f"{len(aborts)} aborts sent, none answered"
+                       + (" (see liveness)" if undecided else ""), [], stats)
+    return Verdict("abort_semantics", PASS, f"{decided} aborted requests answered as aborted: "
+                   + ", ".join(f"{st} {o['status']}{'/' + str(o['finish_reason']) if o['status'] == 200 else ''}"
+                               for st, o in outcomes.items() if o["status"] is not None), [], stats)
+
+
+def retraction(events: list[dict], min_retractions: int = 1) -> Verdict:
+    """Every request decode retracted (the agent's ``kv_retracted``) came back with its own KV: the
+    pool read back at its new slots equals the host copy taken at retraction (``kv_resumed``
+    ``restored_equal``, and the two digests agree), and no request was answered 200 with a
+    retraction that was never resumed (decoded without its KV restored). UNKNOWN when fewer than
+    ``min_retractions`` of this log's requests were retracted: the path was not exercised."""
+    run = Run(events)
+    retracted, resumed, hook_errors = defaultdict(list), defaultdict(list), []
+    for e in events:
+        kind, rid = agent_kind(e), e.get("rid")
+        if kind == "kv_retracted" and rid in run.plans:
+            retracted[rid].append(e)
+        elif kind == "kv_resumed" and rid in run.plans:
+            resumed[rid].append(e)
+        elif kind == "hook_error" and e.get("hook") in ("offload_kv_cache", "load_kv_cache"):
+            hook_errors.append(e)
+    witnesses = []
+    for rid, rs in resumed.items():
+        for i, r in enumerate(rs):
+            before = retracted[rid][i] if i < len(retracted[rid]) else {}
+            if r.get("restored_equal") is False or (before.get("digest") and r.get("digest")
+                                                    and before["digest"] != r["digest"]):
+                witnesses.append({"rid": rid, "tenant": run.plans[rid].get("tenant"), "resume": i + 1,
+                                  "kept_tokens": before.get("kept_tokens"), "restored_tokens": r.get("restored_tokens"),
+                                  "digest_at_retraction": before.get("digest"), "digest_at_resume": r.get("digest"),
+                                  "problem": "KV restored after retraction differs from the copy taken at retraction"})
+    if not any(e.get("hook") == "load_kv_cache" for e in hook_errors):
+        for rid, rs in retracted.items():
+            if run.statuses.get(rid) == 200 and len(resumed.get(rid, ())) < len(rs):
+                witnesses.append({"rid": rid, "tenant": run.plans[rid].get("tenant"), "retracted": len(rs),
+                                  "resumed": len(resumed.get(rid, ())), "status": 200,
+                                  "problem": "answered HTTP 200 although a retraction was never resumed "
+                                             "(decoded without its KV restored)"})
+    n = sum(len(v) for v in retracted.values())
+    told = sum(int(((run.bodies.get(r) or {}).get("meta") or {}).get("num_retractions") or 0) for r in run.plans)
+    stats = {"retractions": n, "requests_retracted": len(retracted), "resumes": sum(len(v) for v in resumed.values()),
+             "reply_num_retractions": told, "hook_errors": len(hook_errors)}
+    if witnesses:
+        w = witnesses[0]
+        return Verdict("retraction", FAIL, f"{len(witnesses)} retracted request(s) did not get their own KV back "
+                       f"(first: {w['rid']}: {w['problem']})", witnesses, stats)
+    if hook_errors:
+        return Verdict("retraction", UNKNOWN, f"the agent's retraction evidence failed {len(hook_errors)} time(s) "
+                       f"(first: {hook_errors[0].get('error')}): not judged", [], stats)
+    if n < min_retractions:
+        return Verdict("retraction", UNKNOWN, f"{n} of this log's requests were retracted (need >= {min_retractions}): "
+                       "the retraction path was not exercised", [], stats)
+    return Verdict("retraction", PASS, f"{n} retraction(s) of {len(retracted)} request(s): every one resumed with its "
+                   f"KV restored bit-exact, none answered without its KV", [], stats)
+
+
 ALL = ("isolation", "sensitivity", "http_semantics", "liveness", "kv_lifecycle")
 
 
@@ -568,6 +675,26 @@ class KVLifecycle(Checker):
 
     def check(self, events):
         return kv_lifecycle(events, self.tolerance_s)
+
+
+class AbortSemantics(Checker):
+    name = "abort_semantics"
+
+    def check(self, events):
+        return abort_semantics(events)
+
+
+class Retraction(Checker):
+    name, leak = "retraction", True
+
+    def __init__(self, min_retractions: int = 1):
+        if min_retractions < 1:
+            raise ValueError(f"min_retractions must be >= 1 (a run that retracted nothing proves nothing), "
+                             f"got {min_retractions}")
+        self.min_retractions = min_retractions
+
+    def check(self, events):
+        return retraction(events, self.min_retractions)
 
 
 class Composite(Checker):

@@ -1,0 +1,110 @@
+"""Reproduce sglang-router-retries-aborted-requests: a request aborted before it started decoding comes
+back to the client as a complete HTTP 200 — decode answers the abort with a 500, sglang-router takes it
+for a worker failure and sends the whole request again.
+
+    python reports/findings/sglang-router-retries-aborted-requests/provoke.py [--trials 10]
+        [--control 3] [--layout LAYOUT] [--out DIR]
+
+Starts its own PD cluster (the CPU profile, with the kvchaos agent), then per trial: 12 requests of 4
+tenants; one of them is held at a stage before decoding — in turn after decode's handshake before its
+page pre-allocation, in prefill's waiting queue, and with its KV write held in prefill's transfer — by
+the in-engine agent (``park`` / ``hold``), aborted with its exact rid on prefill and on decode
+(``/abort_request``; sglang-router 0.3.2 has no abort endpoint of its own) while held, and let go.
+Armed trials send the traffic through sglang-router; control trials drive prefill and decode directly
+(as SGLang's mini load balancer does). Each trial is judged by kvchaos' abort_semantics checker:
+reproduced when the client got HTTP 200 finished as a success for the aborted request and prefill saw
+it again under a new bootstrap room (a second attempt).
+
+Writes DIR/provoke.json and the cluster's logs under DIR/cluster/; prints a line per trial and
+"reproduced K/N".
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+import time
+import types
+from urllib.parse import urlsplit
+
+sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..")))  # reports/findings
+
+from _provoke import check, parser, start_cluster  # noqa: E402  (puts the repo root on sys.path)
+from faults.engine import AgentClient  # noqa: E402
+from kvchaos.cluster import Cluster  # noqa: E402
+from kvchaos.oracles import abort_semantics  # noqa: E402
+from kvchaos.suite import abort_at_stages  # noqa: E402
+from kvchaos.workload import EventLog, Workload, run_plans  # noqa: E402
+
+STAGES = ("decode_prealloc", "prefill_waiting", "transferring")
+
+
+def trial(c: Cluster, ctl: AgentClient, out: str, i: int, via_router: bool) -> dict:
+    stage = STAGES[i % len(STAGES)]
+    wl = Workload(3000 + i, n_tenants=4, prefix=f"ab{i:02d}")
+    plans = wl.mix(12, lengths=(150, 400), sharing={"none": 1})
+    victim = plans[2]
+    t0 = time.time()
+    log = EventLog(os.path.join(out, f"trial-{i:02d}.events.jsonl"))
+    flog = EventLog(os.path.join(out, f"trial-{i:02d}.faults.jsonl"))
+    kw = {"concurrency": 4, "timeout_s": 60}
+    if not via_router:
+        ep = c.endpoints
+        kw["pd_direct"] = {"prefill": ep.prefill, "decode": ep.decode, "bootstrap_port": ep.bootstrap_port,
+                           "bootstrap_host": urlsplit(ep.prefill).hostname}
+    chor = abort_at_stages(types.SimpleNamespace(log=log), c, types.SimpleNamespace(agent=ctl, log=flog),
+                           {stage: victim})
+    driver = threading.Thread(target=run_plans, args=(c.endpoints.router, plans, log), kwargs=kw, daemon=True)
+    driver.start()
+    rec = {"trial": i, "stage": stage, "via": "router" if via_router else "pd", "victim": victim.rid}
+    try:
+        rec["choreography"] = chor()
+    finally:
+        for h in chor.holds.values():
+            h.heal()
+        driver.join(timeout=180)
+        log.close()
+        flog.close()
+    time.sleep(1)
+    evs = log.records + flog.records + [{"ev": "agent", "agent_ev": e["ev"], **{k: v for k, v in e.items() if k != "ev"}}
+                                        for e in ctl.events() if e["wall"] >= t0]
+    v = abort_semantics(evs)
+    o = v.stats["outcomes"].get(stage, {})
+    rec.update(abort_semantics=v.status, summary=v.summary, outcome=o, witnesses=v.witnesses,
+               reproduced=any(w["rid"] == victim.rid and (w.get("attempts") or 0) >= 2 for w in v.witnesses))
+    return rec
+
+
+def main():
+    ap = parser(__doc__, "/tmp/kvchaos-router-retries-aborted", "trials driven straight to prefill and decode")
+    a = ap.parse_args()
+    check(ap, a)
+    c = start_cluster(a, "provoke sglang-router-retries-aborted-requests")
+    results = {"layout": a.layout or "profile", "trials": []}
+    try:
+        ctl = AgentClient(c.agent_dir)
+        ctl.wait_agents("decode", ("_update_handshake_waiters",), timeout=60)
+        for i in range(a.control + a.trials):
+            armed = i >= a.control
+            r = trial(c, ctl, a.out, i, via_router=armed)
+            r["armed"] = armed
+            results["trials"].append(r)
+            o = r["outcome"]
+            print(f"trial {i:2d} {'armed  ' if armed else 'control'} via {r['via']:6s} abort at {r['stage']:15s}: "
+                  f"HTTP {o.get('status')} {o.get('finish_reason')!s:6s} attempts {o.get('attempts')}, "
+                  f"abort_semantics {r['abort_semantics']}, reproduced {r['reproduced']}", flush=True)
+    finally:
+        c.stop()
+        armed = [r for r in results["trials"] if r["armed"]]
+        ctrl = [r for r in results["trials"] if not r["armed"]]
+        results["reproduced"] = sum(r["reproduced"] for r in armed)
+        results["control_failed"] = sum(r["abort_semantics"] == "fail" for r in ctrl)
+        with open(os.path.join(a.out, "provoke.json"), "w") as f:
+            json.dump(results, f, indent=1, default=str)
+        print(f"reproduced {results['reproduced']}/{len(armed)} (control, straight to the engines: "
+              f"{results['control_failed']}/{len(ctrl)} abort_semantics FAIL); {a.out}/provoke.json", flush=True)
+
+
+if __name__ == "__main__":
+    main()
