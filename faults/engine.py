@@ -182,6 +182,7 @@ class AgentClient:
                          ("check_status",) if kind == "stall_status_read" else
                          ("Req.load_kv_cache", "DecodePreallocQueue.__init__") if kind == "retract" else
                          (PARK_HOOKS[(params or {}).get("stage")],) if kind == "park" else
+                         ("Scheduler.get_new_batch_prefill",) if kind == "chunked_prefill" else
                          ("send_kvcache",))
         agents = self.wait_agents(role, need)
         fid = f"{kind}-{uuid.uuid4().hex[:8]}"

@@ -281,9 +281,9 @@ def test_subsystem_modules_declare_the_kinds_and_hooks_read_the_live_agent(agent
     assert agent_mod.AGENT is agent and control.AGENT is agent
     assert set(agent_mod.KINDS) == {"delay", "fail", "short", "hold", "stall_status_read", "reject_admitted",
                                     "early_free", "double_alloc", "input_limit", "salt_ignored", "prefix_collision",
-                                    "deferred_release_timeout", "retract", "park"}
+                                    "deferred_release_timeout", "retract", "park", "chunked_prefill"}
     assert set(agent_mod.MUTATIONS) == {"reject_admitted", "early_free", "double_alloc", "input_limit", "salt_ignored",
-                                        "deferred_release_timeout", "retract"}
+                                        "deferred_release_timeout", "retract", "chunked_prefill"}
     mods = (transfer, scheduler, allocator, cache, retraction)
     # a module two subsystems hook gets one hook running both, in table order
     want = {}
@@ -559,10 +559,11 @@ def test_retraction_evidence_checks_the_restored_kv_and_retract_switches_live_se
     retraction._hook_decode_queue(dmod)
     q = dmod.DecodePreallocQueue()
     ctl = AgentClient(decode_agent.dir)
-    for bad, why in (({"interval": 1}, "interval must be 0"), ({"reserve": 0}, "reserve must be >= 1")):
+    for bad, why in (({"interval": 1}, "interval must be 0"), ({"reserve": 0}, "reserve must be an int >= 1")):
         with pytest.raises(AgentError, match=why):
             ctl.arm("decode", "retract", params=bad, hooks=())
     assert (sched.TEST_RETRACT, q.num_reserved_decode_tokens) == (False, 512)  # a refused arm changed nothing
+    assert not decode_agent.faults
     f = ctl.arm("decode", "retract", params={"interval": 4, "reserve": 16}, hooks=())
     assert (sched.TEST_RETRACT, sched.TEST_RETRACT_INTERVAL, q.num_reserved_decode_tokens) == (True, 4, 16)
     f.heal()
@@ -627,3 +628,25 @@ def test_park_holds_a_request_at_its_stage_until_released_aborted_or_healed(deco
     assert fired == [("r-b", "held", None, None), ("r-b", "released", False, False), ("y", "held", None, None),
                      ("y", "released", True, False), ("w", "held", None, None), ("w", "released", False, True)]
     g.heal()
+
+
+def test_chunked_prefill_sets_the_live_chunk_size_and_refuses_a_size_off_the_page_grid(agent):
+    """``chunked_prefill`` (prefill): ``--chunked-prefill-size`` on the live schedulers; a size that is
+    not a multiple of the KV page size is refused and leaves nothing armed or changed."""
+    from faults.agent import scheduler as sched_mod
+
+    mod = types.ModuleType("fake_scheduler")
+    mod.Scheduler = type("Scheduler", (), {"__init__": lambda self: self.__dict__.update(
+        chunked_prefill_size=8192, page_size=64, waiting_queue=[]), "get_new_batch_prefill": lambda self, rb: None})
+    sched_mod._hook_scheduler(mod)
+    s = mod.Scheduler()
+    ctl = AgentClient(agent.dir)
+    with pytest.raises(AgentError, match="not a multiple of the page size 64"):
+        ctl.arm("prefill", "chunked_prefill", params={"size": 100}, hooks=())
+    with pytest.raises(AgentError, match="positive int"):
+        ctl.arm("prefill", "chunked_prefill", params={"size": "big"}, hooks=())
+    assert s.chunked_prefill_size == 8192 and not agent.faults
+    f = ctl.arm("prefill", "chunked_prefill", params={"size": 256}, hooks=())
+    assert s.chunked_prefill_size == 256
+    f.heal()
+    assert s.chunked_prefill_size == 8192

@@ -160,7 +160,12 @@ class Agent:
             if kind in _HELD:
                 self.holds[fid] = threading.Event()
             if kind in MUTATIONS:
-                _MUT_ON[kind](self, f)
+                try:
+                    _MUT_ON[kind](self, f)
+                except Exception:
+                    self.faults.pop(fid, None)  # refused: nothing stays armed
+                    self.holds.pop(fid, None)
+                    raise
         self.emit("armed", fault=fid, kind=kind, target=target, params=params)
         return _public(f)
 

@@ -41,14 +41,18 @@ from .control import _track_instances, _wrap, register_fault
 SCHED = "sglang.srt.managers.scheduler"
 
 
+def _retract_check(p: dict) -> None:
+    interval, reserve = p.get("interval", 3), p.get("reserve")
+    if not isinstance(interval, int) or interval == 1 or interval < 0:
+        raise ValueError(f"retract: interval must be 0 (off) or an int >= 2 (at 1 the victim never runs again), "
+                         f"got {interval!r}")
+    if reserve is not None and (not isinstance(reserve, int) or reserve < 1):
+        raise ValueError(f"retract: reserve must be an int >= 1 (tokens), got {reserve!r}")
+
+
 def _retract_on(agent, f: dict):
     p = f["params"]
-    interval = int(p.get("interval", 3))
-    reserve = p.get("reserve")
-    if interval == 1 or interval < 0:
-        raise ValueError(f"retract: interval must be 0 (off) or >= 2 (at 1 the victim never runs again), got {interval}")
-    if reserve is not None and int(reserve) < 1:
-        raise ValueError(f"retract: reserve must be >= 1 token, got {reserve}")
+    interval, reserve = int(p.get("interval", 3)), p.get("reserve")
     saved = []
     mod = sys.modules.get(SCHED)
     if _ctl.ROLE == "decode" and mod is not None and hasattr(mod, "TEST_RETRACT"):
@@ -70,7 +74,7 @@ def _retract_off(agent, f: dict):
         setattr(obj, attr, v)
 
 
-register_fault("retract", mutation=True, on=_retract_on, off=_retract_off)
+register_fault("retract", mutation=True, on=_retract_on, off=_retract_off, check=_retract_check)
 
 
 # ================================================================== evidence

@@ -160,7 +160,38 @@ def _make_handshake(orig):
     return _update_handshake_waiters
 
 
+def _chunked_check(params: dict) -> None:
+    size = params.get("size")
+    if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+        raise ValueError(f"chunked_prefill: params.size must be a positive int (tokens per chunk), got {size!r}")
+
+
+def _chunked_on(agent, f: dict):
+    """A setting, not a planted bug: what ``--chunked-prefill-size`` sets, on the live prefill
+    schedulers (read each time a prefill batch is built); heal puts the old value back. The size must
+    be a multiple of the KV page size (SGLang sends KV per chunk, page-aligned)."""
+    size = int(f["params"]["size"])
+    saved = []
+    if _ctl.ROLE == "prefill":
+        for s in agent.live("Scheduler"):
+            page = int(getattr(s, "page_size", 1) or 1)
+            if size % page:
+                raise ValueError(f"chunked_prefill: size {size} is not a multiple of the page size {page}")
+            saved.append((s, s.chunked_prefill_size))
+        for s, _v in saved:
+            s.chunked_prefill_size = size
+    f["_saved"] = saved
+    agent.emit("mutation_on", fault=f["id"], kind="chunked_prefill", size=size, schedulers=len(saved),
+               was=[v for _s, v in saved])
+
+
+def _chunked_off(agent, f: dict):
+    for s, v in f.pop("_saved", []):
+        s.chunked_prefill_size = v
+
+
 register_fault("park", check=_park_check, held=True)
+register_fault("chunked_prefill", mutation=True, on=_chunked_on, off=_chunked_off, check=_chunked_check)
 register_fault("reject_admitted", mutation=True, on=_reject_on, off=_reject_admitted_off)
 register_fault("deferred_release_timeout", mutation=True, on=_timeout_on, off=_timeout_off)
 register_fault("early_free", mutation=True, on=_early_on, off=_early_off)
