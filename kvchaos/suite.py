@@ -73,13 +73,7 @@ def abort_in_flight(cluster, faults, victims, hold_s=0.3):
                 out.append({"rid": v.rid, "error": str(e)})
                 continue
             t_abort = time.time()
-            st = {}
-            for role in ("prefill", "decode"):
-                url = getattr(cluster.endpoints, role)
-                try:
-                    st[role] = httpx.post(f"{url}/abort_request", json={"rid": v.rid}, timeout=10).status_code
-                except httpx.HTTPError as e:
-                    st[role] = repr(e)
+            st = abort_on_both(cluster, v.rid)
             time.sleep(hold_s)
             h.release()
             late = faults.agent.wait_event("prefill", "fault_fired", fault=h.id, phase="late_write", timeout=30)
@@ -106,6 +100,19 @@ def single_server_reference(server, plans, timeout_s: float = 120.0):
     return ref
 
 
+def abort_on_both(cluster, rid: str) -> dict:
+    """``POST /abort_request {"rid": rid}`` to prefill and to decode (sglang-router has no abort
+    endpoint); role -> HTTP status, or the error."""
+    out = {}
+    for role in ("prefill", "decode"):
+        try:
+            out[role] = httpx.post(f"{getattr(cluster.endpoints, role)}/abort_request", json={"rid": rid},
+                                   timeout=10).status_code
+        except httpx.HTTPError as e:
+            out[role] = repr(e)
+    return out
+
+
 # where each stage's victim is held, and by what (faults/agent: ``park`` stages, the transfer ``hold``)
 ABORT_STAGES = {"decode_prealloc": ("decode", "park"), "prefill_waiting": ("prefill", "park"),
                 "transferring": ("prefill", "hold"), "decode_waiting": ("decode", "park"),
@@ -115,8 +122,8 @@ ABORT_STAGES = {"decode_prealloc": ("decode", "park"), "prefill_waiting": ("pref
 def abort_at_stages(ex, cluster, faults, victims: dict, settle_s: float = 0.5, wait_s: float = 90.0):
     """Arm what holds each victim at its stage (call inside the experiment's ``with`` block) and
     return the action for ``ex.during(...)``. ``victims``: stage (:data:`ABORT_STAGES`) -> plan.
-    For each, on a thread of its own: wait until it is held there (``decoding``: until its first streamed byte — a
-    ``stream`` plan with a long reply), POST ``/abort_request`` with its exact rid to prefill and to
+    For each, on a thread of its own: wait until it is held there (``decoding``: until its first
+    streamed byte — a ``stream`` plan with a long reply), POST ``/abort_request`` with its exact rid to prefill and to
     decode, wait ``settle_s``, let it go. Every abort is a ``fault`` record (action
     ``abort_request``: rid, stage, ``held`` — whether it was provably still at that stage — and the
     two servers' statuses) in the faults log, which the experiment copies into its own."""
@@ -132,12 +139,14 @@ def abort_at_stages(ex, cluster, faults, victims: dict, settle_s: float = 0.5, w
             holds[stage] = faults.agent.arm(role, "park", target={"rid": v.rid}, params={"stage": stage})
 
     def first_byte(rid):
-        deadline = time.monotonic() + wait_s
+        """Whether ``rid`` streamed its first byte (False once it ended without one, or after wait_s)."""
+        deadline, seen = time.monotonic() + wait_s, 0
         while time.monotonic() < deadline:
-            if any(e.get("ev") == "first_byte" and e.get("rid") == rid for e in list(ex.log.records)):
-                return True
-            if any(e.get("ev") == "end" and e.get("rid") == rid for e in list(ex.log.records)):
-                return False
+            new = ex.log.records[seen:]  # the log only grows: scan what came since the last look
+            seen += len(new)
+            for e in new:
+                if e.get("rid") == rid and e.get("ev") in ("first_byte", "end"):
+                    return e["ev"] == "first_byte"
             time.sleep(0.01)
         return False
 
@@ -155,13 +164,7 @@ def abort_at_stages(ex, cluster, faults, victims: dict, settle_s: float = 0.5, w
         except TimeoutError as e:
             return {"rid": v.rid, "stage": stage, "error": str(e)}
         t_abort = time.time()
-        st = {}
-        for r in ("prefill", "decode"):
-            try:
-                st[r] = httpx.post(f"{getattr(cluster.endpoints, r)}/abort_request", json={"rid": v.rid},
-                                   timeout=10).status_code
-            except httpx.HTTPError as e:
-                st[r] = repr(e)
+        st = abort_on_both(cluster, v.rid)
         faults.log.emit("fault", action="abort_request", kind="abort", stage=stage, rid=v.rid, held=held,
                         abort_status=st, at=t_abort)
         time.sleep(settle_s)

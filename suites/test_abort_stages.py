@@ -38,17 +38,26 @@ pytestmark = pytest.mark.cluster
 BOUND_S = 60
 
 
-@pytest.mark.parametrize("via", ["pd", "router"])
-def test_abort_at_every_stage_comes_back_as_an_abort(experiment, seeds, faults, cluster, via):
-    """``pd``: prefill and decode driven directly (the engines' own semantics); ``router``: through
-    sglang-router, what a client of the deployment gets."""
-    wl = Workload(seeds(901 if via == "pd" else 902), n_tenants=8, prefix=f"a{via[0]}")
+# the OpenAI arm's victims: each stage on one of the two OpenAI endpoints
+OPENAI = {"decode_prealloc": "completions", "prefill_waiting": "chat", "transferring": "completions",
+          "decode_waiting": "chat", "decoding": "completions"}
+
+
+@pytest.mark.parametrize("via,api", [("pd", "generate"), ("router", "generate"), ("router", "openai")])
+def test_abort_at_every_stage_comes_back_as_an_abort(experiment, seeds, faults, cluster, via, api):
+    """``pd``: prefill and decode driven directly (the engines' own semantics, /generate); ``router``:
+    through sglang-router, what a client of the deployment gets — on /generate, and on
+    /v1/completions and /v1/chat/completions."""
+    n = {"pd": 901, "router": 902}[via] + (10 if api == "openai" else 0)
+    wl = Workload(seeds(n), n_tenants=8, prefix=f"a{via[0]}{api[0]}")
     plans = wl.mix(40, lengths=(150, 500))
     victims = {st: wl.request(wl.tenants[i], "stream" if st == "decoding" else "plain", n_tokens=300,
-                              n_canaries=16 if st == "decoding" else 3) for i, st in enumerate(ABORT_STAGES)}
+                              n_canaries=16 if st == "decoding" else 3,
+                              endpoint=OPENAI[st] if api == "openai" else "generate")
+               for i, st in enumerate(ABORT_STAGES)}
     plans = plans[:4] + list(victims.values()) + plans[4:]
     checks = [AbortSemantics(), Isolation(), Liveness(bound_s=BOUND_S)]
-    with experiment(f"abort_stages_{via}", plans, checks, seed=wl.seed, concurrency=6, timeout_s=BOUND_S,
+    with experiment(f"abort_stages_{via}_{api}", plans, checks, seed=wl.seed, concurrency=6, timeout_s=BOUND_S,
                     via=via) as ex:
         chor = ex.during(abort_at_stages(ex, cluster, faults, victims))
     faults.log.emit("observed", choreography=chor.result, outcomes=ex.by["abort_semantics"].stats["outcomes"])

@@ -170,3 +170,17 @@ def test_sglang_error_response_is_an_error():
     body = {"object": "error", "message": msg, "type": "500", "param": None, "code": 500}
     assert _extract(body, "generate") == ("", None, None, msg)
     assert _extract({"text": "ok", "meta_info": {}}, "generate") == ("ok", None, {}, None)
+
+
+def test_openai_replies_carry_their_finish_reason():
+    """An OpenAI reply's finish reason (``choices[0].finish_reason``; a stream's last chunk) is in the
+    body's meta, where /generate has it: an abort on /v1/completions is told from a success."""
+    from kvchaos.workload.driver import _extract, _merge_stream
+
+    body = {"choices": [{"text": "AB", "finish_reason": "abort"}], "usage": {"prompt_tokens": 9}}
+    assert _extract(body, "completions") == ("AB", None, {"prompt_tokens": 9, "finish_reason": "abort"}, None)
+    merged = None
+    for ch in ({"choices": [{"delta": {"content": "A"}, "finish_reason": None}]},
+               {"choices": [{"delta": {"content": "B"}, "finish_reason": "stop"}]}):
+        merged = _merge_stream(merged, ch, "chat")
+    assert _extract(merged, "chat") == ("AB", None, {"finish_reason": "stop"}, None)

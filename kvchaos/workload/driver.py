@@ -351,6 +351,8 @@ def _merge_stream(prev, chunk, endpoint):
     prev = prev or {"text": ""}
     for ch in chunk.get("choices", []):
         prev["text"] += ch.get("text") or (ch.get("delta") or {}).get("content") or ""
+        if ch.get("finish_reason") is not None:  # on the last chunk (an abort's too)
+            prev["finish_reason"] = ch["finish_reason"]
     return prev
 
 
@@ -364,10 +366,12 @@ def _extract(parsed, endpoint):
         return "", None, None, str(parsed.get("message") or json.dumps(parsed))[:2000]
     if endpoint == "generate" or "meta_info" in parsed:
         return parsed.get("text", ""), parsed.get("output_ids"), parsed.get("meta_info"), None
-    if "choices" in parsed:
+    if "choices" in parsed:  # OpenAI: usage, plus the choice's finish_reason (what /generate has in meta_info)
         ch = parsed["choices"][0] if parsed["choices"] else {}
         text = ch.get("text") if "text" in ch else (ch.get("message") or {}).get("content", "")
-        return text or "", None, parsed.get("usage"), None
+        return text or "", None, {**(parsed.get("usage") or {}), "finish_reason": ch.get("finish_reason")}, None
+    if "finish_reason" in parsed:  # a merged OpenAI stream
+        return parsed.get("text", ""), None, {"finish_reason": parsed["finish_reason"]}, None
     return parsed.get("text", ""), None, None, None
 
 
