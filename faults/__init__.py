@@ -54,6 +54,31 @@ def copy_agent_event(log, e: dict) -> None:
     log.emit("agent", agent_ev=e["ev"], **{k: v for k, v in e.items() if k not in ("t", "ev")})
 
 
+def k8s_from_env(log=None, env=None):
+    """Process faults through Kubernetes for an attached cluster (faults/k8s.py), when
+    ``KVCHAOS_K8S_NAMESPACE`` and ``KVCHAOS_K8S_SELECTORS`` (``prefill:app=sglang-prefill;decode:app=...``)
+    say which pods serve each role (``KVCHAOS_K8S_CHAOS_MESH=1``: kill through a Chaos Mesh PodChaos);
+    None when they are not set."""
+    import os
+
+    env = os.environ if env is None else env
+    ns, raw = env.get("KVCHAOS_K8S_NAMESPACE"), env.get("KVCHAOS_K8S_SELECTORS")
+    if not ns and not raw:
+        return None
+    sel = {}
+    for part in filter(None, (x.strip() for x in (raw or "").split(";"))):
+        role, colon, s = part.partition(":")
+        if not colon or role not in ("prefill", "decode") or not s:
+            raise ValueError(f"KVCHAOS_K8S_SELECTORS={raw!r}: expected prefill:<label selector>;decode:<label selector>")
+        sel[role] = s
+    if not ns or set(sel) != {"prefill", "decode"}:
+        raise ValueError("Kubernetes process faults need KVCHAOS_K8S_NAMESPACE and a selector for prefill and decode "
+                         f"in KVCHAOS_K8S_SELECTORS (got namespace {ns!r}, roles {sorted(sel)})")
+    from .k8s import KubernetesProcessFaults
+
+    return KubernetesProcessFaults(ns, sel, log=log, chaos_mesh=env.get("KVCHAOS_K8S_CHAOS_MESH") == "1")
+
+
 class FaultKit:
     def __init__(self, cluster, log, seeds=None):
         """``seeds``: the test's :class:`kvchaos.workload.seed.Seeds` — every fault armed through this kit
@@ -63,23 +88,24 @@ class FaultKit:
         self.cluster, self.log = cluster, log
         self.t0 = time.time()
         self._collected: set = set()
-        agent_dir = getattr(cluster, "agent_dir", None)
-        self.agent = AgentClient(agent_dir, log, seeds=seeds) if agent_dir else None
+        self.agent = AgentClient.for_cluster(cluster, log, seeds=seeds)
         self.net = getattr(cluster, "proxy", None)
         if self.net is not None:
             self.net.log = log
             self.net.seeds = seeds
         try:
             self.proc = ProcessFaults(cluster, log)
-        except TypeError:
-            self.proc = None
+        except TypeError:  # not launched by kvchaos: through the cluster manager, when one is named
+            self.proc = k8s_from_env(log)
 
     def need(self, what: str):
         got = getattr(self, what)
         if got is None:
-            why = {"agent": "the cluster was started without the in-engine agent (agent = false) or is attached",
+            why = {"agent": "the cluster was started without the in-engine agent (agent = false), or is attached "
+                            "without agent gateways (prefill_agent=tcp://...,decode_agent=tcp://... and KVCHAOS_AGENT_TOKEN)",
                    "net": "the cluster has no network proxy (set network_proxy = \"embedded\" or host:port)",
-                   "proc": "process faults need a launched cluster, not attach mode"}[what]
+                   "proc": "process faults need a launched cluster, or for an attached one the pods of each role "
+                           "(KVCHAOS_K8S_NAMESPACE, KVCHAOS_K8S_SELECTORS: Kubernetes, faults/k8s.py)"}[what]
             raise RuntimeError(f"fault injector {what!r} unavailable: {why}")
         return got
 

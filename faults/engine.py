@@ -2,7 +2,9 @@
 
 Every engine process that patched something listens on ``<ctl dir>/agent-<pid>.sock``. An
 :class:`AgentClient` broadcasts a command to the agents of one role (``prefill``/``decode``) and
-merges their replies. Faults it arms are recorded as ``fault`` events in the run's event log
+merges their replies — locally through those sockets and files, or, for engines on other hosts
+(``remote={role: "tcp://host:port"}`` and the shared token), through each server's TCP gateway
+(``faults/agent/net.py``) without reading any engine-side file. Faults it arms are recorded as ``fault`` events in the run's event log
 (``armed``, ``fired`` with the agent's evidence, ``healed``), so a report can show exactly when a
 fault acted on which request.
 
@@ -24,11 +26,52 @@ import uuid
 from dataclasses import dataclass, field
 from typing import ClassVar
 
+from .agent.net import PROTOCOL, AgentAddressError, parse_url
 from .base import Fault, FaultDidNotFire  # noqa: F401 - FaultDidNotFire is also faults.engine's
 
 
 class AgentError(RuntimeError):
     pass
+
+
+class AgentRefused(AgentError):
+    """The gateway refused the harness (wrong token, another protocol version): not worth a retry."""
+
+
+class GatewayClient:
+    """One role's agent gateway over TCP: a connection per request, bounded by ``timeout``; every
+    error names the role and the address."""
+
+    def __init__(self, url: str, token: str | None, role: str, timeout: float = 10.0):
+        self.url, self.role, self.timeout = url, role, timeout
+        self.host, self.port = parse_url(url)
+        if not token:
+            raise AgentAddressError(f"{role} agent {url}: no token (KVCHAOS_AGENT_TOKEN, or the cluster's agent_token)")
+        self._token = token
+
+    def request(self, req: dict) -> dict:
+        msg = {**req, "token": self._token, "protocol": PROTOCOL}
+        deadline = time.monotonic() + self.timeout
+        try:
+            with socket.create_connection((self.host, self.port), timeout=self.timeout) as s:
+                s.sendall((json.dumps(msg) + "\n").encode())
+                buf = b""
+                while not buf.endswith(b"\n"):
+                    if time.monotonic() > deadline:
+                        raise TimeoutError(f"no reply within {self.timeout} s")
+                    d = s.recv(1 << 20)
+                    if not d:
+                        break
+                    buf += d
+        except OSError as e:
+            raise AgentError(f"{self.role} agent at {self.url} unreachable: {e}") from None
+        if not buf:
+            raise AgentError(f"{self.role} agent at {self.url} closed the connection without a reply")
+        out = json.loads(buf)
+        if not out.get("ok"):
+            err = AgentRefused if out.get("refused") else AgentError
+            raise err(f"{self.role} agent at {self.url}: {out.get('error')}")
+        return out
 
 
 # the hook that holds a request at each ``park`` stage (faults/agent/scheduler.py PARK_STAGES)
@@ -106,24 +149,71 @@ class ArmedFault(Fault):
             return
         agents = self.client.agents(self.role)
         for a in agents:
-            _call(a["sock"], {"cmd": "heal", "id": self.id}, self.client.timeout)
+            self.client._send(a, {"cmd": "heal", "id": self.id})
         self.healed = True
         self.client._log("healed", self)
         self.client._armed.pop(self.id, None)
 
 
 class AgentClient:
-    def __init__(self, ctl_dir: str, log=None, timeout: float = 10.0, seeds=None):
+    """``ctl_dir``: the agents' control directory on this host; or ``remote={role: "tcp://host:port"}``
+    with ``token``: each role's gateway over TCP (nothing engine-side is read from disk)."""
+
+    def __init__(self, ctl_dir: str | None = None, log=None, timeout: float = 10.0, seeds=None,
+                 remote: dict | None = None, token: str | None = None):
+        if (ctl_dir is None) == (not remote):
+            raise ValueError("AgentClient: give the agents' control directory, or remote={role: 'tcp://host:port'} "
+                             "with a token — one of the two")
         self.dir = ctl_dir
+        self.remote = {role: GatewayClient(url, token, role, timeout) for role, url in (remote or {}).items()}
         self.log = log
         self.seeds = seeds  # kvchaos.workload.seed.Seeds: each armed fault's ``seed`` param (its draws)
         self.timeout = timeout
         self._armed: dict[str, ArmedFault] = {}
         self._logged: set = set()
         self._ecache: dict[str, tuple[int, list]] = {}  # events file -> (bytes parsed, records)
+        self._marks: dict[str, dict[str, int]] = {}  # remote: role -> {pid: last seq received}
+        self._revents: dict[str, list] = {}  # remote: role -> events received
+        self._unreachable: dict[str, str] = {}  # remote: role -> the last error reaching its gateway
+
+    @classmethod
+    def for_cluster(cls, cluster, log=None, seeds=None, timeout: float = 10.0) -> "AgentClient | None":
+        """The client of a cluster's agents: over TCP when it has gateways (``agent_urls`` and
+        ``agent_token``), else through its control directory; None without an agent."""
+        urls = getattr(cluster, "agent_urls", None)
+        if urls:
+            return cls(log=log, seeds=seeds, timeout=timeout, remote=dict(urls), token=cluster.agent_token)
+        d = getattr(cluster, "agent_dir", None)
+        return cls(d, log, timeout=timeout, seeds=seeds) if d else None
+
+    def where(self, role: str | None = None) -> str:
+        if not self.remote:
+            return str(self.dir)
+        return ", ".join(f"{r} {g.url}" for r, g in self.remote.items() if role in (None, r))
+
+    def _send(self, a: dict, req: dict) -> dict:
+        """One agent command to agent ``a`` (from :meth:`agents`)."""
+        if "via" in a:
+            return self.remote[a["via"]].request({"cmd": "call", "pid": a["pid"], "req": req})
+        return _call(a["sock"], req, self.timeout)
 
     # ------------------------------------------------------------ discovery
     def agents(self, role: str | None = None) -> list[dict]:
+        if self.remote:
+            out = []
+            for r, gw in self.remote.items():
+                if role not in (None, r):
+                    continue
+                try:
+                    got = gw.request({"cmd": "agents"})
+                except AgentRefused:
+                    raise  # a wrong token or version is not a wait: say so now
+                except AgentError as e:
+                    self._unreachable[r] = str(e)
+                    continue
+                self._unreachable.pop(r, None)
+                out += [{**a, "via": r} for a in got["agents"] if role in (None, a.get("role"), r)]
+            return out
         out = []
         for info_path in sorted(glob.glob(os.path.join(self.dir, "agent-*.json"))):
             try:
@@ -148,7 +238,7 @@ class AgentClient:
             ok = []
             for a in self.agents(role):
                 try:
-                    h = _call(a["sock"], {"cmd": "ping"}, self.timeout)["hooks"]
+                    h = self._send(a, {"cmd": "ping"})["hooks"]
                 except (OSError, AgentError):
                     continue
                 if all(any(x in name for name in h) for x in hooks):
@@ -156,18 +246,21 @@ class AgentClient:
             if ok:
                 return ok
             if time.monotonic() > deadline:
+                why = f"; {self._unreachable[role]}" if role in self._unreachable else ""
                 raise AgentError(
-                    f"no {role} agent with hooks {hooks} in {self.dir} after {timeout}s "
-                    f"(found: {[(a['pid'], a['role']) for a in self.agents()]}); was the cluster started with the agent?")
+                    f"no {role} agent with hooks {hooks} in {self.where(role)} after {timeout}s "
+                    f"(found: {[(a['pid'], a['role']) for a in self.agents()]}){why}; was the cluster started "
+                    "with the agent?")
             time.sleep(0.2)
 
     def _each(self, role: str, req: dict, key: str | None = None) -> list:
         agents = self.agents(role)
         if not agents:
-            raise AgentError(f"no live {role} agent in {self.dir}")
+            why = f": {self._unreachable[role]}" if role in self._unreachable else ""
+            raise AgentError(f"no live {role} agent in {self.where(role)}{why}")
         outs = []
         for a in agents:
-            r = _call(a["sock"], req, self.timeout)
+            r = self._send(a, req)
             outs.append(r.get(key) if key else r)
         return outs
 
@@ -194,7 +287,7 @@ class AgentClient:
         if count is not None:
             req["count"] = count
         for a in agents:
-            _call(a["sock"], req, self.timeout)
+            self._send(a, req)
         f = ArmedFault(self, fid, role, kind, req["target"], req["params"], [a["pid"] for a in agents], count=count)
         self._armed[fid] = f
         self._log("armed", f)
@@ -203,7 +296,10 @@ class AgentClient:
     def events(self, role: str | None = None) -> list[dict]:
         """Every agent's events, read from the per-process JSONL files — so the evidence of a
         process that crashed or was killed is still there. Files are read incrementally (only the
-        bytes appended since the last call; a line still being written waits for the next call)."""
+        bytes appended since the last call; a line still being written waits for the next call).
+        Remote: what each role's gateway read from those files on its host since the last call."""
+        if self.remote:
+            return self._remote_events(role)
         out = []
         for path in glob.glob(os.path.join(self.dir, "events-*.jsonl")):
             off, parsed = self._ecache.get(path, (0, []))
@@ -223,6 +319,26 @@ class AgentClient:
             out.extend(e for e in parsed if role is None or e.get("role") == role)
         return sorted(out, key=lambda e: (e["wall"], e.get("seq", 0)))
 
+    def _remote_events(self, role: str | None) -> list[dict]:
+        out = []
+        for r, gw in self.remote.items():
+            if role not in (None, r):
+                continue
+            marks = self._marks.setdefault(r, {})
+            got = self._revents.setdefault(r, [])
+            try:
+                new = gw.request({"cmd": "events", "since": marks})["events"]
+            except AgentError as e:
+                self._unreachable[r] = str(e)  # what it sent before stays; the next call asks again
+                new = []
+            for e in new:
+                k = str(e.get("pid"))
+                if e.get("seq", 0) > marks.get(k, 0):
+                    marks[k] = e["seq"]
+                got.append(e)
+            out += [e for e in got if role is None or e.get("role") == role]
+        return sorted(out, key=lambda e: (e["wall"], e.get("seq", 0)))
+
     def wait_event(self, role: str, ev: str, timeout: float = 30.0, **match) -> dict:
         """Block until an agent of ``role`` logs event ``ev`` whose fields match (e.g. rid=...)."""
         deadline = time.monotonic() + timeout
@@ -239,7 +355,7 @@ class AgentClient:
         out = []
         for a in self.agents():
             try:
-                out.extend(_call(a["sock"], {"cmd": "armed"}, self.timeout)["armed"])
+                out.extend(self._send(a, {"cmd": "armed"})["armed"])
             except (OSError, AgentError):
                 continue
         return out
@@ -248,7 +364,7 @@ class AgentClient:
         healed = []
         for a in self.agents():
             try:
-                healed += _call(a["sock"], {"cmd": "heal"}, self.timeout)["healed"]
+                healed += self._send(a, {"cmd": "heal"})["healed"]
             except (OSError, AgentError):
                 continue
         for f in list(self._armed.values()):

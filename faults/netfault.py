@@ -136,8 +136,8 @@ class NetworkFaults:
     def full(self, name: str) -> str:
         return f"{self.token}-{name}"
 
-    def add(self, name: str, listen_port: int, upstream_port: int) -> str:
-        p = self.tp.create(upstream=f"127.0.0.1:{upstream_port}", name=self.full(name),
+    def add(self, name: str, listen_port: int, upstream_port: int, upstream_host: str = "127.0.0.1") -> str:
+        p = self.tp.create(upstream=f"{upstream_host}:{upstream_port}", name=self.full(name),
                            listen=f"127.0.0.1:{listen_port}")
         self._names[name] = {"listen": p.listen, "upstream": p.upstream}
         return f"http://{p.listen}"

@@ -72,6 +72,13 @@ def pytest_addoption(parser):
     g = parser.getgroup("kvchaos")
     g.addoption("--kvchaos-profile", default=os.environ.get("KVCHAOS_PROFILE", "cpu"),
                 help="cluster profile name (kvchaos/profiles) or TOML path [cpu]")
+    g.addoption("--kvchaos-agent-channel", default=os.environ.get("KVCHAOS_AGENT_CHANNEL"), choices=("unix", "tcp"),
+                help="how the harness reaches the in-engine agents of a launched cluster: unix (their control "
+                     "directory) or tcp (each server's gateway with a token; no engine-side file read) "
+                     "[the profile's agent_channel]")
+    g.addoption("--kvchaos-topology", default=os.environ.get("KVCHAOS_TOPOLOGY"), choices=("one-host", "two-hosts"),
+                help="two-hosts: prefill and decode each in a network namespace of its own, the agents over "
+                     "TCP, engine-side files out of the harness's view (kvchaos.cluster.netns) [the profile's]")
     g.addoption("--kvchaos-attach", default=os.environ.get("KVCHAOS_ATTACH"),
                 help="attach to running servers: router=URL,prefill=URL,decode=URL")
     g.addoption("--kvchaos-reference", default=os.environ.get("KVCHAOS_REFERENCE"),
@@ -558,8 +565,12 @@ def kvchaos_run_dir(pytestconfig) -> Path:
 @pytest.fixture(scope="session")
 def kvchaos_base_spec(pytestconfig) -> ClusterSpec:
     """The profile as loaded (what the single reference server uses: it has no transfer backend)."""
-    return ClusterSpec.load(pytestconfig.getoption("--kvchaos-profile"),
-                            model=pytestconfig.getoption("--kvchaos-model"))
+    spec = ClusterSpec.load(pytestconfig.getoption("--kvchaos-profile"), model=pytestconfig.getoption("--kvchaos-model"))
+    over = {k: v for k, v in (("agent_channel", pytestconfig.getoption("--kvchaos-agent-channel")),
+                              ("topology", pytestconfig.getoption("--kvchaos-topology"))) if v}
+    if over:
+        spec = ClusterSpec.from_dict({**spec.to_dict(), **over})
+    return spec
 
 
 @pytest.fixture(scope="session")
@@ -774,11 +785,11 @@ def _heal_engine_failures(request, c) -> None:
 
 def _still_armed(c) -> list:
     out = []
-    if getattr(c, "agent_dir", None):
+    if getattr(c, "agent_dir", None) or getattr(c, "agent_urls", None):
         from faults.engine import AgentClient
 
         try:
-            out += AgentClient(c.agent_dir).armed()
+            out += AgentClient.for_cluster(c).armed()
         except Exception as e:  # noqa: BLE001
             out.append(f"agent query failed: {e!r}")
     if getattr(c, "proxy", None) is not None:

@@ -92,3 +92,33 @@ def test_attach_parse():
         AttachedCluster.parse("lb=http://a:1")
     with pytest.raises(ValueError, match="must be an http"):
         AttachedCluster.parse("router=a:1,prefill=http://a:2,decode=http://a:3")
+    assert c.agent_urls == {} and c.agent_token is None
+
+
+def test_attach_with_agent_gateways_needs_their_token():
+    """Attached engines that load the agent over TCP: the harness gets every agent fault through the
+    gateways (faults.FaultKit over AgentClient.for_cluster), given the token they were started with."""
+    from faults.engine import AgentClient
+    from kvchaos.cluster import AttachedCluster
+
+    base = "router=http://r:1,prefill=http://p:2,decode=http://d:3"
+    c = AttachedCluster.parse(base + ",prefill_agent=tcp://10.0.0.2:7810,decode_agent=tcp://10.0.0.3:7810",
+                              env={"KVCHAOS_AGENT_TOKEN": "t0k"})
+    assert c.agent_urls == {"prefill": "tcp://10.0.0.2:7810", "decode": "tcp://10.0.0.3:7810"}
+    ctl = AgentClient.for_cluster(c)
+    assert ctl.dir is None and sorted(ctl.remote) == ["decode", "prefill"]
+    assert c.describe()["agent_urls"] == c.agent_urls and "t0k" not in str(c.describe())
+    with pytest.raises(ValueError, match="KVCHAOS_AGENT_TOKEN is not set"):
+        AttachedCluster.parse(base + ",decode_agent=tcp://10.0.0.3:7810", env={})
+    for bad in ("decode_agent=http://d:7810", "decode_agent=tcp://d", "decode_agent=tcp://d:x"):
+        with pytest.raises(ValueError, match="must be tcp://HOST:PORT"):
+            AttachedCluster.parse(f"{base},{bad}", env={"KVCHAOS_AGENT_TOKEN": "t"})
+
+
+def test_topology_and_agent_channel_are_checked():
+    s = ClusterSpec.load("cpu", topology="two-hosts", agent_channel="tcp")
+    assert (s.topology, s.agent_channel) == ("two-hosts", "tcp")
+    with pytest.raises(SpecError, match="topology='three-hosts': use 'one-host' or 'two-hosts'"):
+        ClusterSpec.load("cpu", topology="three-hosts")
+    with pytest.raises(SpecError, match="agent_channel='http': use 'unix'"):
+        ClusterSpec.load("cpu", agent_channel="http")

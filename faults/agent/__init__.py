@@ -33,6 +33,7 @@ module           what
                  used, cached tokens); mutations ``salt_ignored``, ``prefix_collision``
 ``retraction``   decode retraction: ``kv_retracted`` / ``kv_resumed`` evidence (the restored KV read
                  back and compared with the host copy); setting ``retract`` (test trigger, reservation)
+``net``          the TCP gateway: the server's agents and their events for a harness on another host
 ``__init__``     ``boot``, the ``HOOKS`` table assembled from the modules, the import machinery
 ================ =====================================================================================
 
@@ -125,6 +126,7 @@ import types
 
 # subsystem modules register their fault kinds as they import: this order is the order of KINDS
 from . import control  # noqa: I001
+from . import net
 from . import transfer
 from . import scheduler
 from . import allocator
@@ -227,15 +229,35 @@ class _Finder(importlib.abc.MetaPathFinder):
         return None
 
 
+GATEWAY = None  # this process's TCP gateway (faults/agent/net.py), when KVCHAOS_AGENT=tcp://...
+
+
 def boot() -> None:
-    """Called by the boot hook when KVCHAOS_AGENT is set (idempotent)."""
+    """Called by the boot hook when KVCHAOS_AGENT is set (idempotent). ``KVCHAOS_AGENT`` is the
+    control directory, or ``tcp://HOST:PORT`` (with ``KVCHAOS_AGENT_TOKEN``; the directory is then
+    ``KVCHAOS_AGENT_DIR``, default ``/tmp/kvchaos-agent-<role>-<port>``) for a harness on another host."""
+    global GATEWAY
     if control.AGENT is not None:
         return
     d = os.environ.get("KVCHAOS_AGENT", "")
+    gw = None
+    if d.startswith("tcp://"):
+        try:
+            host, port = net.parse_url(d)
+            role = os.environ.get("KVCHAOS_AGENT_ROLE", "")
+            d = os.environ.get("KVCHAOS_AGENT_DIR") or os.path.join("/tmp", f"kvchaos-agent-{role or 'engine'}-{port}")
+            os.makedirs(d, exist_ok=True)
+            gw = net.Gateway(d, host, port, os.environ.get("KVCHAOS_AGENT_TOKEN", ""), role)
+        except (net.AgentAddressError, OSError) as e:
+            sys.stderr.write(f"kvchaos agent: {e}; agent not loaded\n")
+            return
     if not d or not os.path.isdir(d):
-        sys.stderr.write(f"kvchaos agent: KVCHAOS_AGENT={d!r} is not a directory; agent not loaded\n")
+        sys.stderr.write(f"kvchaos agent: KVCHAOS_AGENT={d!r} is not a directory (or tcp://HOST:PORT); agent not loaded\n")
         return
     control.AGENT = Agent(d)
+    if gw is not None:
+        GATEWAY = gw
+        gw.run_or_stand_by()
     for name in HOOKS:  # already imported before us (rare): patch in place
         if name in sys.modules:
             _apply(name, sys.modules[name])

@@ -23,6 +23,7 @@ import shutil
 import sys
 import tempfile
 import time
+from urllib.parse import urlsplit
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -107,8 +108,10 @@ def engine_env(spec: ClusterSpec, extra: dict | None = None) -> dict:
     return env
 
 
-def server_argv(spec: ClusterSpec, model_path: str, role: str, port: int, bootstrap_port: int | None = None) -> list[str]:
-    """argv for one SGLang server. role: 'prefill' | 'decode' | 'single'."""
+def server_argv(spec: ClusterSpec, model_path: str, role: str, port: int, bootstrap_port: int | None = None,
+                host: str = LOOPBACK) -> list[str]:
+    """argv for one SGLang server. role: 'prefill' | 'decode' | 'single'; ``host``: the address it
+    serves on (its namespace's, in the two-hosts topology)."""
     if role not in ("prefill", "decode", "single"):
         raise ValueError(f"unknown role {role!r}")
     argv = [
@@ -119,7 +122,7 @@ def server_argv(spec: ClusterSpec, model_path: str, role: str, port: int, bootst
         "--max-total-tokens", str(spec.pool_tokens),
         "--context-length", str(spec.context_length),
         "--page-size", str(spec.page_size),
-        "--host", LOOPBACK, "--port", str(port),
+        "--host", host, "--port", str(port),
         "--enable-metrics",
     ]
     argv += spec.common_args
@@ -254,6 +257,9 @@ class Cluster(_ClusterAPI):
         self.timings: dict[str, float] = {}
         self.model_path: str | None = None
         self.agent_dir: str | None = None
+        self.agent_urls: dict[str, str] = {}  # agent_channel = "tcp": role -> its agent gateway
+        self.hosts = None  # topology = "two-hosts": kvchaos.cluster.netns.TwoHosts
+        self.agent_token: str | None = None
         self.proxy = None  # what proxy_factory made, when spec.network_proxy is set (hooks.NetworkProxy)
         self._launch: dict[str, tuple] = {}  # role -> (argv, env, log, health url) for restart()
         self.restarts: list[dict] = []
@@ -294,8 +300,13 @@ class Cluster(_ClusterAPI):
         p_port, boot_port, d_port, r_port, m_port = self.ports = reserve_ports(5)
         env = engine_env(spec)
         logs = self.workdir / "logs"
-        pre = f"http://{LOOPBACK}:{p_port}"
-        dec = f"http://{LOOPBACK}:{d_port}"
+        if spec.topology == "two-hosts":  # prefill and decode in namespaces of their own (reaper-registered)
+            from .netns import TwoHosts
+
+            self.hosts = TwoHosts().up(self.reaper)
+        host = {r: self.hosts.ip(r) if self.hosts else LOOPBACK for r in ("prefill", "decode")}
+        pre = f"http://{host['prefill']}:{p_port}"
+        dec = f"http://{host['decode']}:{d_port}"
         rou = f"http://{LOOPBACK}:{r_port}"
         self.endpoints = Endpoints(router=rou, prefill=pre, decode=dec, bootstrap_port=boot_port)
         role_env = {"prefill": dict(env), "decode": dict(env)}
@@ -304,10 +315,22 @@ class Cluster(_ClusterAPI):
             self.agent_dir = tempfile.mkdtemp(prefix=f"kvc-ag-{os.getpid()}-", dir="/tmp")
             for role in role_env:
                 role_env[role].update(KVCHAOS_AGENT=self.agent_dir, KVCHAOS_AGENT_ROLE=role)
-        self._launch["prefill"] = (server_argv(spec, self.model_path, "prefill", p_port, boot_port),
-                                   role_env["prefill"], logs / "prefill.log", f"{pre}/health")
-        self._launch["decode"] = (server_argv(spec, self.model_path, "decode", d_port),
-                                  role_env["decode"], logs / "decode.log", f"{dec}/health")
+            if spec.agent_channel == "tcp" or self.hosts:  # each server's gateway; its files stay engine-side
+                gw_ports = reserve_ports(2)
+                self.ports += gw_ports
+                self.agent_token = secrets.token_hex(16)
+                for role, port in zip(("prefill", "decode"), gw_ports):
+                    self.agent_urls[role] = f"tcp://{host[role]}:{port}"
+                    # two hosts: the directory is a tmpfs only the engine's mount namespace sees
+                    d = self.hosts.mounts[role] if self.hosts else os.path.join(self.agent_dir, role)
+                    role_env[role].update(KVCHAOS_AGENT=self.agent_urls[role], KVCHAOS_AGENT_TOKEN=self.agent_token,
+                                          KVCHAOS_AGENT_DIR=d)
+        argvs = {"prefill": server_argv(spec, self.model_path, "prefill", p_port, boot_port, host["prefill"]),
+                 "decode": server_argv(spec, self.model_path, "decode", d_port, host=host["decode"])}
+        if self.hosts:
+            argvs = {r: self.hosts.wrap(r, a) for r, a in argvs.items()}
+        self._launch["prefill"] = (argvs["prefill"], role_env["prefill"], logs / "prefill.log", f"{pre}/health")
+        self._launch["decode"] = (argvs["decode"], role_env["decode"], logs / "decode.log", f"{dec}/health")
         for role in ("prefill", "decode"):
             argv, renv, log, _ = self._launch[role]
             self.procs[role] = ManagedProcess(role, argv, renv, log, self.reaper, self.token)
@@ -319,8 +342,8 @@ class Cluster(_ClusterAPI):
             extra = reserve_ports(3)
             self.ports += extra
             self.proxy = proxy_factory(spec.network_proxy, self.token)
-            r_pre = self.proxy.add("prefill", extra[0], p_port)
-            r_dec = self.proxy.add("decode", extra[1], d_port)
+            r_pre = self.proxy.add("prefill", extra[0], p_port, host["prefill"])
+            r_dec = self.proxy.add("decode", extra[1], d_port, host["decode"])
             client = self.proxy.add("client", extra[2], r_port)
             self.endpoints.router_direct = rou
             self.endpoints.router = client
@@ -449,6 +472,9 @@ class Cluster(_ClusterAPI):
         if self.agent_dir:
             shutil.rmtree(self.agent_dir, ignore_errors=True)
         left = leftover([p.pgid for p in self.procs.values()], self.token)
+        if self.hosts is not None:  # after the processes: nothing may still hold the namespaces
+            left += self.hosts.down()
+            self.hosts = None
         if self._own_reaper and self.reaper is not None:
             self.reaper.close()
             self.reaper = None
@@ -469,7 +495,8 @@ class Cluster(_ClusterAPI):
 
     def describe(self) -> dict:
         return {"mode": "launched", "spec": self.spec.to_dict(), "endpoints": self.endpoints.as_dict() if self.endpoints else None,
-                "agent_dir": self.agent_dir, "restarts": self.restarts,
+                "agent_dir": self.agent_dir, "agent_urls": self.agent_urls, "restarts": self.restarts,
+                "topology": self.hosts.describe() if self.hosts else "one-host",
                 "model_path": self.model_path, "timings": self.timings, "logs": self.log_paths(),
                 "pids": {r: p.pid for r, p in self.procs.items()}}
 
@@ -526,28 +553,49 @@ class SingleServer(_ClusterAPI):
 class AttachedCluster(_ClusterAPI):
     """Servers someone else runs (a staging deployment, a GPU box). Nothing is started or killed."""
 
-    def __init__(self, endpoints: Endpoints, spec: ClusterSpec | None = None):
+    def __init__(self, endpoints: Endpoints, spec: ClusterSpec | None = None, agent_urls: dict | None = None,
+                 agent_token: str | None = None):
         self.endpoints = endpoints
         self.spec = spec or ClusterSpec.load("cpu")
         self.timings = {}
+        self.agent_urls = dict(agent_urls or {})  # role -> tcp:// gateway of the agent loaded in its engine
+        self.agent_token = agent_token
 
     @classmethod
-    def parse(cls, text: str, spec: ClusterSpec | None = None) -> "AttachedCluster":
-        """``router=URL,prefill=URL,decode=URL`` (all three required)."""
-        parts = {}
+    def parse(cls, text: str, spec: ClusterSpec | None = None, env=None) -> "AttachedCluster":
+        """``router=URL,prefill=URL,decode=URL`` (all three required), and, when the remote engines
+        load the agent (``KVCHAOS_AGENT=tcp://...``), ``prefill_agent=tcp://HOST:PORT,decode_agent=...``
+        with the shared token in ``KVCHAOS_AGENT_TOKEN``: every agent fault then works attached."""
+        env = os.environ if env is None else env
+        parts, agents = {}, {}
+        roles = ("router", "prefill", "decode", "prefill_agent", "decode_agent")
         for item in filter(None, (s.strip() for s in text.split(","))):
             if "=" not in item:
-                raise ValueError(f"--kvchaos-attach: {item!r} is not role=URL (roles: router, prefill, decode)")
+                raise ValueError(f"--kvchaos-attach: {item!r} is not role=URL (roles: {', '.join(roles)})")
             k, v = item.split("=", 1)
-            if k not in ("router", "prefill", "decode"):
-                raise ValueError(f"--kvchaos-attach: unknown role {k!r} (roles: router, prefill, decode)")
+            if k not in roles:
+                raise ValueError(f"--kvchaos-attach: unknown role {k!r} (roles: {', '.join(roles)})")
+            if k.endswith("_agent"):
+                u = urlsplit(v)
+                try:
+                    ok = u.scheme == "tcp" and u.hostname and u.port
+                except ValueError:
+                    ok = False
+                if not ok:
+                    raise ValueError(f"--kvchaos-attach: {k}={v!r} must be tcp://HOST:PORT (the engine's KVCHAOS_AGENT)")
+                agents[k[: -len("_agent")]] = v
+                continue
             if not v.startswith(("http://", "https://")):
                 raise ValueError(f"--kvchaos-attach: {k}={v!r} must be an http(s) URL")
             parts[k] = v.rstrip("/")
         missing = {"router", "prefill", "decode"} - set(parts)
         if missing:
             raise ValueError(f"--kvchaos-attach: missing {sorted(missing)}; give router=URL,prefill=URL,decode=URL")
-        return cls(Endpoints(**parts), spec)
+        token = env.get("KVCHAOS_AGENT_TOKEN") or None
+        if agents and not token:
+            raise ValueError(f"--kvchaos-attach: agent gateways given for {sorted(agents)} but KVCHAOS_AGENT_TOKEN "
+                             "is not set (the token the engines were started with)")
+        return cls(Endpoints(**parts), spec, agents, token)
 
     def start(self, timeout_s: float = 30.0) -> "AttachedCluster":
         deadline = time.monotonic() + timeout_s
@@ -567,7 +615,7 @@ class AttachedCluster(_ClusterAPI):
         return []
 
     def describe(self) -> dict:
-        return {"mode": "attached", "endpoints": self.endpoints.as_dict()}
+        return {"mode": "attached", "endpoints": self.endpoints.as_dict(), "agent_urls": self.agent_urls}
 
 
 def dump_describe(obj, path: Path) -> None:

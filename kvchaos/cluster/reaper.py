@@ -16,6 +16,7 @@ Run as ``python -m kvchaos.cluster.reaper TOKEN [GRACE_S]``. It writes what it k
 from __future__ import annotations
 
 import os
+import re
 import select
 import signal
 import subprocess
@@ -138,6 +139,7 @@ def main(argv: list[str]) -> int:
     roots: set[int] = set()
     tokens = {token}
     known: dict[int, int] = {}
+    cleanup: list[tuple[str, str]] = []  # ("netns" | "link", name): deleted after the processes
     buf = b""
     while True:
         ready, _, _ = select.select([0], [], [], 0.5)
@@ -153,13 +155,41 @@ def main(argv: list[str]) -> int:
                     roots.add(int(parts[1]))
                 elif len(parts) == 2 and parts[0] == "token":
                     tokens.add(parts[1])
+                elif len(parts) == 3 and parts[0] == "forget" and parts[1] in ("netns", "link"):
+                    cleanup = [c for c in cleanup if c != (parts[1], parts[2])]
+                elif len(parts) == 2 and parts[0] in ("netns", "link") and _OURS.match(parts[1]):
+                    cleanup.append((parts[0], parts[1]))
         if roots:  # remember every descendant we have seen, in case it later escapes its group
             known.update(related(roots, tokens))
     left = kill_tree(roots, tokens, grace, known)
     if left:
         sys.stderr.write(f"kvchaos reaper: still alive after SIGKILL: {left}\n")
-        return 1
-    return 0
+    kept = _delete(cleanup)
+    if kept:
+        sys.stderr.write(f"kvchaos reaper: could not delete {kept}\n")
+    return 1 if left or kept else 0
+
+
+_OURS = re.compile(r"^kvc[0-9]+[a-z]+$")  # only the namespaces / links kvchaos.cluster.netns names
+
+
+def _delete(cleanup: list[tuple[str, str]]) -> list[str]:
+    """Delete registered namespaces and links, newest first (a namespace takes its veth end along;
+    an already-gone one is fine)."""
+    kept = []
+    for kind, name in reversed(cleanup):
+        cmd = ["ip", "netns", "del", name] if kind == "netns" else ["ip", "link", "del", name]
+        try:
+            r = subprocess.run(cmd, capture_output=True, text=True, timeout=10)
+        except (OSError, subprocess.TimeoutExpired) as e:
+            kept.append(f"{kind} {name} ({e})")
+            continue
+        err = (r.stderr or "").strip()
+        if r.returncode and not any(x in err for x in ("Cannot find", "No such", "does not exist")):
+            kept.append(f"{kind} {name} ({err})")
+        elif not r.returncode:
+            sys.stderr.write(f"kvchaos reaper: deleted {kind} {name}\n")
+    return kept
 
 
 class Reaper:
@@ -184,6 +214,21 @@ class Reaper:
                 self._tokens.add(token)
                 self.proc.stdin.write(f"token {token}\n")
             self.proc.stdin.write(f"pgid {pgid}\n")
+            self.proc.stdin.flush()
+
+    def register_cleanup(self, kind: str, name: str) -> None:
+        """Delete network namespace / link ``name`` (``kvc<k>...``) after the processes, when the owner
+        goes away (kvchaos.cluster.netns)."""
+        if kind not in ("netns", "link") or not _OURS.match(name):
+            raise ValueError(f"reaper cleanup: {kind} {name!r} is not a kvchaos namespace or link (kvc<k>...)")
+        if self.proc.poll() is None:
+            self.proc.stdin.write(f"{kind} {name}\n")
+            self.proc.stdin.flush()
+
+    def forget_cleanup(self, kind: str, name: str) -> None:
+        """``name`` was deleted by its owner: the reaper need not (a later cluster may reuse it)."""
+        if self.proc.poll() is None:
+            self.proc.stdin.write(f"forget {kind} {name}\n")
             self.proc.stdin.flush()
 
     def close(self, timeout: float = 30.0) -> int | None:

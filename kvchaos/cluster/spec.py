@@ -51,6 +51,12 @@ class ClusterSpec:
     router_args: list = field(default_factory=list)
     ib_device: str = ""  # RDMA device for transfer_backend=mooncake (GPU profile)
     agent: bool = True  # load the in-engine fault agent (faults/agent/) into every server process
+    # how the harness reaches the agents: "unix" (their control directory on this host) or "tcp" (each
+    # server's gateway with a shared token, faults/agent/net.py: no engine-side file is read)
+    agent_channel: str = "unix"
+    # "one-host": every server on this host's loopback; "two-hosts": prefill and decode each in a network
+    # namespace of its own, reached over a bridge (kvchaos.cluster.netns; the agents over TCP)
+    topology: str = "one-host"
     # fault proxy between client and router and between router and each server:
     # "" = none, "embedded" = faults/proxy.py in the harness, "host:port" = a real toxiproxy-server
     network_proxy: str = ""
@@ -140,6 +146,12 @@ class ClusterSpec:
             bad(f"model={self.model!r}: probe kind {probe!r} is not one of {ATTENTION}")
         if not (self.model.startswith("tiny:") or probe or Path(self.model).expanduser().exists()):
             bad(f"model={self.model!r} is neither 'tiny:<seed>', 'probe[:<kind>]' nor an existing model directory")
+        if self.topology not in ("one-host", "two-hosts"):
+            bad(f"topology={self.topology!r}: use 'one-host' or 'two-hosts' (prefill and decode in network "
+                "namespaces of their own)")
+        if self.agent_channel not in ("unix", "tcp"):
+            bad(f"agent_channel={self.agent_channel!r}: use 'unix' (the agents' control directory) or 'tcp' "
+                "(each server's agent gateway)")
         if self.network_proxy not in ("", "embedded"):
             host, _, port = self.network_proxy.rpartition(":")
             if not host or not port.isdigit():
