@@ -8,7 +8,7 @@ PYTEST_ARGS ?=
 
 LAYOUTS ?= mha-p1-fp32,gqa-p16-bf16,gqa-p64-bf16,mla-p64-bf16
 
-.PHONY: setup run test test-matrix test-unit test-layouts soak bench clean-reports
+.PHONY: setup run test test-two-hosts test-matrix test-unit test-layouts soak bench clean-reports
 setup:
 	@bash scripts/setup.sh >/dev/null
 	@bash scripts/setup-engine.sh 0.5.19 >/dev/null  # pre-fix release for the GLM-5.3 reproduction
@@ -25,15 +25,28 @@ MATRIX_CLEAN_TRIALS ?= 1
 # SEED=random (or any integer) draws other plans and fault parameters — make soak runs fresh ones
 SEED ?= 0
 
-# two sessions: the harness's tests that need no cluster on 2 xdist workers (they share nothing),
-# then everything that drives a real cluster, one at a time (the engines want both cores). Both
-# always run; the target fails if either does. Each leaves its own reports/<run-id>/.
+# the two-host session's tests: the smoke suite, the incident's replay, one fault family, and the check
+# that the engines' files are out of the harness's sight (kvchaos/cluster/netns.py)
+TWO_HOSTS ?= tests/test_two_hosts_live.py suites/test_smoke.py \
+	suites/test_transfer_delay.py::test_transfer_delay_with_jitter_keeps_isolation \
+	suites/incidents/test_glm53_kv_leak.py::test_replay_leaks_another_tenants_data_with_http_200
+
+# three sessions: the harness's tests that need no cluster on 2 xdist workers (they share nothing),
+# then everything that drives a real cluster, one at a time (the engines want both cores), then the
+# two-host topology (prefill and decode in network namespaces, every agent fault over TCP). All always
+# run; the target fails if any does. Each leaves its own reports/<run-id>/.
 test: setup
 	@rc=0; \
 	$(PY) -m pytest -m "not cluster and not slow and not gpu" -n 2 -p no:cacheprovider --kvchaos-seed $(SEED) $(PYTEST_ARGS) || rc=1; \
 	KVCHAOS_MATRIX_TRIALS=$(MATRIX_TRIALS) KVCHAOS_MATRIX_CLEAN_TRIALS=$(MATRIX_CLEAN_TRIALS) \
 	  $(PY) -m pytest -m "cluster and not slow and not gpu" -p no:cacheprovider --kvchaos-seed $(SEED) $(PYTEST_ARGS) || rc=1; \
+	$(PY) -m pytest $(TWO_HOSTS) -m "cluster and not slow and not gpu" -p no:cacheprovider --kvchaos-seed $(SEED) \
+	  --kvchaos-topology two-hosts --kvchaos-layouts mha-p1-fp32 $(PYTEST_ARGS) || rc=1; \
 	exit $$rc
+
+test-two-hosts: setup  # every default suite on the two-host topology (its SIGKILL check: PYTEST_ARGS="-m slow")
+	$(PY) -m pytest suites tests/test_two_hosts_live.py -m "cluster and not slow and not gpu" -p no:cacheprovider \
+	  --kvchaos-seed $(SEED) --kvchaos-topology two-hosts $(PYTEST_ARGS)
 
 test-matrix: setup  # the detection matrix at 5 mutated + 2 clean trials per class, on the profile's layouts
 	KVCHAOS_MATRIX_TRIALS=5 KVCHAOS_MATRIX_CLEAN_TRIALS=2 \

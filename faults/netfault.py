@@ -136,9 +136,10 @@ class NetworkFaults:
     def full(self, name: str) -> str:
         return f"{self.token}-{name}"
 
-    def add(self, name: str, listen_port: int, upstream_port: int, upstream_host: str = "127.0.0.1") -> str:
+    def add(self, name: str, listen_port: int, upstream_port: int, upstream_host: str = "127.0.0.1",
+            listen_host: str = "127.0.0.1") -> str:
         p = self.tp.create(upstream=f"{upstream_host}:{upstream_port}", name=self.full(name),
-                           listen=f"127.0.0.1:{listen_port}")
+                           listen=f"{listen_host}:{listen_port}")
         self._names[name] = {"listen": p.listen, "upstream": p.upstream}
         return f"http://{p.listen}"
 

@@ -24,8 +24,9 @@ from typing import Callable, Protocol, runtime_checkable
 class NetworkProxy(Protocol):
     """What the cluster needs from a network proxy (``faults.netfault.NetworkFaults`` is one)."""
 
-    def add(self, name: str, listen_port: int, upstream_port: int, upstream_host: str = "127.0.0.1") -> str:
-        """Proxy ``127.0.0.1:listen_port`` → ``upstream_host:upstream_port`` as ``name``; its URL."""
+    def add(self, name: str, listen_port: int, upstream_port: int, upstream_host: str = "127.0.0.1",
+            listen_host: str = "127.0.0.1") -> str:
+        """Proxy ``listen_host:listen_port`` → ``upstream_host:upstream_port`` as ``name``; its URL."""
 
     def describe(self) -> dict:
         """Proxy name -> {"listen", "upstream"} (recorded in ``Endpoints.proxies``)."""

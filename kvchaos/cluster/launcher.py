@@ -310,6 +310,9 @@ class Cluster(_ClusterAPI):
         rou = f"http://{LOOPBACK}:{r_port}"
         self.endpoints = Endpoints(router=rou, prefill=pre, decode=dec, bootstrap_port=boot_port)
         role_env = {"prefill": dict(env), "decode": dict(env)}
+        if self.hosts:  # the address SGLang advertises (bootstrap, Mooncake); its namespace has no route out
+            for role in role_env:
+                role_env[role]["SGLANG_HOST_IP"] = host[role]
         if spec.agent:
             # short path: a Unix socket path must stay under 108 bytes
             self.agent_dir = tempfile.mkdtemp(prefix=f"kvc-ag-{os.getpid()}-", dir="/tmp")
@@ -342,8 +345,14 @@ class Cluster(_ClusterAPI):
             extra = reserve_ports(3)
             self.ports += extra
             self.proxy = proxy_factory(spec.network_proxy, self.token)
-            r_pre = self.proxy.add("prefill", extra[0], p_port, host["prefill"])
-            r_dec = self.proxy.add("decode", extra[1], d_port, host["decode"])
+            # two hosts: the router's proxies listen on the bridge, where decode can reach them too —
+            # sglang-router hands decode the prefill URL's host as the bootstrap host, so prefill's
+            # bootstrap port is proxied there as well (same number)
+            on = self.hosts.host_ip if self.hosts else LOOPBACK
+            r_pre = self.proxy.add("prefill", extra[0], p_port, host["prefill"], listen_host=on)
+            r_dec = self.proxy.add("decode", extra[1], d_port, host["decode"], listen_host=on)
+            if self.hosts:
+                self.proxy.add("bootstrap", boot_port, boot_port, host["prefill"], listen_host=on)
             client = self.proxy.add("client", extra[2], r_port)
             self.endpoints.router_direct = rou
             self.endpoints.router = client
