@@ -26,7 +26,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-from .agent.net import PROTOCOL, AgentAddressError, parse_url
+from .agent.net import PROTOCOL, AgentAddressError, EventFiles, call_unix, parse_url
 from .base import Fault, FaultDidNotFire  # noqa: F401 - FaultDidNotFire is also faults.engine's
 
 
@@ -81,22 +81,7 @@ PARK_HOOKS = {"decode_prealloc": "DecodePreallocQueue._update_handshake_waiters"
 
 
 def _call(sock_path: str, req: dict, timeout: float = 10.0) -> dict:
-    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    s.settimeout(timeout)
-    try:
-        s.connect(sock_path)
-        s.sendall((json.dumps(req) + "\n").encode())
-        buf = b""
-        while not buf.endswith(b"\n"):
-            d = s.recv(1 << 20)
-            if not d:
-                break
-            buf += d
-    finally:
-        s.close()
-    if not buf:
-        raise AgentError(f"agent {sock_path} closed without a reply to {req.get('cmd')}")
-    out = json.loads(buf)
+    out = call_unix(sock_path, req, timeout)
     if not out.get("ok"):
         raise AgentError(f"agent {sock_path}: {out.get('error')}")
     return out
@@ -171,7 +156,7 @@ class AgentClient:
         self.timeout = timeout
         self._armed: dict[str, ArmedFault] = {}
         self._logged: set = set()
-        self._ecache: dict[str, tuple[int, list]] = {}  # events file -> (bytes parsed, records)
+        self._files = EventFiles(ctl_dir) if ctl_dir else None  # local: the agents' event files
         self._marks: dict[str, dict[str, int]] = {}  # remote: role -> {pid: last seq received}
         self._revents: dict[str, list] = {}  # remote: role -> events received
         self._unreachable: dict[str, str] = {}  # remote: role -> the last error reaching its gateway
@@ -300,23 +285,7 @@ class AgentClient:
         Remote: what each role's gateway read from those files on its host since the last call."""
         if self.remote:
             return self._remote_events(role)
-        out = []
-        for path in glob.glob(os.path.join(self.dir, "events-*.jsonl")):
-            off, parsed = self._ecache.get(path, (0, []))
-            try:
-                with open(path, "rb") as fh:
-                    fh.seek(off)
-                    chunk = fh.read()
-            except OSError:
-                chunk = b""
-            end = chunk.rfind(b"\n") + 1
-            for line in chunk[:end].splitlines():
-                try:
-                    parsed.append(json.loads(line))
-                except json.JSONDecodeError:
-                    continue
-            self._ecache[path] = (off + end, parsed)
-            out.extend(e for e in parsed if role is None or e.get("role") == role)
+        out = [e for e in self._files.read() if role is None or e.get("role") == role]
         return sorted(out, key=lambda e: (e["wall"], e.get("seq", 0)))
 
     def _remote_events(self, role: str | None) -> list[dict]:

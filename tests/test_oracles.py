@@ -286,3 +286,15 @@ def test_abort_semantics(case, status):
     if case == "error_and_abort_200":
         assert v.stats["outcomes"]["decode_waiting"] == {"rid": "r2", "status": 200, "finish_reason": "abort",
                                                           "held": True, "attempts": None, "text_chars": 1, "error": None}
+
+
+def test_aborted_replies_are_not_echo_evidence_on_any_endpoint():
+    """A reply finished by an abort is not held to echoing its canaries — /generate's
+    ``{"type": "abort"}`` and an OpenAI endpoint's ``"abort"`` alike; a cut short ``stop`` still is."""
+    base = clean_log()
+    for fr, counted in (({"type": "abort"}, False), ("abort", False), ("stop", True), ({"type": "stop"}, True)):
+        ev = base + [plan("ab", "tz", ["[ZZZZZZZZZZ]"]), {"ev": "status", "rid": "ab", "status": 200},
+                     {"ev": "body", "rid": "ab", "text": "", "meta": {"finish_reason": fr}},
+                     {"ev": "end", "rid": "ab", "outcome": "ok"}]
+        v = oracles.sensitivity(ev)
+        assert v.stats["eligible"] == oracles.sensitivity(base).stats["eligible"] + counted, (fr, v.stats)

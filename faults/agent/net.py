@@ -61,7 +61,9 @@ def bind_allowed(host: str, env=None) -> bool:
     return host not in ANY_HOST or env.get("KVCHAOS_AGENT_BIND_ALL") == "1"
 
 
-def _call_unix(path: str, req: dict, timeout: float) -> dict:
+def call_unix(path: str, req: dict, timeout: float) -> dict:
+    """One request to the agent listening on Unix socket ``path``; its reply (``ok`` False with the
+    ``error`` when it closed without one)."""
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     s.settimeout(timeout)
     try:
@@ -76,19 +78,23 @@ def _call_unix(path: str, req: dict, timeout: float) -> dict:
     finally:
         s.close()
     if not buf:
-        return {"ok": False, "error": f"agent {path} closed without a reply to {req.get('cmd')}"}
+        return {"ok": False, "error": f"closed without a reply to {req.get('cmd')}"}
     return json.loads(buf)
 
 
-class _LocalEvents:
-    """Incremental reader of the control directory's events files (those of dead processes too)."""
+class EventFiles:
+    """The agents' ``events-<pid>.jsonl`` files in one directory, read incrementally: only the bytes
+    appended since the last read are parsed (a line still being written waits for the next read);
+    those of dead processes stay. Used by the gateway on the engine's host and by a harness that
+    shares the host (``AgentClient`` with a control directory)."""
 
     def __init__(self, d: str):
         self.dir = d
         self.cache: dict[str, tuple[int, list]] = {}
         self.lock = threading.Lock()
 
-    def since(self, marks: dict) -> list[dict]:
+    def read(self) -> list[dict]:
+        """Every event of every file so far."""
         out = []
         with self.lock:
             for path in glob.glob(os.path.join(self.dir, "events-*.jsonl")):
@@ -106,10 +112,12 @@ class _LocalEvents:
                     except json.JSONDecodeError:
                         continue
                 self.cache[path] = (off + end, parsed)
-                for e in parsed:
-                    if e.get("seq", 0) > int(marks.get(str(e.get("pid")), 0)):
-                        out.append(e)
+                out.extend(parsed)
         return out
+
+    def since(self, marks: dict) -> list[dict]:
+        """The events past ``marks`` ({pid: last seq seen})."""
+        return [e for e in self.read() if e.get("seq", 0) > int(marks.get(str(e.get("pid")), 0))]
 
 
 def local_agents(d: str) -> list[dict]:
@@ -139,7 +147,7 @@ class Gateway:
         self.dir, self.host, self.port, self.role = ctl_dir, host, port, role
         self._token = token.encode()
         self.timeout = timeout
-        self.events = _LocalEvents(ctl_dir)
+        self.events = EventFiles(ctl_dir)
         self.server = None
         self._stop = threading.Event()
 
@@ -165,7 +173,7 @@ class Gateway:
             if a is None:
                 return {"ok": False, "error": f"{self.where()}: no live agent in process {req.get('pid')}"}
             try:
-                return _call_unix(a["sock"], req.get("req") or {}, self.timeout)
+                return call_unix(a["sock"], req.get("req") or {}, self.timeout)
             except (OSError, ValueError) as e:
                 return {"ok": False, "error": f"{self.where()}: agent {a['pid']}: {e!r}"}
         if cmd == "events":

@@ -257,9 +257,7 @@ def sensitivity(events: list[dict], echo_rate: float = ECHO_RATE, floor: Sensiti
         if rid in broken or not p.get("expect_echo") or p.get("oversized") or end.get("outcome") != "ok" \
                 or run.statuses.get(rid) != 200:
             continue
-        meta = (run.bodies.get(rid) or {}).get("meta") or {}
-        fr = (meta.get("finish_reason") or {}).get("type") if isinstance(meta.get("finish_reason"), dict) else None
-        if fr == "abort":
+        if _finish_type(run.bodies.get(rid) or {}) == "abort":  # /generate's {"type": ...} or OpenAI's string
             continue
         eligible += 1
         text = (run.bodies.get(rid) or {}).get("text") or ""
@@ -485,6 +483,8 @@ def kv_lifecycle(events: list[dict], tolerance_s: float = 0.0) -> Verdict:
 
 
 def _finish_type(body: dict):
+    """A reply's finish reason: /generate's ``meta_info.finish_reason.type``, or an OpenAI choice's
+    ``finish_reason`` string (the driver puts both in the body's meta)."""
     fr = (body.get("meta") or {}).get("finish_reason")
     return fr.get("type") if isinstance(fr, dict) else fr
 
