@@ -3,6 +3,10 @@
 Options
   --kvchaos-profile NAME|PATH   cluster profile (default: cpu)
   --kvchaos-attach  router=URL,prefill=URL,decode=URL   use running servers instead of launching
+                    [,prefill_agent=tcp://H:P,decode_agent=tcp://H:P]  their agent gateways
+                                (KVCHAOS_AGENT_TOKEN); process faults via KVCHAOS_K8S_* (faults/k8s.py)
+  --kvchaos-agent-channel unix|tcp   how the harness reaches a launched cluster's agents
+  --kvchaos-topology one-host|two-hosts   two-hosts: prefill and decode in network namespaces
   --kvchaos-reference URL       reference single server for differential checks in attach mode
   --kvchaos-model   tiny:SEED|DIR   override the profile's model
   --kvchaos-reports DIR         where run directories go (default: ./reports)
