@@ -115,6 +115,13 @@ class Registry:
         with self._lock:
             self._by_canary.setdefault(c, Minted(c, rid, tenant, source))
 
+    def add_text(self, text: str, rid: str | None, source: str) -> None:
+        """Every canary in ``text`` (a prompt sent outside a workload: probe measurements, harness
+        self-tests), so a reply that later recites it from stale KV names its origin instead of
+        counting as a canary nobody minted."""
+        for _at, c in find(text):
+            self.add(c, rid or "", None, source)
+
     def add_plans(self, plans: dict, source: str) -> None:
         """``plans``: rid -> plan record (the event log's ``plan`` events)."""
         for rid, p in plans.items():

@@ -298,3 +298,13 @@ def test_aborted_replies_are_not_echo_evidence_on_any_endpoint():
                      {"ev": "end", "rid": "ab", "outcome": "ok"}]
         v = oracles.sensitivity(ev)
         assert v.stats["eligible"] == oracles.sensitivity(base).stats["eligible"] + counted, (fr, v.stats)
+
+
+def test_canaries_sent_outside_a_workload_have_an_origin():
+    """A probe measurement's or a smoke test's prompt is registered by its text: a reply reciting one
+    of its canaries from stale KV names that origin instead of 'minted by nobody'."""
+    reg = canary.Registry()
+    (c,) = canary.mint(random.Random(9), 1)
+    reg.add_text(f"some words {c} more words", "probe-1", "probe measurement")
+    (m,) = reg.entries()
+    assert (m.canary, m.rid, m.source) == (c, "probe-1", "probe measurement")
