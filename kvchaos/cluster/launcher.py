@@ -23,9 +23,9 @@ import shutil
 import sys
 import tempfile
 import time
-from urllib.parse import urlsplit
 from dataclasses import dataclass, field
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import httpx
 
