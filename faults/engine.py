@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 from .agent.net import PROTOCOL, AgentAddressError, EventFiles, call_unix, parse_url
+from .agent.scheduler import PARK_STAGES
 from .base import Fault, FaultDidNotFire  # noqa: F401 - FaultDidNotFire is also faults.engine's
 
 
@@ -74,10 +75,8 @@ class GatewayClient:
         return out
 
 
-# the hook that holds a request at each ``park`` stage (faults/agent/scheduler.py PARK_STAGES)
-PARK_HOOKS = {"decode_prealloc": "DecodePreallocQueue._update_handshake_waiters",
-              "prefill_waiting": "Scheduler.get_new_batch_prefill",
-              "decode_waiting": "_get_new_prebuilt_batch"}
+# the hook that holds a request at each ``park`` stage (the agent's own table)
+PARK_HOOKS = {stage: hook for stage, (_role, hook, _what) in PARK_STAGES.items()}
 
 
 def _call(sock_path: str, req: dict, timeout: float = 10.0) -> dict:

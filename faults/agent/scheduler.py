@@ -78,12 +78,15 @@ def _timeout_off(agent, f: dict):
 
 
 # ---------------------------------------------------------------- park: a request held at a queue stage
-# stage -> (role, what it holds)
+# stage -> (role, the hook that holds it there, what it holds)
 PARK_STAGES = {
-    "decode_prealloc": ("decode", "after the handshake, before decode pre-allocates its pages (prefill "
-                                  "waits in its bootstrap queue: decode has sent no metadata)"),
-    "prefill_waiting": ("prefill", "bootstrapped, in prefill's waiting queue, not yet prefilled"),
-    "decode_waiting": ("decode", "its KV received, in decode's waiting queue, not yet decoding"),
+    "decode_prealloc": ("decode", "DecodePreallocQueue._update_handshake_waiters",
+                        "after the handshake, before decode pre-allocates its pages (prefill waits in its "
+                        "bootstrap queue: decode has sent no metadata)"),
+    "prefill_waiting": ("prefill", "Scheduler.get_new_batch_prefill",
+                        "bootstrapped, in prefill's waiting queue, not yet prefilled"),
+    "decode_waiting": ("decode", "_get_new_prebuilt_batch",
+                       "its KV received, in decode's waiting queue, not yet decoding"),
 }
 
 
@@ -96,13 +99,19 @@ def _finished(req) -> bool:
     return getattr(req, "finished_reason", None) is not None or getattr(req, "to_finish", None) is not None
 
 
+def _park_active(A) -> bool:
+    """A ``park`` fault is armed or a request is still held: only then do the scheduler hooks look at
+    their queues (they run every scheduler iteration)."""
+    return A is not None and (bool(A.state("parked", dict)) or any(f["kind"] == "park" for f in list(A.faults.values())))
+
+
 def _parked(req, stage: str) -> bool:
     """Whether ``req`` is held at ``stage`` now. The first time a ``park`` fault of that stage matches
     it: ``fault_fired`` phase ``held``; it is let go once the harness releases it, the fault is healed,
     or the request has finished (an abort reached it): phase ``released``. Never blocks: the
     scheduler keeps running (and ingesting aborts) while the request waits."""
     A = _ctl.AGENT
-    if A is None or (not A.faults and not A.state("parked", dict)):
+    if not _park_active(A):
         return False
     rid, room = getattr(req, "rid", None), getattr(req, "bootstrap_room", None)
     table = A.state("parked", dict)
@@ -128,8 +137,7 @@ def _hide_parked(queue_attr: str, stage: str):
     may have replaced the list)."""
     def make(orig):
         def wrapper(self, *a, **k):
-            A = _ctl.AGENT
-            if A is None or _ctl.ROLE != PARK_STAGES[stage][0] or (not A.faults and not A.state("parked", dict)):
+            if _ctl.ROLE != PARK_STAGES[stage][0] or not _park_active(_ctl.AGENT):
                 return orig(self, *a, **k)
             q = getattr(self, queue_attr)
             held = [r for r in q if _parked(r, stage)]
@@ -151,8 +159,7 @@ def _make_handshake(orig):
     its pages nor sends prefill the metadata; the poll sets it True again on the next pass."""
     def _update_handshake_waiters(self, *a, **k):
         out = orig(self, *a, **k)
-        A = _ctl.AGENT
-        if A is not None and (A.faults or A.state("parked", dict)):
+        if _park_active(_ctl.AGENT):
             for dr in list(getattr(self, "queue", ())):
                 if getattr(dr, "waiting_for_input", False) and _parked(dr.req, "decode_prealloc"):
                     dr.waiting_for_input = False
