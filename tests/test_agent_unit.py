@@ -276,7 +276,7 @@ def test_subsystem_modules_declare_the_kinds_and_hooks_read_the_live_agent(agent
     """faults.agent is a package, one module per SGLang subsystem; its KINDS / MUTATIONS / HOOKS are
     assembled from them, and ``faults.agent.AGENT`` is a live view of ``control.AGENT`` (what every
     hook reads at call time — the fixture set it through ``faults.agent``)."""
-    from faults.agent import allocator, cache, control, retraction, scheduler, transfer
+    from faults.agent import allocator, cache, control, provenance, retraction, scheduler, transfer
 
     assert agent_mod.AGENT is agent and control.AGENT is agent
     assert set(agent_mod.KINDS) == {"delay", "fail", "short", "hold", "stall_status_read", "reject_admitted",
@@ -284,7 +284,7 @@ def test_subsystem_modules_declare_the_kinds_and_hooks_read_the_live_agent(agent
                                     "deferred_release_timeout", "retract", "park", "chunked_prefill"}
     assert set(agent_mod.MUTATIONS) == {"reject_admitted", "early_free", "double_alloc", "input_limit", "salt_ignored",
                                         "deferred_release_timeout", "retract", "chunked_prefill"}
-    mods = (transfer, scheduler, allocator, cache, retraction)
+    mods = (transfer, scheduler, allocator, cache, retraction, provenance)
     # a module two subsystems hook gets one hook running both, in table order
     want = {}
     for m in mods:

@@ -33,6 +33,10 @@ module           what
                  used, cached tokens); mutations ``salt_ignored``, ``prefix_collision``
 ``retraction``   decode retraction: ``kv_retracted`` / ``kv_resumed`` evidence (the restored KV read
                  back and compared with the host copy); setting ``retract`` (test trigger, reservation)
+``provenance``   decode's KV page holders (decode only): page id -> rid of the request that last held
+                 it, from decode's pre-allocation and every decode step; ``kv_prealloc`` evidence
+                 (the request's pages and, run-length, who held them before) — whose data sits in a
+                 page a request reads but its transfer never wrote
 ``net``          the TCP gateway: the server's agents and their events for a harness on another host
 ``__init__``     ``boot``, the ``HOOKS`` table assembled from the modules, the import machinery
 ================ =====================================================================================
@@ -132,6 +136,7 @@ from . import scheduler
 from . import allocator
 from . import cache
 from . import retraction
+from . import provenance
 from .allocator import _hook_allocator, _hook_paged_allocator, _shared, _swallow, _whole_pages
 from .control import (
     KINDS,
@@ -192,7 +197,7 @@ def _merged(*tables) -> dict:
 
 
 # module name -> hook, in the order the original single-module table had them
-HOOKS = _merged(transfer.HOOKS, scheduler.HOOKS, allocator.HOOKS, cache.HOOKS, retraction.HOOKS)
+HOOKS = _merged(transfer.HOOKS, scheduler.HOOKS, allocator.HOOKS, cache.HOOKS, retraction.HOOKS, provenance.HOOKS)
 
 
 # ================================================================== import machinery
