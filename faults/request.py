@@ -22,7 +22,8 @@ def plant_leak(victim, donor, log=None) -> dict:
     head, tail = victim.prompt[:-1 - MIN_TAIL], victim.prompt[-1 - MIN_TAIL:]
     victim.prompt = head + " " + donor_text + " " + tail
     victim.n_tokens = len(victim.prompt)
-    victim.max_new_tokens += sum(len(c) for c in donor.canaries)
+    # the victim keeps the budget its own plan gave it (room for two foreign canaries beyond its own,
+    # kvchaos.probe.max_new_tokens): a planted leak is seen with exactly what a real victim gets
     victim.extra["planted_from"] = donor.rid
     rec = {"type": "planted_leak", "victim": victim.rid, "donor": donor.rid, "donor_tenant": donor.tenant,
            "victim_tenant": victim.tenant, "canaries": list(donor.canaries)}

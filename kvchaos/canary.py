@@ -39,6 +39,18 @@ def trigrams(s: str) -> set[str]:
     return {s[i:i + 3] for i in range(len(s) - 2)}
 
 
+def canary_shaped(piece: str, width: int = 8) -> bool:
+    """Could ``piece`` (characters of the alphabet) be part of a recited canary: some ``width``
+    characters of it without a repeated trigram (:func:`mint` never makes a canary with one). A run
+    of one repeated character is a model's degenerate output, not a canary."""
+    for i in range(len(piece) - width + 1):
+        w = piece[i:i + width]
+        grams = [w[j:j + 3] for j in range(len(w) - 2)]
+        if len(set(grams)) == len(grams):
+            return True
+    return False
+
+
 def mint(rng: random.Random, n: int = 1, distinct_first: bool = True, avoid_first=(), beside=()) -> list[str]:
     """``n`` fresh canaries minted together (for one request).
 
@@ -97,23 +109,37 @@ def is_canary(s: str) -> bool:
 
 
 class Registry:
-    """Every canary minted in this process (the session), with the request it was minted for.
+    """Canaries with the request each was minted for: what a judgement knows was minted.
 
-    The isolation oracle scans replies against the whole registry, not only the canaries of the
-    event log it judges: a canary of an earlier test, another wave or the self-test turning up in a
-    reply is a leak too. Thread-safe; ``kvchaos.workload.Workload`` registers what it mints."""
+    The isolation checker scans replies against the registry it is handed, not only the canaries of
+    the history it judges: a canary of an earlier experiment, another wave or the self-test turning
+    up in a reply is a leak too, with its owner named. Nothing fills a registry behind anyone's
+    back: the pytest plugin keeps one per session (fixture ``kvchaos_canaries``) and every experiment
+    adds its plans to the one it is given; harness prompts sent outside an experiment (smoke, probe
+    measurements) are added by whoever sends them; ``kvchaos judge`` builds one from the logs it
+    is given. Thread-safe."""
 
     def __init__(self):
         import threading
 
         self._lock = threading.Lock()
         self._by_canary: dict[str, Minted] = {}
+        self._carriers: dict[str, set] = {}
 
     def add(self, c: str, rid: str, tenant: str | None, source: str) -> None:
+        """``c`` was sent in ``rid``'s prompt (the first request that carried it stays its owner)."""
         if not is_canary(c):
             raise ValueError(f"not a canary: {c!r} (expected [ + 10 of {ALPHABET} + ])")
         with self._lock:
             self._by_canary.setdefault(c, Minted(c, rid, tenant, source))
+            if rid:
+                self._carriers.setdefault(c, set()).add(rid)
+
+    def carriers(self, c: str) -> set:
+        """Every request that carried ``c`` in its prompt (a conversation's turns, a tenant's system
+        prompt): any of them may have left it in the engines' pages."""
+        with self._lock:
+            return set(self._carriers.get(c, ()))
 
     def add_text(self, text: str, rid: str | None, source: str) -> None:
         """Every canary in ``text`` (a prompt sent outside a workload: probe measurements, harness
@@ -127,6 +153,11 @@ class Registry:
         for rid, p in plans.items():
             for c in p.get("canaries") or []:
                 self.add(c, rid, p.get("tenant"), source)
+
+    def carried_by(self, rid: str) -> set:
+        """The canaries ``rid`` carried in its prompt."""
+        with self._lock:
+            return {c for c, rids in self._carriers.items() if rid in rids}
 
     def entries(self) -> list["Minted"]:
         with self._lock:
@@ -146,6 +177,3 @@ class Minted:
     tenant: str | None
     source: str
 
-
-SESSION = Registry()
-"""The process-wide registry: what ``Workload`` minted in this session."""

@@ -25,20 +25,23 @@ key has a flag: profile model reports suites markers k attach backends verbose p
 strict timeout releases trials release_table lb_probe lb_disconnect_ms deployment seed. An unknown key is an error naming it.
 
 Exit status: ``run``/``repro`` pytest's; ``bisect`` 0 every trial measured, 3 some not; ``audit`` 0 no FAIL, 1 FAIL (``--strict``: or UNKNOWN);
-``report`` 0 pass or accepted KNOWN only, 1 fail, 3 unknown or no chaos verdict; ``replay`` 0 every repetition
+``report`` 0 pass or accepted KNOWN only, 1 fail, 3 unknown or no chaos verdict (``kvchaos.policy.EXIT``); ``replay`` 0 every repetition
 reproduced, 1 not; ``shrink`` 0 shrunk, 1 the failure did not re-run; ``digests`` 0 no scenario's plans differ between the runs, 1 some do; ``soak`` 0 no test red
 in any run, 1 otherwise; ``judge`` 0 every log PASS (or KNOWN accepted), 1 any log FAIL,
 3 otherwise (UNKNOWN, or KNOWN not accepted); 2 for bad input everywhere.
 
-``judge``: each log is judged on its own by the policy (every checker held to not-FAIL, isolation also
-to not-UNKNOWN, other UNKNOWNs informational — nothing to judge; ``--checkers`` names the ones to run and each must then PASS), but
-the canaries minted in any of the given logs are known to all of them: another log's canary in a reply
-is a leak with origin ``session (<file>)``, a well-formed canary minted in none is of unknown origin.
-Known findings apply only when the log's ``experiment`` header names the engine version. A log that
-cannot be read, a line that is not a JSON object (``file:line``), a record without ``ev``, a plan
-without a rid or with a malformed canary, a rid planned twice, or a log without plans is bad input
-(exit 2, nothing judged). A truncated LAST line (a crash mid-write) is a warning on stderr and the
-rest of the log is judged: it is at most one lost record.
+``judge``: each log is read by the one loader (``kvchaos.history``) and judged on its own by the policy
+(``kvchaos.policy``): the default checkers (``--checkers`` names the ones to run, each then required to
+PASS) plus every leak checker that always runs (isolation, kv_lifecycle, retraction: no flag switches
+one off; one not named is "not claimed" — its FAIL is red, its UNKNOWN shown). Every FAIL is red;
+isolation must PASS unless not claimed. The canaries minted in any of the given logs are known to all
+of them: another log's canary in a reply is a leak with origin ``session (<file>)``; a recital of a
+canary minted in none is of unknown origin. Known findings apply only when the log's ``experiment``
+header names the engine version. A log that cannot be read, a line that is not a JSON object
+(``file:line``), a key given twice in one record, a record without ``ev``, a second plan / send /
+body / end or final status for one rid, a plan without a rid or with a malformed canary, or a log
+without plans is bad input (exit 2, nothing judged). A cut LAST line (a crash mid-write) makes the log
+incomplete: it is judged, but nothing in it can PASS (a lost record could have been the leak).
 """
 
 from __future__ import annotations
@@ -441,102 +444,27 @@ def cmd_report(args) -> int:
 JUDGE_WITNESSES = 3  # witnesses printed per verdict (--json has them all)
 
 
-def _load_log(path: str) -> tuple[list[dict], list[str]]:
-    """The records of one event log, checked; (events, warnings). Bad input raises UsageError."""
-    p = Path(path)
-    if not p.exists():
-        raise UsageError(f"judge: {path}: no such file")
-    if p.is_dir():
-        raise UsageError(f"judge: {path}: is a directory, not an event log")
+def _load_history(path: str):
+    """One event log, read and validated by the one loader (kvchaos.history): bad input is exit 2."""
+    from kvchaos.history import HistoryError, load
+
     try:
-        text = p.read_bytes().decode("utf-8")
-    except OSError as e:
-        raise UsageError(f"judge: {path}: cannot read: {e.strerror or e}")
-    except UnicodeDecodeError as e:
-        raise UsageError(f"judge: {path}: not a UTF-8 text file (byte {e.start}): not an event log")
-    lines = text.splitlines()
-    last = max((i for i, x in enumerate(lines) if x.strip()), default=-1)
-    events, warnings, planned = [], [], {}
-    for i, line in enumerate(lines):
-        if not line.strip():
-            continue
-        where = f"{path}:{i + 1}"
-        try:
-            e = json.loads(line)
-        except json.JSONDecodeError as err:
-            if i == last:  # a crash mid-write loses at most this line (EventLog writes whole lines)
-                warnings.append(f"{where}: truncated last line ignored ({err.msg}): a crash mid-write? "
-                                "the rest of the log is judged")
-                continue
-            raise UsageError(f"judge: {where}: not JSON: {err.msg} (column {err.colno})")
-        if not isinstance(e, dict):
-            raise UsageError(f"judge: {where}: not a JSON object but {type(e).__name__}: not an event record")
-        if not isinstance(e.get("ev"), str) or not e["ev"]:
-            raise UsageError(f"judge: {where}: record without \"ev\" (every event record names its type)")
-        _check_record(e, where, planned)
-        events.append(e)
-    if not events:
-        raise UsageError(f"judge: {path}: empty log: no event records")
-    if not planned:
-        raise UsageError(f"judge: {path}: no requests to judge (no \"plan\" events among {len(events)} records)")
-    if not any(e["ev"] == "experiment" for e in events):
+        h = load(path)
+    except HistoryError as e:
+        raise UsageError(f"judge: {e}") from None
+    if not h.plans:
+        raise UsageError(f"judge: {path}: no requests to judge (no \"plan\" events among {len(h.records)} records)")
+    warnings = list(h.warnings)
+    if not h.header:
         warnings.append(f"{path}: no \"experiment\" header: engine version unknown, known findings not applied")
-    return events, warnings
+    return h, warnings
 
 
-def _check_record(e: dict, where: str, planned: dict) -> None:
-    """The fields the oracles read, with the types they need (a clear message, never a traceback)."""
-    from kvchaos import canary
-
-    ev = e["ev"]
-    if ev == "plan":
-        rid = e.get("rid")
-        if not isinstance(rid, str) or not rid:
-            raise UsageError(f"judge: {where}: plan without a rid" + ("" if rid is None else f" (rid = {rid!r})"))
-        if rid in planned:
-            raise UsageError(f"judge: {where}: rid {rid!r} planned twice (first at line {planned[rid]})")
-        planned[rid] = where.rsplit(":", 1)[1]
-        cs = e.get("canaries")
-        well_formed = isinstance(cs, list) and all(isinstance(c, str) and canary.is_canary(c) for c in cs)
-        if cs is not None and not well_formed:
-            raise UsageError(f"judge: {where}: plan {rid}: canaries must be a list of canaries "
-                             f"([ + 10 of {canary.ALPHABET} + ]), got {cs!r}"[:300])
-    elif ev == "body":
-        for k in ("text", "error", "raw"):
-            if e.get(k) is not None and not isinstance(e[k], str):
-                raise UsageError(f"judge: {where}: body of {e.get('rid')}: {k!r} must be a string, "
-                                 f"got {type(e[k]).__name__}")
-    elif ev == "status":
-        st = e.get("status")
-        if st is not None and (not isinstance(st, int) or isinstance(st, bool)):
-            raise UsageError(f"judge: {where}: status of {e.get('rid')}: not an HTTP status: {st!r}")
-    elif ev == "end":
-        lat = e.get("latency_s")
-        if lat is not None and (not isinstance(lat, (int, float)) or isinstance(lat, bool)):
-            raise UsageError(f"judge: {where}: end of {e.get('rid')}: latency_s must be a number, got {lat!r}")
-
-
-def _witness_line(w: dict) -> str:
-    if "victim_rid" in w:
-        s = f"victim {w['victim_rid']} ({w.get('victim_tenant')}) holds {w.get('matched')!r} ({w.get('match')})"
-        if w.get("owner_rid"):
-            s += f" of owner {w['owner_rid']} ({w.get('owner_tenant')}), origin {w.get('origin')}"
-        else:
-            s += ": canary of unknown origin (minted in none of the judged logs)"
-        s += f"; HTTP {w.get('status')}, {w.get('outcome')}"
-        s += "" if w.get("complete", True) else ", stream incomplete"
-        return s
-    keep = ("rid", "tenant", "problem", "outcome", "status", "latency_s", "missing", "room", "pages",
-            "after_release_ms", "kv_used_before", "kv_used_after", "error")
-    s = ", ".join(f"{k}={w[k]}" for k in keep if w.get(k) is not None)
-    return (s or json.dumps(w, default=str))[:240]
-
-
-def _judge_checkers(names: list[str] | None, bound_s: float, registry):
+def _judge_checkers(names: list[str] | None, bound_s: float):
+    """The default checkers (or those named), and the names they claim."""
     from kvchaos import oracles
 
-    checks = [oracles.Isolation(registry=registry) if c.name == "isolation" else c
-              for c in oracles.default_checkers(bound_s=bound_s).checkers]
+    checks = oracles.default_checkers(bound_s=bound_s).checkers
     if names is None:
         return oracles.compose(*checks)
     by = {c.name: c for c in checks}
@@ -637,8 +565,9 @@ def cmd_soak(args) -> int:
 
 
 def cmd_judge(args) -> int:
-    from kvchaos import oracles
-    from kvchaos.policy import KNOWN, Context, Policy, PolicyError
+    from kvchaos import canary, oracles
+    from kvchaos.history import render_witness
+    from kvchaos.policy import KNOWN, Context, Policy, PolicyError, exit_code, merge
 
     if not args.bound_s > 0:
         raise UsageError(f"judge: --bound-s must be > 0, got {args.bound_s}")
@@ -651,59 +580,63 @@ def cmd_judge(args) -> int:
         seen[key] = path
     logs, warnings = {}, {}
     for path in args.logs:  # every log is read and checked before any is judged
-        logs[path], warnings[path] = _load_log(path)
+        logs[path], warnings[path] = _load_history(path)
     # every canary minted in any given log: a canary of another log in a reply is a leak naming that log
-    from kvchaos import canary
-
     reg = canary.Registry()
-    for path, evs in logs.items():
-        reg.add_plans({e["rid"]: e for e in evs if e["ev"] == "plan"}, path)
+    for path, h in logs.items():
+        reg.add_plans(h.plans, path)
     try:
         policy = Policy(accept_known=bool(args.accept_known))
     except PolicyError as e:
         raise UsageError(f"judge: {e}")
 
     results = []
-    for path, events in logs.items():
-        run = oracles.Run(events)
+    for path, h in logs.items():
         for w in warnings[path]:
             print(f"kvchaos: warning: {w}", file=sys.stderr)
+        for w in h.problems:
+            print(f"kvchaos: history incomplete: {w}", file=sys.stderr)
+        # what was asked for, plus every leak checker that always runs (no flag switches one off)
+        checks, claimed = policy.checks(_judge_checkers(names, args.bound_s))
         required = {n: oracles.PASS for n in names} if names else {}
+        engine_errors = h.by_ev.get("engine_error", [])
+        verdicts = policy.gate(checks.check(h, reg), h)
         try:
-            verdicts = _judge_checkers(names, args.bound_s, reg).check(events)
-            engine_errors = [e for e in events if e["ev"] == "engine_error"]
-            j = policy.judge(verdicts, Context.of(events, engine_errors), required=required, every_fail_counts=True)
-        except Exception as e:  # noqa: BLE001 - a record the checks above let through: bad input, no traceback
-            raise UsageError(f"judge: {path}: cannot judge this log: {type(e).__name__}: {e}")
-        results.append((path, events, j, len(run.plans)))
+            j = policy.judge(verdicts, Context.of(h, engine_errors, reg), required=required, claimed=claimed,
+                             every_fail_counts=True)
+        except PolicyError as e:
+            raise UsageError(f"judge: {path}: {e}")
+        results.append((path, h, j))
 
-    def code(j) -> int:
-        return 1 if j.status == oracles.FAIL else (3 if j.red else 0)
-
-    rc = max((code(j) for _p, _e, j, _n in results), key=lambda c: (c == 1, c == 3))
+    status = merge(j.status for _p, _h, j in results)
+    rc = exit_code(status)
     if args.json:
-        out = {"logs": [], "exit_code": rc,
-               "status": {0: "pass", 1: "fail", 3: "unknown"}[rc], "accept_known": bool(args.accept_known),
-               "checkers": names or [c.name for c in oracles.default_checkers().checkers], "bound_s": args.bound_s}
-        for path, events, j, n in results:
-            out["logs"].append({"file": path, "engine": j.ctx.engine, "version": j.ctx.version, "requests": n,
-                                "status": j.status, "red": bool(j.red), "exit_code": code(j),
-                                "warnings": warnings[path], **{k: v for k, v in j.to_dict().items() if k != "status"}})
+        out = {"logs": [], "exit_code": rc, "status": status, "accept_known": bool(args.accept_known),
+               "checkers": [c.name for c in _judge_checkers(names, args.bound_s).checkers], "bound_s": args.bound_s}
+        for path, h, j in results:
+            out["logs"].append({"file": path, "engine": j.ctx.engine, "version": j.ctx.version, "schema": h.schema,
+                                "requests": len(h.plans), "warnings": warnings[path], **j.to_dict()})
         print(json.dumps(out, indent=2, default=str))
         return rc
-    for path, events, j, n in results:
+    for path, h, j in results:
         eng = f"{j.ctx.engine} {j.ctx.version}" if j.ctx.version else f"{j.ctx.engine}, version unknown"
-        print(f"== {path} ({n} requests; {eng})")
+        print(f"== {path} ({len(h.plans)} requests; {eng})")
+        for p in j.problems:
+            print(f"  history incomplete: {p}")
         for i in j.items:
             v = i.verdict
             print(f"  {v}")
             if i.finding:
                 print(f"    KNOWN {i.finding.id}: {i.finding.title} "
                       f"({'accepted' if i.accepted else 'not accepted: --accept-known'})")
+            elif i.note:
+                print(f"    ({i.note})")
             elif i.outcome == "ok" and v.status != oracles.PASS:
                 print("    (informational: does not decide this log's status)")
+            if i.not_known:
+                print(f"    not a known finding: {i.not_known[:300]}")
             for w in v.witnesses[:JUDGE_WITNESSES]:
-                print(f"    witness: {_witness_line(w)}")
+                print(f"    witness: {render_witness(w)}")
             if len(v.witnesses) > JUDGE_WITNESSES:
                 print(f"    ... and {len(v.witnesses) - JUDGE_WITNESSES} more (--json has every witness)")
         st = j.status.upper()
@@ -712,7 +645,7 @@ def cmd_judge(args) -> int:
                                   for i in j.known)
         print(f"  status: {st}")
     counts = {}
-    for _p, _e, j, _n in results:
+    for _p, _h, j in results:
         counts[j.status] = counts.get(j.status, 0) + 1
     print(f"kvchaos judge: {len(results)} log{'s' if len(results) != 1 else ''}: "
           + ", ".join(f"{k} {n}" for k, n in sorted(counts.items())) + f" (exit {rc})")

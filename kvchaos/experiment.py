@@ -33,8 +33,9 @@ import uuid
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from kvchaos import oracles
+from kvchaos import canary, oracles
 from kvchaos.cluster.dry import DryRun  # noqa: F401 - raised on entering a dry run's experiment
+from kvchaos.history import SCHEMA, History, HistoryError
 from kvchaos.cluster.layouts import DEFAULT_LAYOUT
 from kvchaos.oracles import FAIL, PASS, UNKNOWN  # noqa: F401 - re-exported for suites
 from kvchaos.policy import KNOWN, Context, Judgement, Policy
@@ -81,12 +82,17 @@ class Experiment:
                  drive=None, path: str | Path | None = None, model_name: str | None = None,
                  policy: Policy | None = None, probe_before: bool = True, via: str = "router",
                  run_seed: int | None = None, dry: bool = False, record: bool = True,
-                 shrink: dict | None = None):
-        if not isinstance(checks, oracles.Composite):
-            checks = oracles.compose(*checks)
+                 shrink: dict | None = None, canaries: canary.Registry | None = None, attempt: int = 1):
         if not name or any(c in name for c in "/\\"):
             raise ValueError(f"experiment name {name!r}: non-empty, no path separators")
-        self.name, self.plans, self.checks = name, list(plans), checks
+        self.policy = policy or Policy()
+        # the checkers asked for, plus every leak checker that always runs (the policy says which)
+        self.checks, self.claimed = self.policy.checks(checks)
+        self.name, self.plans = name, list(plans)
+        # every canary sent to this cluster (handed to the checkers): this experiment's join it on entry
+        if canaries is None:
+            canaries = getattr(cluster, "canaries", None)
+        self.canaries = canaries if isinstance(canaries, canary.Registry) else canary.Registry()
         self.cluster, self.faults, self.run_dir = cluster, faults, Path(run_dir)
         self.test_id, self.seed, self.run_seed, self.dry = test_id, seed, run_seed, dry
         # record: write the verdicts file and the experiments.jsonl line (a shrink attempt does not);
@@ -96,7 +102,6 @@ class Experiment:
         self.plans_digest = plans_digest(self.plans)
         self.concurrency, self.timeout_s, self.settle_s = concurrency, timeout_s, settle_s
         self.drive_fn, self.model_name, self.probe_before = drive, model_name, probe_before
-        self.policy = policy or Policy()
         if via not in VIAS:
             raise ValueError(f"via={via!r}: one of {', '.join(VIAS)}")
         self.via = via
@@ -110,6 +115,9 @@ class Experiment:
         self.verdicts: list[oracles.Verdict] = []
         self.judgement: Judgement | None = None
         self.engine_errors: list[dict] = []
+        self.history: History | None = None
+        self.attempt = attempt  # 2: a re-run after an accepted engine failure blinded the first
+        self.history_error: str | None = None
         self.judged = False
         self._during: During | None = None
         self.t_start = None
@@ -129,11 +137,13 @@ class Experiment:
             # OpenAI endpoints name the model: the one decode serves
             self.model_name = server_field(self.cluster.server_info("decode"), "served_model_name")
         _engine_errors(self.cluster)  # what happened before this experiment is not its own
+        self.canaries.add_plans({p.rid: {"canaries": p.canaries, "tenant": p.tenant} for p in self.plans},
+                                f"experiment {self.name}")
         self.log = EventLog(self.path)
-        self.log.emit("experiment", id=self.id, name=self.name, test=self.test_id, seed=self.seed,
+        self.log.emit("experiment", schema=SCHEMA, id=self.id, name=self.name, test=self.test_id, seed=self.seed,
                       run_seed=self.run_seed, plans_digest=self.plans_digest, n=len(self.plans),
                       concurrency=self.concurrency, timeout_s=self.timeout_s, engine=_engine(self.cluster), layout=_layout(self.cluster), via=self.via,
-                      checkers=[repr(c) for c in self.checks.checkers])
+                      checkers=[repr(c) for c in self.checks.checkers], claimed=sorted(self.claimed))
         if self.probe_before:
             snapshot(self.cluster, self.log, "before", answer=False, settle_s=self.settle_s)
         return self
@@ -186,8 +196,13 @@ class Experiment:
                 self.log.emit("engine_error", **{k: v for k, v in e.items() if k != "healed"})
         finally:
             self.log.close()
-        self.verdicts = self.policy.gate(self.checks.check(self.log.records))
-        self._record(self.policy.judge(self.verdicts, self.context()))
+        try:
+            self.history = History(self.log.records, source=str(self.path))
+        except HistoryError as e:  # e.g. a record written twice: every checker says it cannot judge
+            self.history, self.history_error = None, str(e)
+        self.verdicts = self.policy.gate(self.checks.check(self.history or self.log.records, self.canaries),
+                                         self.history)
+        self._record(self.policy.judge(self.verdicts, self.context(), claimed=self.claimed))
         for v in self.verdicts:
             print(v)
         if self.shrink is not None:
@@ -210,21 +225,27 @@ class Experiment:
         return self.log.records
 
     @property
-    def run(self) -> oracles.Run:
-        return oracles.Run(self.log.records)
+    def run(self) -> History:
+        """The judged history (after the with block), else the records so far, indexed."""
+        return self.history or History(self.log.records, source=str(self.path))
 
     @property
     def by(self) -> dict[str, oracles.Verdict]:
         return {v.oracle: v for v in self.verdicts}
 
     def context(self) -> Context:
-        return Context.of(self.log.records, self.engine_errors)
+        if self.history is None:
+            head = next((e for e in self.log.records if e.get("ev") == "experiment"), {})
+            eng = head.get("engine") or {}
+            return Context(None, eng.get("name") or "sglang", eng.get("version"), list(self.engine_errors),
+                           self.canaries)
+        return Context.of(self.history, self.engine_errors, self.canaries)
 
     def judge(self, planted: str | None = None, **wanted) -> Judgement:
         """The policy's judgement with these required statuses (``isolation=PASS``, or ``FAIL`` for
         a bug planted on purpose — say what with ``planted``); recorded, never raises."""
         self._check_ran()
-        j = self.policy.judge(self.verdicts, self.context(), wanted, planted=planted)
+        j = self.policy.judge(self.verdicts, self.context(), wanted, planted=planted, claimed=self.claimed)
         self._record(j)
         self.judged = True
         return j
@@ -264,7 +285,9 @@ class Experiment:
         rec = {"id": self.id, "name": self.name, "test": self.test_id, "engine": ctx.engine, "version": ctx.version,
                "kv_layout": self.kv_layout, "seed": self.seed, "run_seed": self.run_seed,
                "plans_digest": self.plans_digest, "n": len(self.plans),
-               "status": j.status, "planted": j.planted, "known": sorted({i.finding.id for i in j.known}),
+               "status": j.status, "exit_code": j.exit_code, "planted": j.planted,
+               "known": sorted({i.finding.id for i in j.known}), "problems": j.problems,
+               "attempt": self.attempt,
                "accepted": sorted({i.finding.id for i in j.known if i.accepted}),
                "verdicts": {i.verdict.oracle: i.verdict.status for i in j.items},
                "required": {i.verdict.oracle: i.wanted for i in j.items if i.wanted},

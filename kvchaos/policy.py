@@ -1,21 +1,32 @@
-"""Verdict policy: what a run's verdicts mean for red or green, and the known engine findings.
+"""Verdict policy — the one place that decides what verdicts mean: which checkers always run, what is
+a leak, how verdicts merge into an experiment's and a run's status, which exit code that is, and when
+a verdict is a known engine finding.
 
-Every checker says PASS, FAIL or UNKNOWN. A non-PASS verdict is **KNOWN** only when it matches an
-entry of the findings registry (``kvchaos/findings.toml``: data, not code) for the engine and
-version that ran, with every witness matching the entry's signature. Then:
+Every checker says PASS, FAIL or UNKNOWN and declares (its class attribute ``leak``) whether its FAIL
+is a leak. Here:
 
-* a run is red on any FAIL or UNKNOWN that is not KNOWN;
-* KNOWN is red too unless accepted (``--kvchaos-accept-known`` or the profile's ``[policy]
-  accept_known``: ``true`` or a list of finding ids); accepted KNOWN is its own outcome (terminal
-  ``K``, JUnit ``skipped`` with the finding id, report.html) — never PASS;
-* a finding is matched per verdict and per checker: a liveness finding cannot make an isolation,
-  kv_lifecycle or differential FAIL or an isolation UNKNOWN anything but red;
-* a leak-judging checker (isolation, kv_lifecycle, differential) that FAILs is red even when the
-  test did not ask for it; isolation UNKNOWN is red too unless a blind model was declared;
-* a self-test that did not catch its planted leak makes isolation UNKNOWN in every experiment of
-  the session (red) unless a blind model was declared;
-* a listed finding that a test exercising it did not reproduce is reported ("did not reproduce on
-  0.5.23 — fixed?") and is a failure under ``--kvchaos-strict``.
+* **Always run.** Every leak checker that needs nothing but the history (``log_only``: isolation,
+  kv_lifecycle, retraction) runs on every history, whatever a test or ``--checkers`` named
+  (:func:`with_always`). One the test did not name is *not claimed*: its FAIL is red like any leak,
+  its UNKNOWN is shown ("not claimed") but does not decide the status.
+* **Claimed.** A checker a test named or required is claimed. A claimed leak checker must not FAIL;
+  claimed isolation must PASS (UNKNOWN — no power — is red) unless a blind model was declared.
+  ``required``: oracle -> wanted status, held exactly.
+* **Incomplete history.** A history the loader found incomplete (a cut last line) cannot PASS: every
+  PASS becomes UNKNOWN naming the lost record (:meth:`Policy.gate`).
+* **Self-test.** A session whose planted-leak self-test did not catch its leak cannot PASS isolation.
+* **Known findings.** A non-PASS verdict is KNOWN only when it matches an entry of the findings
+  registry (``kvchaos/findings.toml``: data, not code) for the engine and version that ran, with
+  every witness showing the entry's mechanism in the engines' own events. A leak can be KNOWN only
+  where the run had the power to see it (isolation's per-class power met): a blind run is never
+  covered. KNOWN is red unless accepted; accepted KNOWN is its own outcome, never PASS. A liveness
+  finding cannot make an isolation, kv_lifecycle or differential FAIL anything but red: findings
+  match per checker.
+* **Merge and exit codes.** An experiment's status: fail > unknown > known > pass over its items;
+  a run's: the worst of its experiments (:func:`merge`); :data:`EXIT` maps a status to an exit code.
+
+Everything else — the CLI, the pytest plugin, the report, shrink — renders or consumes the serialized
+:class:`Judgement` (``to_dict``); none of them decides.
 """
 
 from __future__ import annotations
@@ -26,67 +37,146 @@ import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvchaos.oracles import FAIL, PASS, UNKNOWN, Verdict, agent_kind, kv_page_size, kv_pages_written, pages_for
+from kvchaos import oracles
+from kvchaos.history import History, as_history, render_witness
+from kvchaos.oracles import FAIL, PASS, UNKNOWN, Verdict, kv_page_size, kv_pages_written, pages_for, provenance
+from kvchaos.oracles.base import Checker, Composite
 
 KNOWN = "known"
-FINDINGS_FILE = Path(__file__).resolve().parent / "findings.toml"
-LEAK_CHECKERS = ("isolation", "kv_lifecycle", "differential", "cache_isolation", "timing_isolation")
 STATUSES = (PASS, FAIL, UNKNOWN)
+FINDINGS_FILE = Path(__file__).resolve().parent / "findings.toml"
 
 
 class PolicyError(ValueError):
     """A findings registry or policy setting that cannot be used as written."""
 
 
+# --------------------------------------------------------------------------- what a checker is
+def _checker_classes() -> list[type]:
+    out, todo = [], list(Checker.__subclasses__())
+    while todo:
+        c = todo.pop()
+        todo += c.__subclasses__()
+        if c.name and c is not Composite:
+            out.append(c)
+    return out
+
+
+def is_leak_checker(name: str) -> bool:
+    """The one definition of a leak checker: a checker whose class declares ``leak`` (its FAIL is a
+    leak, never hidden)."""
+    return any(c.name == name and c.leak for c in _checker_classes())
+
+
+def always_run() -> list[Checker]:
+    """The leak checkers every history is judged by: those that need nothing but the history."""
+    return [c() for c in sorted(_checker_classes(), key=lambda c: c.name) if c.leak and c.log_only]
+
+
+def with_always(checks) -> tuple[Composite, set[str]]:
+    """``checks`` plus every always-run leak checker it lacks, and the names ``checks`` claimed."""
+    comp = checks if isinstance(checks, Composite) else oracles.compose(*checks)
+    claimed = set(comp.names)
+    return oracles.compose(*comp.checkers, *(c for c in always_run() if c.name not in claimed)), claimed
+
+
+# --------------------------------------------------------------------------- merge and exit codes
+RANK = {PASS: 0, KNOWN: 1, UNKNOWN: 2, FAIL: 3}  # how bad a status is
+EXIT = {PASS: 0, KNOWN: 0, FAIL: 1, UNKNOWN: 3}   # KNOWN: accepted only (a finding not accepted is red)
+EXIT_BAD_INPUT = 2
+
+
+def merge(statuses) -> str | None:
+    """The worst of several statuses (fail > unknown > known > pass); None for none."""
+    statuses = [s for s in statuses if s]
+    return max(statuses, key=lambda s: RANK.get(s, RANK[UNKNOWN])) if statuses else None
+
+
+def exit_code(status: str) -> int:
+    return EXIT.get(status, EXIT[UNKNOWN])
+
+
+def scenario_status(status: str, planted: str | None) -> str:
+    """What one experiment means for its run: a planted experiment (a bug put there on purpose) is
+    PASS when it came out as required (caught), else UNKNOWN (the harness did not show it sees that
+    bug) — its planted FAILs never count as findings about the engine."""
+    if planted:
+        return PASS if status == PASS else UNKNOWN
+    return status
+
+
 # --------------------------------------------------------------------------- context
 @dataclass
 class Context:
-    """What a signature may look at besides the verdict: the experiment's event log (its header
-    says which engine ran) and the known engine failures found in the servers' logs during it."""
-    events: list = field(default_factory=list)
+    """What a signature may look at besides the verdict: the experiment's history (its header says
+    which engine ran) and the known engine failures found in the servers' logs during it."""
+    history: History = None
     engine: str = "sglang"
     version: str | None = None
     engine_errors: list = field(default_factory=list)
+    registry: object = None  # the canary registry the checkers were handed (kvchaos.canary.Registry)
+
+    def __post_init__(self):
+        if self.history is not None and not isinstance(self.history, History):
+            self.history = as_history(self.history)  # records given: indexed once, here
 
     @classmethod
-    def of(cls, events: list[dict], engine_errors=()) -> "Context":
-        head = next((e for e in events if e.get("ev") == "experiment"), {})
-        eng = head.get("engine") or {}
-        return cls(events, eng.get("name") or "sglang", eng.get("version"), list(engine_errors))
+    def of(cls, events, engine_errors=(), registry=None) -> "Context":
+        h = as_history(events)
+        eng = h.header.get("engine") or {}
+        return cls(h, eng.get("name") or "sglang", eng.get("version"), list(engine_errors), registry)
+
+    @property
+    def events(self) -> list[dict]:
+        return self.history.records if self.history is not None else []
 
     def plans(self) -> dict[str, dict]:
-        return {e["rid"]: e for e in self.events if e.get("ev") == "plan"}
+        return self.history.plans if self.history is not None else {}
 
     def fault_events(self, action: str | None = None) -> list[dict]:
         """Fault records of the experiment: the harness's ``fault`` events and the agents' own
-        ``fault_fired`` (raw or copied into the log as ``agent``)."""
-        out = []
-        for e in self.events:
-            if e.get("ev") == "fault" and (action is None or e.get("action") == action):
-                out.append(e)
-            elif agent_kind(e) == "fault_fired" and action in (None, "fired"):
-                out.append({**e, "action": "fired"})
+        ``fault_fired`` (copied into the log as ``agent``), the latter as action ``fired``."""
+        if self.history is None:
+            return []
+        out = [e for e in self.history.fault_records(action)]
+        if action in (None, "fired"):
+            out += [{**e, "action": "fired"} for e in self.history.agent_events("fault_fired")]
         return out
 
 
 # --------------------------------------------------------------------------- signatures
+# Each predicate: (verdict, context, argument) -> (holds, why not). A finding's signature is a table
+# of them; every one must hold for the verdict to be KNOWN. The stale-page findings are matched by
+# their mechanism in the engines' own events (kvchaos.oracles.provenance), never by who the victim was.
 def _rid_witnesses(v: Verdict) -> list[dict]:
     return [w for w in v.witnesses if w.get("rid") or w.get("victim_rid")]
-
-
-def _targeted(ctx: Context, kind: str) -> set:
-    return {e.get("rid") for e in ctx.fault_events("fired") if e.get("kind") == kind and e.get("rid")}
-
-
-def _sig_victims_targeted_by_fault(v, ctx, kind):
-    rids = _targeted(ctx, kind)
-    bad = [w.get("victim_rid") for w in v.witnesses if w.get("victim_rid") not in rids]
-    return bool(v.witnesses) and not bad, f"victims not targeted by a {kind!r} fault: {bad[:5]}"
 
 
 def _sig_owners_minted(v, ctx, want):
     bad = [w.get("matched") for w in v.witnesses if w.get("origin") == "unknown"]
     return (not bad) == bool(want), f"canaries of unknown origin: {bad[:5]}"
+
+
+def _sig_stale_pages_of_owner(v, ctx, want):
+    """Every witness is a victim that read decode pages its transfer never wrote, holding the bytes of
+    a request that carried the canary — decode's ``kv_prealloc`` (who held each page before) and
+    prefill's ``write_end`` (what each transfer wrote) say so."""
+    if not want:
+        raise PolicyError("stale_pages_of_owner takes true")
+    bad = []
+    for w in v.witnesses:
+        ok, why, _sp = provenance.explains(ctx.history, w, ctx.registry)
+        if not ok:
+            bad.append(f"{w.get('victim_rid')} <- {w.get('owner_rid')}: {why}")
+    return bool(v.witnesses) and not bad, "; ".join(bad[:3]) or "no witness"
+
+
+def _sig_victims_shorted(v, ctx, want):
+    """Every victim's transfer was cut by a ``short`` fault that sent fewer pages than were reserved."""
+    if not want:
+        raise PolicyError("victims_shorted takes true")
+    bad = sorted({w.get("victim_rid") for w in v.witnesses if not provenance.shorted(ctx.history, w.get("victim_rid"))})
+    return bool(v.witnesses) and not bad, f"victims whose transfer no short fault cut short: {bad[:5]}"
 
 
 def _sig_witnesses_are_timeouts(v, ctx, want):
@@ -111,7 +201,7 @@ def _sig_hung_behind(v, ctx, what):
     """Every hung request is one of the culprits or was sent after the first of them (queued behind
     a request that hangs the engine) — never one that was in flight before the culprits came."""
     culprits = _culprits(ctx, what)
-    sends = {e["rid"]: e["wall"] for e in ctx.events if e.get("ev") == "send" and e.get("rid")}
+    sends = {rid: e.get("wall", 0) for rid, e in ctx.history.sends.items()}
     first = min((sends[r] for r in culprits if r in sends), default=None)
     bad = [w["rid"] for w in _rid_witnesses(v)
            if w["rid"] not in culprits and (first is None or sends.get(w["rid"], 0) < first)]
@@ -128,8 +218,7 @@ def _sig_all_tagged_hung(v, ctx, tag):
 
 def _sig_oversized_all_hung(v, ctx, want):
     big = {rid for rid, p in ctx.plans().items() if p.get("oversized")}
-    run_ends = {e["rid"]: e.get("outcome") for e in ctx.events if e.get("ev") == "end"}
-    miss = sorted(r for r in big if run_ends.get(r) not in (None, "timeout"))
+    miss = sorted(r for r in big if ctx.history.outcome(r) not in (None, "timeout"))
     ok = bool(big) and not miss
     return ok == bool(want), f"oversized requests that did not hang: {miss[:5]}"
 
@@ -137,17 +226,24 @@ def _sig_oversized_all_hung(v, ctx, want):
 def _sig_victims_truncated(v, ctx, want):
     """Every victim is an oversized request whose KV prefill wrote, by its own transfer events (the
     pages of every chunk), was short of the prompt but more than the one-page placeholder of the
-    reject path: the prompt was truncated on prefill (``--allow-auto-truncate``), not rejected. Pages
-    of the layout's page size: fewer than the whole prompt needs."""
+    reject path (truncated on prefill by ``--allow-auto-truncate``, not rejected), while decode
+    reserved pages for more than was written (its own ``kv_prealloc``)."""
+    if not want:
+        raise PolicyError("victims_truncated takes true")
     plans = ctx.plans()
-    sent = kv_pages_written(ctx.events)
-    ps = kv_page_size(ctx.events)
-    bad = [w.get("victim_rid") for w in v.witnesses
-           if not (plans.get(w.get("victim_rid"), {}).get("oversized")
-                   and isinstance(sent.get(w.get("victim_rid")), int)
-                   and 1 < sent[w["victim_rid"]] < pages_for(plans[w["victim_rid"]].get("n_tokens") or 0, ps))]
-    ok = bool(v.witnesses) and not bad
-    return ok == bool(want), f"victims that are not oversized prompts prefill sent truncated: {bad[:5]}"
+    sent = kv_pages_written(ctx.history)
+    ps = kv_page_size(ctx.history)
+    bad = []
+    for w in v.witnesses:
+        rid = w.get("victim_rid")
+        p = plans.get(rid, {})
+        n = sent.get(rid)
+        sp = provenance.stale_pages(ctx.history, rid)
+        if not (p.get("oversized") and isinstance(n, int) and 1 < n < pages_for(p.get("n_tokens") or 0, ps)):
+            bad.append(f"{rid}: prefill's writes ({n} pages) are not a truncated prompt")
+        elif sp is None or not sp["unwritten"]:
+            bad.append(f"{rid}: decode's own evidence shows no page reserved beyond what prefill wrote")
+    return bool(v.witnesses) and not bad, f"victims not decoded over a truncated prompt's unwritten pages: {bad[:3]}"
 
 
 def _sig_fault_armed(v, ctx, kind):
@@ -177,11 +273,12 @@ def _sig_salts_lost_before_engine(v, ctx, want):
 
 
 def _sig_released_on_timeout(v, ctx, want):
-    """Every kv_lifecycle witness is a room decode let go because its deferred-release timeout passed
-    (SGLang's own outcome, from the agent's ``deferred_release``), not because prefill acked the drain."""
+    """Every kv_lifecycle witness is a write that landed after a release SGLang itself made because
+    its deferred-release timeout passed (the outcome of *that* release, paired with the write by
+    ``kv_lifecycle``), not after an early release or a drain ack."""
     bad = [w.get("room") for w in v.witnesses if w.get("release_outcome") != "timeout"]
     ok = bool(v.witnesses) and not bad
-    return ok == bool(want), f"late writes into rooms not released on timeout: {bad[:5]}"
+    return ok == bool(want), f"late writes that followed a release not made on timeout: {bad[:5]}"
 
 
 def _sig_retried_after_abort(v, ctx, want):
@@ -199,8 +296,9 @@ def _sig_engine_error(v, ctx, sig):
 
 
 SIGNATURES = {
-    "victims_targeted_by_fault": _sig_victims_targeted_by_fault,
     "owners_minted": _sig_owners_minted,
+    "stale_pages_of_owner": _sig_stale_pages_of_owner,
+    "victims_shorted": _sig_victims_shorted,
     "witnesses_are_timeouts": _sig_witnesses_are_timeouts,
     "hung_behind": _sig_hung_behind,
     "all_tagged_hung": _sig_all_tagged_hung,
@@ -213,6 +311,22 @@ SIGNATURES = {
     "released_on_timeout": _sig_released_on_timeout,
     "retried_after_abort": _sig_retried_after_abort,
 }
+
+
+def power_met(v: Verdict) -> tuple[bool, str]:
+    """Whether a verdict was reached with the power to see what it judges: a leak checker's verdict
+    that reports power must have it met, and an isolation verdict must report it."""
+    pw = v.stats.get("power") if isinstance(v.stats, dict) else None
+    if pw is None:
+        return v.oracle != "isolation", "the verdict reports no power figures"
+    if not isinstance(pw, dict) or not pw.get("met"):
+        from kvchaos.oracles.isolation import power_line
+
+        try:
+            return False, f"power not met: {power_line(pw)}"
+        except Exception:  # noqa: BLE001 - malformed figures are not power
+            return False, "power not met"
+    return True, ""
 
 
 # --------------------------------------------------------------------------- registry
@@ -258,6 +372,8 @@ class Finding:
     upstream: list = field(default_factory=list)
     tests: list = field(default_factory=list)
     explanation: str = ""
+    conditions: str = ""       # what it was measured under: deployment shape, injected timing
+    reproduction: str = ""     # how to see it without the agent, where that exists
 
     def applies_to(self, engine: str, version: str | None) -> bool:
         return engine == self.engine and version_matches(version, self.versions)
@@ -273,9 +389,18 @@ class Finding:
         for m in self.matches:
             if m.checker != v.oracle or v.status not in m.statuses:
                 continue
+            if is_leak_checker(v.oracle):
+                ok, reason = power_met(v)
+                if not ok:  # a leak seen by a run that could not have seen one reliably is never KNOWN
+                    return False, f"KNOWN needs the power to see the leak: {reason}"
             fails = []
             for name, arg in m.signature.items():
-                ok, reason = SIGNATURES[name](v, ctx, arg)
+                try:
+                    ok, reason = SIGNATURES[name](v, ctx, arg)
+                except PolicyError:
+                    raise
+                except Exception as e:  # noqa: BLE001 - a signature that cannot be checked does not match
+                    ok, reason = False, f"cannot be checked: {type(e).__name__}: {e}"
                 if not ok:
                     fails.append(f"{name}: {reason}")
             if not fails:
@@ -284,7 +409,8 @@ class Finding:
         return False, why
 
     def brief(self) -> dict:
-        return {"id": self.id, "title": self.title, "upstream": self.upstream, "versions": self.versions}
+        return {"id": self.id, "title": self.title, "upstream": self.upstream, "versions": self.versions,
+                "conditions": self.conditions}
 
 
 class Registry:
@@ -307,7 +433,8 @@ class Registry:
     @classmethod
     def from_dict(cls, data: dict, source: str = "<dict>") -> "Registry":
         out = []
-        allowed = {"id", "title", "engine", "versions", "match", "upstream", "tests", "explanation"}
+        allowed = {"id", "title", "engine", "versions", "match", "upstream", "tests", "explanation", "conditions",
+                   "reproduction"}
         for i, f in enumerate(data.get("finding", [])):
             where = f"{source}: finding {f.get('id', i)!r}"
             unknown = sorted(set(f) - allowed)
@@ -330,7 +457,8 @@ class Registry:
                     raise PolicyError(f"{where}: statuses {sts}: only 'fail' and 'unknown' can be known")
                 matches.append(Match(m["checker"], list(sts), dict(m["signature"])))
             out.append(Finding(f["id"], f["title"], f["engine"], list(f["versions"]), matches,
-                               list(f.get("upstream", [])), list(f.get("tests", [])), f.get("explanation", "")))
+                               list(f.get("upstream", [])), list(f.get("tests", [])), f.get("explanation", ""),
+                               f.get("conditions", ""), f.get("reproduction", "")))
         return cls(out, source)
 
     def get(self, fid: str) -> Finding:
@@ -339,13 +467,19 @@ class Registry:
                 return f
         raise PolicyError(f"unknown finding id {fid!r}; known: {[f.id for f in self.findings]}")
 
-    def classify(self, v: Verdict, ctx: Context) -> Finding | None:
+    def classify(self, v: Verdict, ctx: Context) -> tuple[Finding | None, str]:
+        """The finding ``v`` matches (None if none), and why the closest one did not."""
         if v.status == PASS:
-            return None
+            return None, ""
+        why = []
         for f in self.findings:
-            if f.match(v, ctx)[0]:
-                return f
-        return None
+            ok, reason = f.match(v, ctx)
+            if ok:
+                return f, reason
+            if f.applies_to(ctx.engine, ctx.version) and any(m.checker == v.oracle and v.status in m.statuses
+                                                             for m in f.matches):
+                why.append(f"{f.id}: {reason}")
+        return None, "; ".join(why)
 
 
 # --------------------------------------------------------------------------- policy
@@ -377,23 +511,33 @@ class Policy:
             return None
         return f"the session's planted-leak self-test was not a clean catch ({st}): isolation cannot be trusted"
 
-    def gate(self, verdicts: list[Verdict]) -> list[Verdict]:
-        """Apply session-level evidence to fresh verdicts: with a self-test that did not catch its
-        planted leak, no isolation verdict may say PASS."""
+    def checks(self, checks) -> tuple[Composite, set[str]]:
+        """The checkers a history is judged by: those asked for, and every always-run leak checker."""
+        return with_always(checks)
+
+    def gate(self, verdicts: list[Verdict], history: History | None = None) -> list[Verdict]:
+        """Session- and history-level evidence applied to fresh verdicts: with a self-test that did not
+        catch its planted leak no isolation verdict may PASS; an incomplete history (a record lost)
+        cannot PASS anything."""
         why = self.selftest_blind()
+        lost = "; ".join(history.problems) if history is not None and history.problems else None
         out = []
         for v in verdicts:
             if why and v.oracle == "isolation" and v.status == PASS:
                 v = Verdict(v.oracle, UNKNOWN, f"{why}; the experiment alone said: {v.summary}", v.witnesses,
                             {**v.stats, "selftest": (self.selftest or {}).get("status")})
+            if lost and v.status == PASS:
+                v = Verdict(v.oracle, UNKNOWN, f"the history is incomplete ({lost}); the checker alone said: "
+                            f"{v.summary}", v.witnesses, {**v.stats, "history_problems": history.problems})
             out.append(v)
         return out
 
     def judge(self, verdicts: list[Verdict], ctx: Context, required: dict | None = None,
-              planted: str | None = None, every_fail_counts: bool = False) -> "Judgement":
-        """Each verdict against what is required of it (``required``: oracle -> wanted status;
-        leak checkers are always held to 'not FAIL', isolation to 'not UNKNOWN'). ``planted``: the
-        experiment carries a bug on purpose (a self-test's planted leak, a detection-matrix
+              planted: str | None = None, claimed=None, every_fail_counts: bool = False) -> "Judgement":
+        """Each verdict against what is required of it. ``required``: oracle -> wanted status, held
+        exactly. ``claimed``: the checkers the test named (None: every verdict given); a leak checker
+        not claimed ran because it always runs — its FAIL is red, its UNKNOWN only shown. ``planted``:
+        the experiment carries a bug on purpose (a self-test's planted leak, a detection-matrix
         mutation) — then only ``required`` counts, and the record says what was planted.
         ``every_fail_counts``: with nobody to declare requirements (``kvchaos judge``), a FAIL of any
         checker is red, not only a leak checker's."""
@@ -402,23 +546,36 @@ class Policy:
         missing = sorted(set(required) - set(by))
         if missing:
             raise PolicyError(f"required verdict(s) {missing} were not judged (have {sorted(by)})")
+        claimed = set(by) if claimed is None else set(claimed) | set(required)
         items = []
         for v in verdicts:
             want = required.get(v.oracle)
             if want is not None and want not in STATUSES:
                 raise PolicyError(f"require({v.oracle}={want!r}): one of {STATUSES}")
+            leak, mine = is_leak_checker(v.oracle), v.oracle in claimed
+            note = ""
             if want is not None:
-                ok = v.status == want
-            elif v.oracle in LEAK_CHECKERS and not planted:
-                ok = v.status != FAIL and not (v.oracle == "isolation" and v.status == UNKNOWN)
+                # a leak FAIL is red unless the experiment says it planted the bug: requiring FAIL alone
+                # does not make a leak expected
+                ok = v.status == want and not (leak and v.status == FAIL and not planted)
+            elif planted:
+                ok = True  # a planted experiment: only what it requires counts
+            elif leak and v.status == FAIL:
+                ok = False  # a leak is red whether or not the test asked for this checker
+            elif leak and mine and v.oracle == "isolation" and v.status == UNKNOWN:
+                ok = False  # claimed isolation without the power to see a leak: a blind run
+            elif v.status == UNKNOWN and not mine:
+                ok, note = True, "not claimed: this checker always runs, the test did not ask for it"
             else:
-                ok = not (every_fail_counts and v.status == FAIL)  # else informational: not asked for
-            if v.oracle == "isolation" and v.status == UNKNOWN and self.blind_model and want in (None, PASS):
-                ok = True  # declared blind: isolation is not claimed (the report says so)
-            finding = None if ok or (want is not None and want != PASS) else self.registry.classify(v, ctx)
+                ok = not (every_fail_counts and v.status == FAIL)
+            if v.oracle == "isolation" and v.status == UNKNOWN and self.blind_model and want in (None, PASS) \
+                    and not planted:
+                ok, note = True, "blind model declared: isolation not claimed"
+            finding, why_not = (None, "") if ok or (want is not None and want != PASS) else self.registry.classify(v, ctx)
             outcome = "ok" if ok else (KNOWN if finding else "red")
-            items.append(Item(v, want, outcome, finding, finding is not None and self.accepted(finding)))
-        return Judgement(items, ctx, planted)
+            items.append(Item(v, want, outcome, finding, finding is not None and self.accepted(finding), leak, mine,
+                              note, why_not if outcome == "red" else ""))
+        return Judgement(items, ctx, planted, list(ctx.history.problems) if ctx.history is not None else [])
 
 
 @dataclass
@@ -428,11 +585,21 @@ class Item:
     outcome: str  # ok | known | red
     finding: Finding | None = None
     accepted: bool = False
+    leak: bool = False
+    claimed: bool = True
+    note: str = ""       # why an UNKNOWN does not decide (not claimed, blind model)
+    not_known: str = ""  # a red verdict: why no registered finding covers it
 
     def to_dict(self) -> dict:
         d = self.verdict.to_dict()
         d["required"] = self.wanted
         d["outcome"] = self.outcome
+        d["leak"] = self.leak
+        d["claimed"] = self.claimed
+        if self.note:
+            d["note"] = self.note
+        if self.not_known:
+            d["not_known"] = self.not_known
         if self.finding:
             d["known"] = {**self.finding.brief(), "accepted": self.accepted}
         return d
@@ -443,6 +610,7 @@ class Judgement:
     items: list
     ctx: Context
     planted: str | None = None
+    problems: list = field(default_factory=list)
 
     @property
     def red(self) -> list[Item]:
@@ -454,17 +622,16 @@ class Judgement:
 
     @property
     def status(self) -> str:
-        """fail | unknown | known | pass — what this experiment means for the run."""
-        if any(i.outcome == "red" and i.verdict.status == FAIL for i in self.items):
-            return FAIL
-        if any(i.outcome == "red" for i in self.items):
-            return UNKNOWN
-        if self.known:
-            return KNOWN
-        return PASS
+        """fail | unknown | known | pass — what this experiment means for the run (a planted one:
+        pass means what was planted came out as required)."""
+        return _status((i.outcome, i.verdict.status, i.accepted) for i in self.items)
+
+    @property
+    def exit_code(self) -> int:
+        return exit_code(self.status)
 
     def message(self) -> str:
-        lines = []
+        lines = [f"history incomplete: {p}" for p in self.problems]
         for i in self.items:
             if i.outcome == "ok":
                 continue
@@ -474,19 +641,56 @@ class Judgement:
                 head += (f" — KNOWN {i.finding.id}{'' if i.accepted else ' (not accepted: --kvchaos-accept-known)'}"
                          f": {i.finding.title}")
             lines.append(f"{head} — {v.summary}")
+            if i.not_known:
+                lines.append(f"    not a known finding: {i.not_known[:400]}")
             for w in v.witnesses[:3]:
-                lines.append(f"    witness: {_short(w)}")
+                lines.append(f"    witness: {render_witness(w)}")
         return "\n".join(lines)
 
     def to_dict(self) -> dict:
-        return {"status": self.status, "planted": self.planted, "verdicts": [i.to_dict() for i in self.items],
+        return {"status": self.status, "exit_code": self.exit_code, "red": bool(self.red), "planted": self.planted,
+                "problems": self.problems, "verdicts": [i.to_dict() for i in self.items],
                 "known": [{**i.finding.brief(), "oracle": i.verdict.oracle, "accepted": i.accepted} for i in self.known]}
 
 
-def _short(w: dict) -> str:
-    keep = ("victim_rid", "victim_tenant", "owner_rid", "owner_tenant", "origin", "matched", "status", "outcome",
-            "rid", "problem", "room", "after_release_ms")
-    return ", ".join(f"{k}={w[k]}" for k in keep if w.get(k) is not None)
+def _status(rows) -> str:
+    """An experiment's status from its items' (outcome, verdict status, accepted)."""
+    rows = list(rows)
+    red = [st for o, st, a in rows if o == "red" or (o == KNOWN and not a)]  # a finding not accepted is red
+    if FAIL in red:
+        return FAIL
+    if red:
+        return UNKNOWN
+    if any(o == KNOWN for o, _st, _a in rows):
+        return KNOWN
+    return PASS
+
+
+def status_of(items: list[dict], events=None) -> str:
+    """The status of an experiment from its serialized items (a verdicts file): their outcomes when
+    this policy recorded them; a file judged before (no outcomes, or no ``leak`` flags: written before
+    the policy alone decided) is judged by the policy now (its ``required`` and the findings its run
+    accepted kept, nothing planted)."""
+    if items and all(isinstance(d, dict) and "outcome" in d and "leak" in d for d in items):
+        return _status((d["outcome"], d.get("status"), bool((d.get("known") or {}).get("accepted"))) for d in items)
+    verdicts = [Verdict.from_dict(d) for d in items if isinstance(d, dict)]
+    if not verdicts:
+        return UNKNOWN
+    try:
+        ctx = Context.of(events or [])
+    except Exception:  # noqa: BLE001 - an unreadable log: judged without its context
+        ctx = Context(None)
+    required = {d["oracle"]: d["required"] for d in items if isinstance(d, dict) and d.get("required") in STATUSES}
+    reg = Registry.load()
+    ids = {f.id for f in reg.findings}
+    accepted = sorted({(d.get("known") or {}).get("id") for d in items if isinstance(d, dict)
+                       and (d.get("known") or {}).get("accepted")} & ids)  # what the run's user had accepted
+    return Policy(registry=reg, accept_known=accepted).judge(verdicts, ctx, required=required).status
+
+
+def leak_verdict(d: dict) -> bool:
+    """A serialized verdict that is a leak: a leak checker's FAIL."""
+    return d.get("status") == FAIL and bool(d.get("leak", is_leak_checker(d.get("oracle"))))
 
 
 def load_policy_table(profile_path: str | Path | None) -> dict:

@@ -45,7 +45,6 @@ from kvchaos.probe import MIN_HEAD, MIN_TAIL, TRIGGER
 
 CONFIRM = 3  # re-runs of the minimal scenario at the end
 BACKOFF = 3  # earlier accepted steps confirmed in turn when the minimal one fails again in under half its re-runs
-LEAK_ORDER = ("isolation", "kv_lifecycle", "cache_isolation", "differential", "http_semantics")
 
 
 class ShrinkError(RuntimeError):
@@ -159,10 +158,13 @@ def witness_kind(oracle: str, w: dict) -> tuple:
 
 
 def target_of(verdicts, checker: str | None = None) -> tuple[str, set] | None:
-    """The failure to keep: ``checker``'s FAIL, or the first leak checker (``LEAK_ORDER``) that FAILed
-    with witnesses."""
+    """The failure to keep: ``checker``'s FAIL, or the first leak checker (the policy's definition,
+    in the experiment's order) that FAILed with witnesses, else an HTTP-semantics FAIL."""
+    from kvchaos.policy import is_leak_checker
+
     by = {v.oracle: v for v in verdicts}
-    for o in ((checker,) if checker else LEAK_ORDER):
+    order = [v.oracle for v in verdicts if is_leak_checker(v.oracle)] + ["http_semantics"]
+    for o in ((checker,) if checker else order):
         v = by.get(o)
         if v is not None and v.status == "fail" and v.witnesses:
             kinds = {witness_kind(o, w) for w in v.witnesses}
@@ -517,7 +519,6 @@ def reproduce(minimal_dir, times: int = 1) -> int:
               oracles.CacheIsolation(), oracles.Liveness(bound_s=sc["timeout_s"])]
     target = (res["target"]["oracle"], {tuple(k) for k in res["target"]["witness_kinds"]})
     work = Path(tempfile.mkdtemp(prefix="kvchaos-repro-"))
-    canary.SESSION.add_plans({p.rid: {"canaries": p.canaries, "tenant": p.tenant} for p in plans}, "repro")
     install_network_proxy()  # network faults: the cluster's embedded proxy
     reaper = Reaper("kvc-repro")
     c = Cluster(spec, work, reaper=reaper).start()

@@ -58,7 +58,6 @@ def _health_interval_s(cluster) -> float:
 
 
 def _gen(server, text):
-    canary.SESSION.add_text(text, None, "smoke")  # its canaries may stay in decode's pages: their origin
     r = server.generate(text=text, max_new_tokens=MAX_NEW)
     assert r.status_code == 200, f"HTTP {r.status_code}: {r.text[:400]}"
     body = r.json()

@@ -65,13 +65,13 @@ class Log:
         self.rec("plan", rid=rid, tenant=tenant, kind="stream" if stream else "plain", endpoint="generate",
                  canaries=cs, n_tokens=400, max_new_tokens=12 * len(cs) + 2, abort_after_ms=None,
                  expect_echo=expect_echo, oversized=False, extra={})
-        self.rec("send", rid=rid, url="http://127.0.0.1:30000/generate", stream=stream)
+        sent = self.rec("send", rid=rid, url="http://127.0.0.1:30000/generate", stream=stream)
         if status is not None:
             self.rec("first_byte", rid=rid)
             self.rec("status", rid=rid, status=status)
         self.rec("body", rid=rid, text=text, error=error, raw=raw, complete=complete,
                  meta={"finish_reason": {"type": "length"}} if status == 200 else {})
-        self.rec("end", rid=rid, outcome=outcome, latency_s=0.4)
+        self.rec("end", rid=rid, outcome=outcome, latency_s=0.4)["wall"] = sent["wall"] + 0.4  # requests overlap
         return rid, cs
 
     def clean(self, n: int) -> "Log":
@@ -113,7 +113,7 @@ def test_cut_stream_with_another_requests_canary_is_a_leak(tmp_path):
     out = p.stdout
     assert "isolation: FAIL — LEAK" in out
     assert f"victim {victim_rid}" in out and f"of owner {owner_rid}" in out, out
-    assert canary.payload(owner_cs[1]) in out and "origin this log" in out and "stream incomplete" in out
+    assert canary.payload(owner_cs[1]) in out and "origin this log" in out and "reply incomplete" in out
     assert "sensitivity: PASS" in out                   # 31 clean requests: the evidence floor holds
     assert "status: FAIL" in out and str(tmp_path / "cut.jsonl") in out
 
@@ -161,7 +161,7 @@ def test_clean_log_passes(tmp_path):
     assert doc["exit_code"] == 0 and one["file"] == str(path) and one["status"] == "pass" and one["version"] == "0.5.23"
     assert {v["oracle"]: v["status"] for v in one["verdicts"]} == {
         "isolation": "pass", "sensitivity": "pass", "http_semantics": "unknown", "liveness": "pass",
-        "kv_lifecycle": "unknown"}
+        "kv_lifecycle": "unknown", "retraction": "unknown"}  # retraction always runs (not claimed here)
 
 
 def test_too_few_canaries_per_request_is_not_a_pass(tmp_path):
@@ -206,7 +206,14 @@ def test_bad_input_exits_2_naming_file_and_problem(tmp_path):
     twice = tmp_path / "twice.jsonl"
     plan = next(x for x in lines if '"ev": "plan"' in x)
     twice.write_text("\n".join(lines + [plan]) + "\n")
-    cases.append(((str(twice),), "planned twice"))
+    cases.append(((str(twice),), "a second 'plan' record for request"))
+    body = next(x for x in lines if '"ev": "body"' in x)
+    twobodies = tmp_path / "twobodies.jsonl"  # a second reply record would replace what the client got first
+    twobodies.write_text("\n".join(lines + [body]) + "\n")
+    cases.append(((str(twobodies),), "a second 'body' record for request"))
+    dupkey = tmp_path / "dupkey.jsonl"  # JSON readers keep the last value: the first would vanish
+    dupkey.write_text("\n".join(lines[:3] + [body[:-1] + ', "text": ""}'] + lines[3:]) + "\n")
+    cases.append(((str(dupkey),), "key 'text' given twice in one record"))
     notobj = tmp_path / "notobj.jsonl"
     notobj.write_text("\n".join(lines[:3] + ["[1, 2]"] + lines[3:]) + "\n")
     cases.append(((str(notobj),), f"{notobj}:4: not a JSON object"))
@@ -223,16 +230,25 @@ def test_bad_input_exits_2_naming_file_and_problem(tmp_path):
         assert "status:" not in p.stdout, args                     # bad input: nothing judged
 
 
-def test_truncated_last_line_is_a_warning_and_the_rest_is_judged(tmp_path):
+def test_a_cut_last_line_is_judged_but_nothing_can_pass(tmp_path):
+    """A crash mid-write loses the record being written — which could have been the leaking reply:
+    the rest is judged (a leak in it is still a FAIL), but nothing passes on an incomplete history."""
     path = Log(seed=7).clean(30).write(tmp_path / "crashed.jsonl")
     with open(path, "a") as f:
         f.write('{"t": 1.0, "ev": "body", "rid": "r00')              # a crash mid-write
     p = kvchaos("judge", str(path))
     no_traceback(p)
-    assert p.returncode == 0, p.stdout + p.stderr
+    assert p.returncode == 3, p.stdout + p.stderr
     n = len(path.read_text().splitlines())
-    assert f"warning: {path}:{n}: truncated last line ignored" in p.stderr
-    assert "status: PASS" in p.stdout
+    assert f"history incomplete: {path}:{n}: the last line is cut" in p.stderr
+    assert "status: UNKNOWN" in p.stdout and "the history is incomplete" in p.stdout
+    log = Log(seed=7).clean(30)
+    _o, cs = log.request(2)
+    log.request(2, extra_text=canary.payload(cs[0]) + "][")
+    leaky = log.write(tmp_path / "leaky.jsonl")
+    with open(leaky, "a") as f:
+        f.write('{"t": 1.0, "ev": "body", "rid": "r00')
+    assert kvchaos("judge", str(leaky)).returncode == 1
 
 
 # --------------------------------------------------------------------------- 6: across logs
@@ -284,14 +300,26 @@ def test_known_finding_needs_the_engine_version_and_acceptance(tmp_path):
 
     def planted(version):
         log = Log(seed=12, version=version).clean(30)
-        _o, owner_cs = log.request(2)
+        owner, owner_cs = log.request(2)
+        log.clean(5)
         victim, _ = log.request(2, extra_text=canary.payload(owner_cs[0]) + "][")
-        log.rec("agent", agent_ev="fault_fired", kind="short", rid=victim, role="prefill")
+        log.clean(30)
+        # the mechanism, as the engines report it: the owner's transfer wrote decode pages 100..109,
+        # decode gave them to the victim next, and a short fault let the victim's transfer write one
+        pg = list(range(100, 110))
+        log.rec("agent", agent_ev="write_end", rid=owner, room=1, pages=10, dst_pages=pg, dst_pages_total=10,
+                dst_page_offset=0, ret=0)
+        log.rec("agent", agent_ev="kv_prealloc", rid=victim, room=2, dst_pages=pg, dst_pages_total=10,
+                prev_holders=[[0, 10, owner]])
+        log.rec("agent", agent_ev="fault_fired", kind="short", rid=victim, role="prefill", pages_sent=1,
+                pages_reserved=10)
+        log.rec("agent", agent_ev="write_end", rid=victim, room=2, pages=1, dst_pages=pg[:1], dst_pages_total=1,
+                dst_page_offset=0, ret=0)
         return log.write(tmp_path / f"short-{version}.jsonl")
 
     known = planted("0.5.23")
     p = kvchaos("judge", str(known))
-    assert p.returncode == 3, p.stdout + p.stderr                     # KNOWN, not accepted: red
+    assert p.returncode == 1, p.stdout + p.stderr                     # KNOWN, not accepted: red
     assert f"KNOWN {fid}" in p.stdout and "not accepted" in p.stdout
     p = kvchaos("judge", "--accept-known", str(known))
     assert p.returncode == 0, p.stdout + p.stderr

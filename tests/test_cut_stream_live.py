@@ -26,8 +26,8 @@ pytestmark = pytest.mark.cluster
 HEADERS_MARGIN = 400  # response headers + chunked framing the proxy counts and httpx does not
 
 
-def _plan(rng, rid, tenant, c):
-    canary.SESSION.add(c, rid, tenant, "test_cut_stream_live")
+def _plan(rng, rid, tenant, c, registry):
+    registry.add(c, rid, tenant, "test_cut_stream_live")
     return RequestPlan(rid=rid, tenant=tenant, kind="stream", endpoint="completions", prompt=prompt(rng, 300, [c]),
                        canaries=[c], n_tokens=300, max_new_tokens=max_new_tokens(1))
 
@@ -35,8 +35,8 @@ def _plan(rng, rid, tenant, c):
 def test_cut_stream_that_delivered_a_foreign_canary_is_red(experiment, faults, cluster):
     net = faults.need("net")
     rng = random.Random(4711)
-    donor = _plan(rng, "cut-donor-t000", "t000", "[AQ7KD3MZXP]")  # recited first (base32 order: A < Z)
-    victim = _plan(rng, "cut-victim-t001", "t001", "[ZJ4WB2NTRH]")
+    donor = _plan(rng, "cut-donor-t000", "t000", "[AQ7KD3MZXP]", cluster.canaries)  # recited first (A < Z)
+    victim = _plan(rng, "cut-victim-t001", "t001", "[ZJ4WB2NTRH]", cluster.canaries)
     plant_leak(victim, donor)
     model = cluster.server_info("decode")["served_model_name"]
     # calibration: the same request whole, through the same path; where does the donor's canary end?

@@ -21,7 +21,7 @@ def _req(cluster, rid, n_tokens=200, seed=None, k=2, url=None, timeout=60.0):
     rng = random.Random(seed if seed is not None else rid)
     cs = canary.mint(rng, k)
     for c in cs:  # it may stay in decode's pages: a later reply reciting it names this origin
-        canary.SESSION.add(c, rid, None, "test_faults_live")
+        cluster.canaries.add(c, rid, None, "test_faults_live")
     body = {"text": prompt(rng, n_tokens, cs), "rid": rid,
             "sampling_params": {"max_new_tokens": max_new_tokens(k), "temperature": 0}}
     t0 = time.monotonic()
@@ -150,7 +150,7 @@ def test_client_disconnect_inside_the_transfer_window(cluster, faults):
     h = faults.agent.arm("prefill", "hold", target={"rid": "disc-1"}, params={"max_hold_s": 30})
     rng = random.Random("disc-1")
     text = prompt(rng, 300, canary.mint(rng, 2))
-    canary.SESSION.add_text(text, "disc-1", "test_faults_live")
+    cluster.canaries.add_text(text, "disc-1", "test_faults_live")
     body = _json.dumps({"text": text, "rid": "disc-1",
                         "sampling_params": {"max_new_tokens": 26, "temperature": 0}}).encode()
     u = urlparse(cluster.endpoints.router)
@@ -216,7 +216,7 @@ def test_mutation_double_alloc_makes_two_requests_share_pages(cluster, faults):
     with cf.ThreadPoolExecutor(1) as ex:
         rng = random.Random("dbl-a")
         a_cs = canary.mint(rng, 2)
-        canary.SESSION.add_text(" ".join(a_cs), "dbl-a", "test_faults_live")
+        cluster.canaries.add_text(" ".join(a_cs), "dbl-a", "test_faults_live")
         a_body = {"text": prompt(rng, 400, a_cs), "rid": "dbl-a",
                   "sampling_params": {"max_new_tokens": 300, "temperature": 0, "ignore_eos": True}}
         fa = ex.submit(lambda: httpx.post(cluster.endpoints.router + "/generate", json=a_body, timeout=120))

@@ -9,6 +9,7 @@ import pytest
 
 from kvchaos import canary, oracles
 from kvchaos.cluster.spec import ClusterSpec
+from kvchaos.history import History
 from kvchaos.oracles import FAIL, PASS, UNKNOWN, Verdict
 from kvchaos.policy import Context, Policy, PolicyError, Registry, not_reproduced, version_matches
 
@@ -21,11 +22,13 @@ def plan(rid, tenant, cs, **kw):
             "kind": "plain", **kw}
 
 
-def reply(rid, text, status=200, outcome=None, complete=True, raw=None, error=None):
-    return [{"ev": "status", "rid": rid, "status": status},
+def reply(rid, text, status=200, outcome=None, complete=True, raw=None, error=None, wall=100.0):
+    """A reply as the driver logs it; every request is sent at ``wall`` and takes 1 s (all concurrent)."""
+    return [{"ev": "send", "rid": rid, "wall": wall}, {"ev": "status", "rid": rid, "status": status},
             {"ev": "body", "rid": rid, "text": text, "error": error, "raw": raw, "complete": complete,
              "meta": {"finish_reason": {"type": "stop"}}},
-            {"ev": "end", "rid": rid, "outcome": outcome or ("ok" if status == 200 else "http_error"), "latency_s": 0.3}]
+            {"ev": "end", "rid": rid, "outcome": outcome or ("ok" if status == 200 else "http_error"), "latency_s": 0.3,
+             "wall": wall + 1.0}]
 
 
 def echo(cs):
@@ -41,31 +44,57 @@ def crowd(n=30, seed=1, prefix="c"):
     return ev
 
 
-def judge(ev, required=None, **policy):
-    checks = oracles.compose(oracles.Isolation(registry=policy.pop("registry", None)), oracles.Sensitivity(),
-                             oracles.Liveness(bound_s=60))
+def judge(ev, required=None, registry=None, **policy):
+    """As the experiment runner judges: the checkers asked for plus those that always run, the
+    registry handed to them, the policy's gate and judgement."""
     p = Policy(**policy)
-    return p.judge(p.gate(checks.check(ev)), Context.of(ev), required or {})
+    checks, claimed = p.checks([oracles.Isolation(), oracles.Sensitivity(), oracles.Liveness(bound_s=60)])
+    h = History(ev)
+    return p.judge(p.gate(checks.check(h, registry), h), Context.of(h, (), registry), required or {}, claimed=claimed)
 
 
-# 1 — a short transfer's leak was an xfail whatever isolation said; now KNOWN only with its signature
-def _short_log(victim_targeted=True):
+def agent(agent_ev, **fields):
+    return {"ev": "agent", "agent_ev": agent_ev, "source": "agent", "wall": 100.5, **fields}
+
+
+def stale_pages(owner, victim, pages, written, holder=None):
+    """Decode's and prefill's evidence that ``victim`` read ``pages`` decode pages of which its
+    transfer wrote ``written`` (chunks of up to 5 pages), the rest last held by ``holder``."""
+    pg = list(range(1000, 1000 + pages))
+    ev = [agent("write_end", rid=owner, room=1, pages=pages, dst_pages=pg, dst_pages_total=pages, dst_page_offset=0,
+                ret=0, wall=100.2),
+          agent("kv_prealloc", rid=victim, room=2, dst_pages=pg, dst_pages_total=pages,
+                prev_holders=[[0, pages, holder or owner]], wall=100.3)]
+    off = 0
+    while off < written:
+        n = min(5, written - off)
+        ev.append(agent("write_end", rid=victim, room=2, pages=n, dst_pages=pg[off:off + n], dst_pages_total=n,
+                        dst_page_offset=off, ret=0, wall=100.4))
+        off += n
+    return ev
+
+
+# 1 — a short transfer's leak was an xfail whatever isolation said; now KNOWN only with its mechanism
+def _short_log(victim_targeted=True, mechanism=True):
     rng = random.Random(2)
     ev = [HEADER] + crowd()
     own, foreign = canary.mint(rng, 2), ev[1]["canaries"]
     ev += [plan("s1", "t5", own)] + reply("s1", foreign[0][1:-1] + "][")  # decoded over c0's pages
-    fired = {"ev": "agent", "agent_ev": "fault_fired", "kind": "short", "rid": "s1" if victim_targeted else "c9"}
-    return ev + [fired]
+    fired = agent("fault_fired", kind="short", rid="s1" if victim_targeted else "c9", pages_sent=1, pages_reserved=10)
+    return ev + [fired] + (stale_pages("c0", "s1", 10, 1) if mechanism else [])
 
 
 def test_short_transfer_leak_is_known_only_with_its_witness_and_red_unless_accepted():
     j = judge(_short_log(), {"isolation": PASS})
-    assert j.status == "known" and j.red, "a known finding is red unless accepted"
+    assert j.status == FAIL and j.red and j.known, "a known finding is red unless accepted"
     assert j.known[0].finding.id == "sglang-short-transfer-unchecked"
     j = judge(_short_log(), {"isolation": PASS}, accept_known=True)
     assert j.status == "known" and not j.red
     # the victim was not a request the fault shorted: a leak, plain and simple
     j = judge(_short_log(victim_targeted=False), {"isolation": PASS}, accept_known=True)
+    assert j.status == FAIL and j.red and not j.known
+    # the victim was shorted, but the engines' events do not show what it read: a plain FAIL
+    j = judge(_short_log(mechanism=False), {"isolation": PASS}, accept_known=True)
     assert j.status == FAIL and j.red and not j.known
     # another engine version: the entry does not apply
     ev = _short_log()
@@ -96,14 +125,21 @@ def test_a_late_write_is_known_only_into_pages_released_on_the_deferred_timeout(
 # the auto-truncation leak is KNOWN only when the victim is an oversized prompt prefill sent truncated;
 # the same leak through the reject path's one-page placeholder (the GLM-5.3 incident) stays a FAIL
 def _truncated_log(pages, page_size=None):
+    """A 900-token oversized prompt decode reserved whole (900 pages of 1 token, or 15 of 64) while
+    prefill wrote ``pages`` of them (None: no transfer evidence), its reply reciting c0's canary."""
     rng = random.Random(3)
     ev = [HEADER] + crowd()
     own, foreign = canary.mint(rng, 3), ev[1]["canaries"]
     ev += [plan("big1", "t15", own, oversized=True, n_tokens=900)] + reply("big1", foreign[0][1:-1] + "][")
-    # a chunked transfer: the pages of every chunk count
-    chunks = [] if pages is None else [min(pages, 5), pages - min(pages, 5)] if pages > 5 else [pages]
-    ps = {} if page_size is None else {"page_size": page_size}
-    return ev + [{"ev": "agent", "agent_ev": "write_end", "rid": "big1", "pages": n, **ps} for n in chunks]
+    if pages is None:
+        return ev
+    reserved = -(-900 // (page_size or 1))
+    ev += stale_pages("c0", "big1", reserved, min(pages, reserved))
+    if page_size is not None:
+        for e in ev:
+            if e.get("agent_ev") in ("write_end", "kv_prealloc"):
+                e["page_size"] = page_size
+    return ev
 
 
 def test_auto_truncate_leak_is_known_only_when_prefill_sent_the_prompt_truncated():
@@ -129,7 +165,7 @@ def test_no_test_or_harness_module_xfails_imperatively():
 def test_liveness_finding_never_hides_a_leak_or_a_blind_isolation():
     hung = [{"rid": "r", "problem": "no answer within 60 s", "outcome": "timeout"}]
     found = [{"signature": "mooncake_transfer_worker_died", "role": "prefill"}]
-    ctx = Context([HEADER], "sglang", "0.5.23", found)
+    ctx = Context.of([HEADER], found)
     p = Policy(accept_known=True)
     for other in (Verdict("isolation", UNKNOWN, "blind"), Verdict("kv_lifecycle", FAIL, "late write"),
                   Verdict("differential", FAIL, "differs")):
@@ -167,19 +203,24 @@ def test_canary_of_another_test_in_the_session_fails():
     other = canary.mint(random.Random(4), 1)[0]
     reg.add(other, "old-7", "t1", "workload seed 7")
     ev = crowd() + [plan("x", "t2", canary.mint(random.Random(3), 1))] + reply("x", other[1:-1] + "][")
-    v = oracles.Isolation(registry=reg).check(ev)
+    v = oracles.Isolation().check(ev, reg)
     w = v.witnesses[0]
     assert v.status == FAIL and (w["owner_rid"], w["origin"]) == ("old-7", "session (workload seed 7)")
     # the same canary in its own request is no leak
     ev = crowd() + [plan("old-7", "t1", [other])] + reply("old-7", other[1:-1] + "][")
-    assert oracles.Isolation(registry=reg).check(ev).status == PASS
+    assert oracles.Isolation().check(ev, reg).status == PASS
 
 
-def test_workloads_register_their_canaries_in_the_session():
+def test_no_process_global_registry_minting_registers_nothing():
+    """Checkers are handed their registry; minting a canary fills none behind anyone's back."""
     from kvchaos.workload import Workload
 
+    assert not hasattr(canary, "SESSION")
+    reg = canary.Registry()
     p = Workload(31337, n_tenants=2, prefix="reg").request()
-    assert all(c in canary.SESSION for c in p.canaries)
+    assert len(reg) == 0
+    reg.add_plans({p.rid: {"canaries": p.canaries, "tenant": p.tenant}}, "test")
+    assert all(c in reg and reg.carriers(c) == {p.rid} for c in p.canaries)
 
 
 # 4 — what a cut, aborted or timed-out client received is scanned

@@ -181,8 +181,8 @@ def test_sensitivity_check_fails_for_an_mla_probe_without_its_latent(probes, tmp
 @pytest.mark.cluster
 def test_probe_through_the_pd_cluster(cluster):
     url = cluster.endpoints.router
-    echo = measure_echo(url, 40, [32, 64, 256, 700, 1200], seed=10)
-    cont = measure_contamination(url, 40, [128, 512, 1200], seed=11)
+    echo = measure_echo(url, 40, [32, 64, 256, 700, 1200], seed=10, registry=cluster.canaries)
+    cont = measure_contamination(url, 40, [128, 512, 1200], seed=11, registry=cluster.canaries)
     assert echo.rate >= 0.99, echo.failures
     # every miss must be the documented first-character collision, and the rate above target
     assert all(f["first_char_collision"] for f in cont.failures), cont.failures

@@ -69,8 +69,8 @@ def make_run(run_dir: Path, leak: bool, test_outcome: str | None = None, *, name
     def fill(log):
         with FakeEngine("echo", leak_text=leak_text) as eng:
             log.emit("fault", action="armed", fault="delay-abc123", kind="delay", role="prefill", injector="agent")
-            run_plans(eng.url, plans, log, concurrency=4, timeout_s=10)
             log.emit("fault", action="fired", fault="delay-abc123", kind="delay", role="prefill", injector="agent")
+            run_plans(eng.url, plans, log, concurrency=4, timeout_s=10)
             log.emit("fault", action="healed", fault="delay-abc123", kind="delay", role="prefill", injector="agent")
 
     def check(records):
@@ -172,7 +172,7 @@ def test_a_required_fail_of_an_experiment_not_planted_still_reddens_the_run(tmp_
     make_run(tmp_path, leak=True, test_outcome="passed", required={"isolation": "fail"})
     r = build(tmp_path)
     (s,) = r["model"].scenarios
-    assert s.status == "pass" and s.run_status == "fail"           # the policy's record vs the run
+    assert s.status == "fail" and s.run_status == "fail"           # the policy decides it, and records it
     assert r["overall"] == "fail" and len(json.loads(r["verdicts"].read_text())["leaks"]) == N_REQUESTS - 1
 
 

@@ -211,6 +211,18 @@ class _ClusterAPI:
     endpoints: Endpoints
     spec: ClusterSpec
 
+    @property
+    def canaries(self):
+        """Every canary the harness sent this cluster (``kvchaos.canary.Registry``): its KV pages may
+        hold any of them, so a reply reciting one names its owner. Experiments on this cluster add
+        their plans and hand it to their checkers; :meth:`generate` adds what it sends."""
+        reg = self.__dict__.get("_canaries")
+        if reg is None:
+            from kvchaos.canary import Registry
+
+            reg = self.__dict__["_canaries"] = Registry()
+        return reg
+
     def server_info(self, role: str = "decode", timeout: float = 10.0) -> dict:
         url = getattr(self.endpoints, role)
         r = httpx.get(f"{url}/server_info", timeout=timeout)
@@ -223,6 +235,7 @@ class _ClusterAPI:
             body["input_ids"] = input_ids
         else:
             body["text"] = text
+            self.canaries.add_text(text or "", extra.get("rid"), "cluster.generate")
         url = getattr(self.endpoints, via) if via in ("router", "prefill", "decode") else via
         return httpx.post(f"{url}/generate", json=body, timeout=timeout or self.spec.request_timeout_s)
 

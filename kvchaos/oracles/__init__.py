@@ -24,272 +24,20 @@
 from __future__ import annotations
 
 from collections import Counter, defaultdict
-from dataclasses import asdict, dataclass, field
 
-import math
-import re
+from kvchaos.history import History, agent_kind, as_history
 
-import ahocorasick
+from .base import FAIL, PASS, STATUSES, UNKNOWN, Checker, Composite, Verdict, check_safe, compose
+from .isolation import (CORRUPTING_FAULTS, DEFAULT_FLOOR, ECHO_RATE, Isolation, Sensitivity, SensitivityFloor,
+                        binomial_lower_bound, isolation, power, scan, sensitivity)
 
-from kvchaos import canary
-
-PASS, FAIL, UNKNOWN = "pass", "fail", "unknown"
-ECHO_RATE = 0.99
-
-
-@dataclass
-class Verdict:
-    oracle: str
-    status: str
-    summary: str
-    witnesses: list = field(default_factory=list)
-    stats: dict = field(default_factory=dict)
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-    def __str__(self):
-        return f"{self.oracle}: {self.status.upper()} — {self.summary}"
-
-
-class Run:
-    """Index of an event log by request."""
-
-    def __init__(self, events: list[dict]):
-        self.events = events
-        self.plans: dict[str, dict] = {}
-        self.bodies: dict[str, dict] = {}
-        self.ends: dict[str, dict] = {}
-        self.statuses: dict[str, int] = {}
-        self.sends: dict[str, dict] = {}
-        self.by_ev = defaultdict(list)
-        for e in events:
-            self.by_ev[e.get("ev")].append(e)
-            rid = e.get("rid")
-            ev = e.get("ev")
-            if ev == "plan":
-                self.plans[rid] = e
-            elif ev == "body":
-                self.bodies[rid] = e
-            elif ev == "end":
-                self.ends[rid] = e
-            elif ev == "send":
-                self.sends[rid] = e
-            elif ev == "status" and not e.get("headers_only"):
-                self.statuses[rid] = e.get("status")
-
-    def responses(self) -> list[str]:
-        """Every request the client got any reply bytes for (a ``body`` event: complete or not)."""
-        return list(self.bodies)
-
-    def response_text(self, rid: str) -> str:
-        """Everything the client saw of the reply: the parsed text, the error, then every raw byte
-        received (streams cut, aborted or timed out included) — what isolation scans."""
-        b = self.bodies.get(rid) or {}
-        return "\n".join(x for x in (b.get("text") or "", b.get("error") or "", b.get("raw") or "") if x)
-
-
-# --------------------------------------------------------------------------- isolation
-def _automaton(plans: dict[str, dict], partial_len: int, registry=None):
-    """Every canary this log's plans carry, plus every canary of ``registry`` (canaries minted
-    elsewhere in the session: other tests, other waves, the self-test)."""
-    a = ahocorasick.Automaton()
-    owners: dict[str, list] = defaultdict(list)
-    minted = [(rid, p.get("tenant"), c, None) for rid, p in plans.items() for c in p.get("canaries") or []]
-    if registry is not None:  # by canary, not rid: another log may reuse a rid for other canaries
-        own = {c for _r, _t, c, _s in minted}
-        minted += [(m.rid, m.tenant, m.canary, m.source) for m in registry.entries() if m.canary not in own]
-    for rid, tenant, c, source in minted:
-        pay = canary.payload(c)
-        owners[pay].append((rid, tenant, c, "exact", source))
-        for i in range(len(pay) - partial_len + 1):
-            owners[pay[i:i + partial_len]].append((rid, tenant, c, "partial", source))
-    for key, val in owners.items():
-        a.add_word(key, (key, val))
-    if len(a):
-        a.make_automaton()
-    return a
-
-
-def scan(text: str, automaton) -> list[tuple[int, int, str, list]]:
-    """(start, end, matched, owners) for every exact or partial canary hit in ``text``."""
-    if not len(automaton):
-        return []
-    return [(end - len(key) + 1, end + 1, key, owners) for end, (key, owners) in automaton.iter(text)]
-
-
-def isolation(events: list[dict], partial_len: int = 8, echo_rate: float = ECHO_RATE, registry=None,
-              floor: "SensitivityFloor | None" = None) -> Verdict:
-    """A reply (any byte the client received: complete, streamed, cut, aborted, timed out, error
-    bodies) holding a canary minted for another request — in this log or, with ``registry``,
-    anywhere in the session — or a well-formed canary nobody minted is a LEAK."""
-    run = Run(events)
-    auto = _automaton(run.plans, partial_len, registry)
-    witnesses, seen = [], set()
-    for rid in run.responses():
-        text = run.response_text(rid)
-        victim = run.plans.get(rid, {})
-        hits = scan(text, auto)
-        exact_spans = [(s, e) for s, e, _k, own in hits if any(o[3] == "exact" for o in own)]
-        common = {"victim_rid": rid, "victim_tenant": victim.get("tenant"),
-                  # a cut or abandoned reply has its status only on the headers / its end
-                  "status": run.statuses.get(rid) or (run.ends.get(rid) or {}).get("status"),
-                  "outcome": (run.ends.get(rid) or {}).get("outcome"),
-                  "complete": (run.bodies.get(rid) or {}).get("complete", True)}
-        for s, e, key, owners in hits:
-            # own: minted for this request in this log (a registry entry of the same rid is another request)
-            foreign = [o for o in owners if not (o[0] == rid and o[4] is None)]
-            if not foreign or len(foreign) < len(owners):
-                continue  # own canary (or a window of one)
-            kind = "exact" if any(o[3] == "exact" for o in foreign) else "partial"
-            if kind == "partial" and any(a <= s and e <= b for a, b in exact_spans):
-                continue  # window inside an exact hit already reported
-            for owner_rid, owner_tenant, c, source in {(o[0], o[1], o[2], o[4]) for o in foreign}:
-                if (rid, owner_rid, c, kind) in seen:
-                    continue  # the same canary again (e.g. in the raw bytes after the parsed text)
-                seen.add((rid, owner_rid, c, kind))
-                witnesses.append({**common, "owner_rid": owner_rid, "owner_tenant": owner_tenant,
-                                  "origin": "this log" if source is None else f"session ({source})",
-                                  "canary": c, "matched": key, "match": kind, "offsets": [s, e],
-                                  "same_tenant": owner_tenant == victim.get("tenant"),
-                                  "excerpt": text[max(0, s - 40):e + 40]})
-        # a well-formed canary that nobody in this session minted: foreign by definition (one that
-        # overlaps a hit is a recital of a minted canary, already judged above)
-        spans = [(s, e) for s, e, _k, _o in hits]
-        for m in RECITED.finditer(text):
-            pay = m.group(1)
-            if any(a < m.end(1) and m.start(1) < b for a, b in spans) or (rid, None, pay, "unknown") in seen:
-                continue
-            seen.add((rid, None, pay, "unknown"))
-            s, e = m.start(1), m.end(1)
-            witnesses.append({**common, "owner_rid": None, "owner_tenant": None, "origin": "unknown",
-                              "canary": f"[{pay}]", "matched": pay, "match": "unknown-origin", "offsets": [s, e],
-                              "same_tenant": False, "excerpt": text[max(0, s - 40):e + 40],
-                              "problem": "canary of unknown origin (minted by nobody in this session)"})
-    sens = sensitivity(events, echo_rate, floor=floor)
-    n = len(run.responses())
-    if witnesses:
-        victims = sorted({w["victim_rid"] for w in witnesses})
-        w0 = witnesses[0]
-        owner = (f"{w0['owner_rid']} ({w0['owner_tenant']})" if w0["owner_rid"] else "nobody: canary of unknown origin")
-        return Verdict("isolation", FAIL,
-                       f"LEAK: {len(victims)} of {n} responses hold canaries minted for other requests "
-                       f"(first: {w0['victim_rid']} ({w0['victim_tenant']}) got {w0['matched']!r} of "
-                       f"{owner}, HTTP {w0['status']}, {w0['outcome']})",
-                       witnesses, {"responses": n, "victims": len(victims), "sensitivity": sens.stats})
-    if sens.status != PASS:
-        return Verdict("isolation", UNKNOWN, f"no foreign canary in {n} responses, but the model cannot show a "
-                       f"leak: {sens.summary}", [], {"responses": n, "sensitivity": sens.stats})
-    return Verdict("isolation", PASS, f"no foreign canary in {n} responses; {sens.summary}", [],
-                   {"responses": n, "sensitivity": sens.stats})
-
-
-# a recited canary in a reply: the probe's trigger supplies the opening bracket, so a payload may
-# start a reply, follow "[", or follow a JSON quote in the raw bytes; every one ends with "]"
-RECITED = re.compile(r"(?<![A-Z2-7])([A-Z2-7]{%d})\]" % canary.PAYLOAD_LEN)
-
-
-@dataclass(frozen=True)
-class SensitivityFloor:
-    """Isolation may PASS only on evidence that the model would have shown a leak: at least
-    ``min_samples`` echo-eligible completed requests, and a one-sided ``confidence`` lower bound
-    (exact, Clopper-Pearson) of at least ``min_rate`` on the echo rate of their canaries. The
-    trial is the canary: a leak is a foreign canary in a request's context, and what must be
-    likely is that the model recites a canary in its context (a request carries 1-3)."""
-    min_samples: int = 20
-    min_rate: float = 0.95
-    confidence: float = 0.95
-
-    def lower_bound(self, k: int, n: int) -> float:
-        return binomial_lower_bound(k, n, self.confidence)
-
-
-DEFAULT_FLOOR = SensitivityFloor()
-
-
-def binomial_lower_bound(k: int, n: int, confidence: float = 0.95) -> float:
-    """One-sided exact (Clopper-Pearson) lower confidence bound of a rate seen as k of n: the p at
-    which P(X >= k | n, p) = 1 - confidence. 0 for k == 0."""
-    if n <= 0 or k <= 0:
-        return 0.0
-    alpha = 1.0 - confidence
-
-    def tail(p):  # P(X >= k), term by term in log space (no overflow for large n)
-        lp, lq = math.log(p), math.log1p(-p)
-        return sum(math.exp(math.lgamma(n + 1) - math.lgamma(i + 1) - math.lgamma(n - i + 1) + i * lp + (n - i) * lq)
-                   for i in range(k, n + 1))
-
-    if k == n:
-        return alpha ** (1.0 / n)
-    lo, hi = 1e-12, k / n
-    for _ in range(60):
-        mid = (lo + hi) / 2
-        if tail(mid) < alpha:
-            lo = mid
-        else:
-            hi = mid
-    return lo
-
-
-CORRUPTING_FAULTS = ("short", "fail", "reject_admitted")
-
-
-def corrupted_rids(events: list[dict]) -> set:
-    """Requests a fault deliberately broke (the agent's ``fault_fired`` names them): their replies
-    say nothing about whether the model would show a leak, so they are not echo evidence."""
-    out = set()
-    for e in events:
-        if agent_kind(e) == "fault_fired" and e.get("kind") in CORRUPTING_FAULTS and e.get("rid"):
-            out.add(e["rid"])
-    return out
-
-
-def sensitivity(events: list[dict], echo_rate: float = ECHO_RATE, floor: SensitivityFloor | None = None) -> Verdict:
-    """Own-canary echo over requests that completed normally and were built to echo. PASS needs
-    the ``floor`` (default: >= 20 such requests, 95 % lower bound >= 0.95 on their canaries' echo
-    rate) and the point rate >= ``echo_rate``; anything less is UNKNOWN with the numbers."""
-    floor = floor or DEFAULT_FLOOR
-    run = Run(events)
-    broken = corrupted_rids(events)
-    eligible, echoed, n_can, n_echo, misses = 0, 0, 0, 0, []
-    for rid, p in run.plans.items():
-        end = run.ends.get(rid, {})
-        if rid in broken or not p.get("expect_echo") or p.get("oversized") or end.get("outcome") != "ok" \
-                or run.statuses.get(rid) != 200:
-            continue
-        if _finish_type(run.bodies.get(rid) or {}) == "abort":  # /generate's {"type": ...} or OpenAI's string
-            continue
-        eligible += 1
-        text = (run.bodies.get(rid) or {}).get("text") or ""
-        cs = p.get("canaries") or []
-        missing = [c for c in cs if canary.payload(c) not in text]
-        n_can += len(cs)
-        n_echo += len(cs) - len(missing)
-        if missing:
-            if len(misses) < 10:
-                misses.append({"rid": rid, "missing": missing, "reply": text[:120]})
-        else:
-            echoed += 1
-    rate = n_echo / n_can if n_can else 0.0
-    lb = floor.lower_bound(n_echo, n_can)
-    stats = {"eligible": eligible, "echoed": echoed, "canaries": n_can, "canaries_echoed": n_echo, "rate": rate,
-             "threshold": echo_rate, "lower_bound": round(lb, 4), "confidence": floor.confidence,
-             "min_rate": floor.min_rate, "min_samples": floor.min_samples}
-    what = (f"own-canary echo {echoed}/{eligible} requests, {n_echo}/{n_can} canaries = {100 * rate:.1f} % "
-            f"({100 * floor.confidence:.0f} % lower bound {lb:.3f})")
-    if eligible < floor.min_samples:
-        return Verdict("sensitivity", UNKNOWN, f"{what}: fewer than {floor.min_samples} completed requests that "
-                       "should echo their canaries — too little evidence that a leak would show", misses, stats)
-    if rate < echo_rate or lb < floor.min_rate:
-        return Verdict("sensitivity", UNKNOWN, f"{what}: needs a lower bound >= {floor.min_rate:.2f} and a rate >= "
-                       f"{100 * echo_rate:.0f} % — this run cannot show that a leak would be seen", misses, stats)
-    return Verdict("sensitivity", PASS, what, misses, stats)
+Run = as_history  # the index every checker reads: kvchaos.history.History
 
 
 # --------------------------------------------------------------------------- differential
-def differential(events: list[dict], reference: dict[str, dict]) -> Verdict:
+def differential(events, reference: dict[str, dict]) -> Verdict:
     """``reference``: rid -> {"output_ids": [...], "text": ...} from a clean single server."""
-    run = Run(events)
+    run = as_history(events)
     compared, witnesses = 0, []
     for rid, ref in reference.items():
         body = run.bodies.get(rid)
@@ -314,8 +62,8 @@ def differential(events: list[dict], reference: dict[str, dict]) -> Verdict:
 
 
 # --------------------------------------------------------------------------- HTTP semantics
-def http_semantics(events: list[dict]) -> Verdict:
-    run = Run(events)
+def http_semantics(events) -> Verdict:
+    run = as_history(events)
     checked, witnesses, undecided = 0, [], []
     for rid, p in run.plans.items():
         if not p.get("oversized"):
@@ -344,10 +92,10 @@ def http_semantics(events: list[dict]) -> Verdict:
 
 
 # --------------------------------------------------------------------------- liveness
-def liveness(events: list[dict], bound_s: float, pool_tolerance_tokens: int = 0) -> Verdict:
+def liveness(events, bound_s: float, pool_tolerance_tokens: int = 0) -> Verdict:
     """Every request ended (and within ``bound_s``); the post-run probe answered; the KV pool is
     back at its idle baseline (``probe`` events with phase ``before``/``after`` and ``kv_used``)."""
-    run = Run(events)
+    run = as_history(events)
     witnesses = []
     for rid, p in run.plans.items():
         end = run.ends.get(rid)
@@ -383,27 +131,20 @@ def liveness(events: list[dict], bound_s: float, pool_tolerance_tokens: int = 0)
 
 
 # --------------------------------------------------------------------------- kv lifecycle
-def agent_kind(e: dict) -> str | None:
-    """Agent events appear raw (``ev``) or copied into a test log (``ev == "agent"``, ``agent_ev``)."""
-    if e.get("ev") == "agent":
-        return e.get("agent_ev")
-    return e.get("ev") if e.get("source") == "agent" else None
-
-
-def kv_pages_written(events: list[dict]) -> dict[str, int]:
+def kv_pages_written(events) -> dict[str, int]:
     """Per rid, the KV pages prefill wrote to decode (the sum of the agent's ``write_end`` pages over
     every chunk of the request's transfer; a chunked prefill sends several). Pages of
     :func:`kv_page_size` tokens each."""
     out: dict[str, int] = defaultdict(int)
-    for e in events:
+    for e in _records(events):
         if agent_kind(e) == "write_end" and e.get("rid") and isinstance(e.get("pages"), int):
             out[e["rid"]] += e["pages"]
     return dict(out)
 
 
-def kv_page_size(events: list[dict]) -> int:
+def kv_page_size(events) -> int:
     """The KV page size the agent's transfer events report (1 when they do not say)."""
-    for e in events:
+    for e in _records(events):
         if agent_kind(e) in ("transfer_start", "write_end") and isinstance(e.get("page_size"), int):
             return e["page_size"]
     return 1
@@ -432,54 +173,70 @@ def _reused_by(room, released_at: float, starts: dict, limit: int = 5) -> list[d
     return out[:limit]
 
 
-def kv_lifecycle(events: list[dict], tolerance_s: float = 0.0) -> Verdict:
-    """No KV write into decode's pages ends after decode released them (same bootstrap room)."""
-    released: dict = {}
-    outcome: dict = {}  # room -> SGLang's deferred-release outcome (drained | timeout), agent evidence
+def kv_lifecycle(events, tolerance_s: float = 0.0) -> Verdict:
+    """No KV write into decode's pages ends after decode released them (same bootstrap room). Each
+    late write is paired with the release it followed — the room's last ``kv_released`` before the
+    write ended — and with that release's own outcome (the ``deferred_release`` SGLang reported for
+    that room at that release: ``drained`` or ``timeout``; none: released at once, no deferral)."""
+    h = as_history(events)
+    releases = defaultdict(list)  # room -> its kv_released events, in time order
+    outcomes = defaultdict(list)  # room -> its deferred_release events, in time order
     starts: dict = {}  # room -> its first transfer_start (decode pages it was given, when prefill began)
     writes = defaultdict(list)
     n_writes = 0
-    for e in events:
-        kind = agent_kind(e)
-        room = e.get("room")
-        if room is None:
+    for e in h.agent:
+        kind, room = agent_kind(e), e.get("room")
+        if room is None or not isinstance(e.get("wall"), (int, float)):
             continue
         if kind == "transfer_start":
             starts.setdefault(room, e)
         elif kind == "kv_released":
-            if room not in released or e["wall"] < released[room]["wall"]:
-                released[room] = e
+            releases[room].append(e)
         elif kind == "deferred_release":
-            outcome.setdefault(room, e.get("outcome"))
+            outcomes[room].append(e)
         elif kind == "write_end":
             writes[room].append(e)
             n_writes += 1
     witnesses = []
-    for room, rel in released.items():
+    for room, rels in releases.items():
+        rels.sort(key=lambda r: r["wall"])
         for w in writes.get(room, []):
-            if w["wall"] > rel["wall"] + tolerance_s:
-                witnesses.append({"room": room, "rid": w.get("rid") or rel.get("rid"), "pages": w.get("pages"),
-                                  "released_at": rel["wall"], "write_start": w.get("wall_start"), "write_end": w["wall"],
-                                  "after_release_ms": round(1000 * (w["wall"] - rel["wall"]), 1),
-                                  "deferred_release_enabled": rel.get("deferred_release_enabled"),
-                                  "release_outcome": outcome.get(room),
-                                  "reused_by": _reused_by(room, rel["wall"], starts),
-                                  "problem": "KV write landed in decode pages after decode released them"})
-    stats = {"writes": n_writes, "released_rooms": len(released),
-             "released_with_writes": sum(1 for r in released if writes.get(r)),
-             "release_outcomes": dict(Counter(outcome.values()))}
+            before = [r for r in rels if r["wall"] + tolerance_s < w["wall"]]
+            if not before:
+                continue
+            rel = before[-1]  # the release this write landed after
+            nxt = next((r["wall"] for r in rels if r["wall"] > rel["wall"]), float("inf"))
+            # SGLang reports the outcome right after it released (same thread, same room)
+            out = next((o for o in outcomes.get(room, ()) if rel["wall"] <= o["wall"] < nxt), None)
+            witnesses.append({"room": room, "rid": w.get("rid") or rel.get("rid"), "pages": w.get("pages"),
+                              "released_at": rel["wall"], "write_start": w.get("wall_start"), "write_end": w["wall"],
+                              "after_release_ms": round(1000 * (w["wall"] - rel["wall"]), 1),
+                              "deferred_release_enabled": rel.get("deferred_release_enabled"),
+                              "release_outcome": out.get("outcome") if out else None,
+                              "release_outcome_at": out.get("wall") if out else None,
+                              "releases_of_room": len(rels),
+                              "reused_by": _reused_by(room, rel["wall"], starts),
+                              "problem": "KV write landed in decode pages after decode released them"})
+    all_outcomes = [o.get("outcome") for os_ in outcomes.values() for o in os_]
+    stats = {"writes": n_writes, "released_rooms": len(releases),
+             "released_with_writes": sum(1 for r in releases if writes.get(r)),
+             "release_outcomes": dict(Counter(all_outcomes))}
     if witnesses:
         w = witnesses[0]
         return Verdict("kv_lifecycle", FAIL, f"{len(witnesses)} KV write(s) landed after decode released the pages "
                        f"(first: room {w['room']} rid {w['rid']}: {w['pages']} pages, {w['after_release_ms']} ms "
-                       "after release)", witnesses, stats)
+                       f"after a release whose outcome was {w['release_outcome']})", witnesses, stats)
     if not n_writes:
         return Verdict("kv_lifecycle", UNKNOWN, "no engine-side write evidence (in-engine agent not loaded?)", [], stats)
-    if not released:
+    if not releases:
         return Verdict("kv_lifecycle", UNKNOWN, f"{n_writes} writes, but no failed/aborted transfer released pages: "
                        "nothing to judge", [], stats)
-    return Verdict("kv_lifecycle", PASS, f"{len(released)} released room(s), {stats['released_with_writes']} with "
+    return Verdict("kv_lifecycle", PASS, f"{len(releases)} released room(s), {stats['released_with_writes']} with "
                    f"writes: every write ended before its pages were released", [], stats)
+
+
+def _records(events) -> list[dict]:
+    return events.records if isinstance(events, History) else events
 
 
 def _finish_type(body: dict):
@@ -489,7 +246,7 @@ def _finish_type(body: dict):
     return fr.get("type") if isinstance(fr, dict) else fr
 
 
-def abort_semantics(events: list[dict]) -> Verdict:
+def abort_semantics(events) -> Verdict:
     """Every request the harness aborted (``fault`` records, action ``abort_request``) got the
     outcome of an abort: an error status with an error message, or HTTP 200 whose finish reason is
     ``abort``. A 200 that finished as a success (``length`` / ``stop``) is a FAIL when the abort was
@@ -497,11 +254,11 @@ def abort_semantics(events: list[dict]) -> Verdict:
     abort was lost — the shape of SGLang #33507); when nothing held it the abort may have come too
     late, and that reply's content is judged by isolation / differential. Per stage, what came back
     is in the stats. UNKNOWN when no aborted request got an answer."""
-    run = Run(events)
-    aborts = {e["rid"]: e for e in events if e.get("ev") == "fault" and e.get("action") == "abort_request"
+    run = as_history(events)
+    aborts = {e["rid"]: e for e in run.records if e.get("ev") == "fault" and e.get("action") == "abort_request"
               and e.get("rid")}
     rooms = defaultdict(list)  # rid -> prefill's bootstrap rooms in order: one per attempt (a retry: a new one)
-    for e in events:
+    for e in run.records:
         if agent_kind(e) == "bootstrap_queued" and e.get("rid") in aborts and e.get("room") not in rooms[e["rid"]]:
             rooms[e["rid"]].append(e.get("room"))
     witnesses, outcomes, undecided = [], {}, []
@@ -536,15 +293,15 @@ def abort_semantics(events: list[dict]) -> Verdict:
                                for st, o in outcomes.items() if o["status"] is not None), [], stats)
 
 
-def retraction(events: list[dict], min_retractions: int = 1) -> Verdict:
+def retraction(events, min_retractions: int = 1) -> Verdict:
     """Every request decode retracted (the agent's ``kv_retracted``) came back with its own KV: the
     pool read back at its new slots equals the host copy taken at retraction (``kv_resumed``
     ``restored_equal``, and the two digests agree), and no request was answered 200 with a
     retraction that was never resumed (decoded without its KV restored). UNKNOWN when fewer than
     ``min_retractions`` of this log's requests were retracted: the path was not exercised."""
-    run = Run(events)
+    run = as_history(events)
     retracted, resumed, hook_errors = defaultdict(list), defaultdict(list), []
-    for e in events:
+    for e in run.records:
         kind, rid = agent_kind(e), e.get("rid")
         if kind == "kv_retracted" and rid in run.plans:
             retracted[rid].append(e)
@@ -587,54 +344,7 @@ def retraction(events: list[dict], min_retractions: int = 1) -> Verdict:
                    f"KV restored bit-exact, none answered without its KV", [], stats)
 
 
-ALL = ("isolation", "sensitivity", "http_semantics", "liveness", "kv_lifecycle")
-
-
 # --------------------------------------------------------------------------- checkers
-class Checker:
-    """An oracle with its options bound at construction: ``checker(events) -> Verdict``.
-
-    Build them once (``Liveness(bound_s=60)``), pass them to an experiment, and :func:`compose`
-    several into one. ``name`` is the verdict's oracle name."""
-
-    name = ""
-    leak = False  # a FAIL of this checker is a leak (or its evidence): never hidden by any finding
-
-    def __call__(self, events: list[dict]) -> Verdict:
-        return self.check(events)
-
-    def check(self, events: list[dict]) -> Verdict:
-        raise NotImplementedError
-
-    def __repr__(self):
-        opts = ", ".join(f"{k}={v!r}" for k, v in vars(self).items() if not k.startswith("_"))
-        return f"{type(self).__name__}({opts})"
-
-
-class Isolation(Checker):
-    name, leak = "isolation", True
-
-    def __init__(self, partial_len: int = 8, echo_rate: float = ECHO_RATE, registry="session",
-                 floor: SensitivityFloor = DEFAULT_FLOOR):
-        if partial_len < 4 or partial_len > canary.PAYLOAD_LEN:
-            raise ValueError(f"partial_len must be 4..{canary.PAYLOAD_LEN}, got {partial_len}")
-        self.partial_len, self.echo_rate, self.floor = partial_len, echo_rate, floor
-        self.registry = canary.SESSION if registry == "session" else registry
-
-    def check(self, events):
-        return isolation(events, self.partial_len, self.echo_rate, self.registry, self.floor)
-
-
-class Sensitivity(Checker):
-    name = "sensitivity"
-
-    def __init__(self, echo_rate: float = ECHO_RATE, floor: SensitivityFloor = DEFAULT_FLOOR):
-        self.echo_rate, self.floor = echo_rate, floor
-
-    def check(self, events):
-        return sensitivity(events, self.echo_rate, self.floor)
-
-
 class Differential(Checker):
     """``reference``: rid -> {"output_ids", "text"}, or a callable of the event log returning that
     (e.g. the same prompts served alone by a clean single server after the run)."""
@@ -643,15 +353,15 @@ class Differential(Checker):
     def __init__(self, reference):
         self.reference = reference
 
-    def check(self, events):
-        ref = self.reference(events) if callable(self.reference) else self.reference
+    def check(self, events, registry=None):
+        ref = self.reference(_records(events)) if callable(self.reference) else self.reference
         return differential(events, ref)
 
 
 class HttpSemantics(Checker):
     name = "http_semantics"
 
-    def check(self, events):
+    def check(self, events, registry=None):
         return http_semantics(events)
 
 
@@ -663,29 +373,29 @@ class Liveness(Checker):
             raise ValueError(f"liveness bound_s must be > 0, got {bound_s}")
         self.bound_s, self.pool_tolerance_tokens = bound_s, pool_tolerance_tokens
 
-    def check(self, events):
+    def check(self, events, registry=None):
         return liveness(events, self.bound_s, self.pool_tolerance_tokens)
 
 
 class KVLifecycle(Checker):
-    name, leak = "kv_lifecycle", True
+    name, leak, log_only = "kv_lifecycle", True, True
 
     def __init__(self, tolerance_s: float = 0.0):
         self.tolerance_s = tolerance_s
 
-    def check(self, events):
+    def check(self, events, registry=None):
         return kv_lifecycle(events, self.tolerance_s)
 
 
 class AbortSemantics(Checker):
     name = "abort_semantics"
 
-    def check(self, events):
+    def check(self, events, registry=None):
         return abort_semantics(events)
 
 
 class Retraction(Checker):
-    name, leak = "retraction", True
+    name, leak, log_only = "retraction", True, True
 
     def __init__(self, min_retractions: int = 1):
         if min_retractions < 1:
@@ -693,36 +403,13 @@ class Retraction(Checker):
                              f"got {min_retractions}")
         self.min_retractions = min_retractions
 
-    def check(self, events):
+    def check(self, events, registry=None):
         return retraction(events, self.min_retractions)
 
 
-class Composite(Checker):
-    """Several checkers as one: ``check`` returns one verdict per checker, in order."""
-
-    def __init__(self, checkers):
-        flat = []
-        for c in checkers:
-            flat += c.checkers if isinstance(c, Composite) else [c]
-        for c in flat:
-            if not isinstance(c, Checker):
-                raise TypeError(f"not a checker: {c!r} (build one, e.g. oracles.Liveness(bound_s=60))")
-        names = [c.name for c in flat]
-        dup = sorted({n for n in names if names.count(n) > 1})
-        if dup:
-            raise ValueError(f"checker(s) {dup} given twice: each oracle judges a history once")
-        self.checkers = flat
-
-    def check(self, events) -> list[Verdict]:
-        return [c.check(events) for c in self.checkers]
-
-
-def compose(*checkers) -> Composite:
-    return Composite(checkers)
-
-
 def default_checkers(bound_s: float = 60.0) -> Composite:
-    """What ``kvchaos judge`` applies to a log: every oracle that needs nothing but the log."""
+    """What ``kvchaos judge`` applies to a log: every oracle that needs nothing but the log (the
+    policy adds the leak checkers that always run, :func:`kvchaos.policy.with_always`)."""
     return compose(Isolation(), Sensitivity(), HttpSemantics(), Liveness(bound_s=bound_s), KVLifecycle())
 
 

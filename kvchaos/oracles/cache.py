@@ -50,8 +50,9 @@ def _engine_salts(events: list[dict]) -> dict[str, list]:
     return out
 
 
-def cache_isolation(events: list[dict], min_hits: int = 5, min_cross: int = 3) -> Verdict:
+def cache_isolation(events, min_hits: int = 5, min_cross: int = 3) -> Verdict:
     run = Run(events)
+    events = run.records
     page = kv_page_size(events)
     # unsalted requests are judged only when sent after the prefix cache was flushed (before that,
     # the unsalted namespace holds traffic from outside this log)
@@ -199,8 +200,10 @@ def ttfts(events: list[dict], run: Run | None = None) -> dict[str, list[float]]:
     return out
 
 
-def timing_isolation(events: list[dict], alpha: float = 1e-3, min_n: int = 15) -> Verdict:
-    run, got = Run(events), _engine_salts(events)
+def timing_isolation(events, alpha: float = 1e-3, min_n: int = 15) -> Verdict:
+    run = Run(events)
+    events = run.records
+    got = _engine_salts(events)
     arms = ttfts(events, run)
     n = {a: len(v) for a, v in arms.items()}
     salted = [r for r, p in run.plans.items() if p.get("timing") and p.get("cache_salt")]
@@ -246,7 +249,7 @@ class CacheIsolation(Checker):
                              f"got {min_hits}, {min_cross}")
         self.min_hits, self.min_cross = min_hits, min_cross
 
-    def check(self, events):
+    def check(self, events, registry=None):
         return cache_isolation(events, self.min_hits, self.min_cross)
 
 
@@ -260,5 +263,5 @@ class TimingIsolation(Checker):
             raise ValueError(f"min_n must be >= 5 (KS has no power below), got {min_n}")
         self.alpha, self.min_n = alpha, min_n
 
-    def check(self, events):
+    def check(self, events, registry=None):
         return timing_isolation(events, self.alpha, self.min_n)

@@ -44,9 +44,15 @@ def prompt(rng: random.Random, n_tokens: int, canaries: list[str]) -> str:
     return text
 
 
+FOREIGN_HEADROOM = 2  # canaries a reply has room for beyond its own
+
+
 def max_new_tokens(n_canaries: int) -> int:
-    """Enough tokens to recite ``n_canaries`` canaries plus the closing ``[``."""
-    return n_canaries * canary.LENGTH + 2
+    """The reply budget of a request carrying ``n_canaries``: its own recital, room for
+    :data:`FOREIGN_HEADROOM` foreign canaries, and the closing ``[``. The probe recites in order of
+    first character, so a foreign canary can come after every own one: without the headroom a leak
+    that sorts last would be cut off by the budget."""
+    return (n_canaries + FOREIGN_HEADROOM) * canary.LENGTH + 2
 
 
 def recipe_digest(kind: str) -> str:

@@ -84,10 +84,13 @@ async def _run_all(url: str, jobs: list[tuple], concurrency: int, timeout: float
         return await asyncio.gather(*(one(*j) for j in jobs))
 
 
-def run_all(url, jobs, concurrency=8, timeout=120.0) -> list[dict]:
-    for job in jobs:  # what it sends may stay in the engines' KV pages: its canaries have an origin
-        canary.SESSION.add_text(job[0], job[2] if len(job) > 2 else None, "probe measurement")
-    return asyncio.run(_run_all(url, jobs, concurrency, timeout))
+def run_all(url, jobs, concurrency=8, timeout=120.0, registry=None) -> list[dict]:
+    """``registry``: the cluster's canary registry (``cluster.canaries``) — what it sends may stay in
+    the engines' KV pages, so its canaries are registered there and have an origin when recited."""
+    if registry is not None:
+        for job in jobs:
+            registry.add_text(job[0], job[2] if len(job) > 2 else None, "probe measurement")
+    return asyncio.run(_run_all(url, jobs, concurrency, timeout, registry))
 
 
 def echo_jobs(rng: random.Random, n: int, lengths: list[int]):
@@ -101,10 +104,10 @@ def echo_jobs(rng: random.Random, n: int, lengths: list[int]):
     return jobs, meta
 
 
-def measure_echo(url: str, n: int, lengths: list[int], seed: int = 0, concurrency: int = 8) -> Rate:
+def measure_echo(url: str, n: int, lengths: list[int], seed: int = 0, concurrency: int = 8, registry=None) -> Rate:
     rng = random.Random(seed)
     jobs, meta = echo_jobs(rng, n, lengths)
-    out = run_all(url, jobs, concurrency)
+    out = run_all(url, jobs, concurrency, registry=registry)
     rate = Rate("own-canary echo")
     for (length, cs), body in zip(meta, out):
         missing = [c for c in cs if canary.payload(c) not in body["text"]]
@@ -136,10 +139,11 @@ def contamination_jobs(rng: random.Random, n: int, lengths: list[int]):
     return jobs, meta
 
 
-def measure_contamination(url: str, n: int, lengths: list[int], seed: int = 1, concurrency: int = 8) -> Rate:
+def measure_contamination(url: str, n: int, lengths: list[int], seed: int = 1, concurrency: int = 8,
+                          registry=None) -> Rate:
     rng = random.Random(seed)
     jobs, meta = contamination_jobs(rng, n, lengths)
-    out = run_all(url, jobs, concurrency)
+    out = run_all(url, jobs, concurrency, registry=registry)
     rate = Rate("foreign-canary sensitivity")
     for (length, own, foreign), body in zip(meta, out):
         collide = any(o[1] == foreign[1] for o in own)
@@ -150,14 +154,14 @@ def measure_contamination(url: str, n: int, lengths: list[int], seed: int = 1, c
     return rate
 
 
-def measure_determinism(url: str, n: int = 24, seed: int = 2, lengths=(64, 300, 900)) -> Rate:
+def measure_determinism(url: str, n: int = 24, seed: int = 2, lengths=(64, 300, 900), registry=None) -> Rate:
     """Same prompts alone (concurrency 1) vs. in a concurrent mix with other prompts (batches)."""
     rng = random.Random(seed)
     jobs, _ = echo_jobs(rng, n, list(lengths))
     noise, _ = echo_jobs(rng, 2 * n, list(lengths))
-    alone = run_all(url, jobs, concurrency=1)
+    alone = run_all(url, jobs, concurrency=1, registry=registry)
     mixed_jobs = [j for pair in zip(jobs, noise[:n], noise[n:]) for j in pair]
-    mixed = run_all(url, mixed_jobs, concurrency=12)[0::3]
+    mixed = run_all(url, mixed_jobs, concurrency=12, registry=registry)[0::3]
     rate = Rate("deterministic across runs and batch compositions")
     for a, b in zip(alone, mixed):
         rate.add(a["output_ids"] == b["output_ids"], {"alone": a["text"][:60], "mixed": b["text"][:60]})
@@ -331,7 +335,8 @@ def _check_one_token_per_char(body: dict, text: str, rid: str) -> None:
 
 
 def measure_stale_kv(url: str, agent, n: int, pool_tokens: int, page_size: int, context_length: int,
-                     seed: int = 3, concurrency: int = 4, timeout: float = 120.0, progress=None) -> Rate:
+                     seed: int = 3, concurrency: int = 4, timeout: float = 120.0, progress=None,
+                     registry=None) -> Rate:
     """Stale-KV sensitivity measured inside SGLang with the in-engine agent (``agent``: a
     ``faults.engine.AgentClient`` of the cluster, or anything with its ``arm`` / ``events``).
 
@@ -369,7 +374,7 @@ def measure_stale_kv(url: str, agent, n: int, pool_tokens: int, page_size: int, 
                 texts[rid] = prompt(rng, dl, canary.mint(rng, 1, avoid_first=(OWN_FIRST,)))
                 jobs.append((texts[rid], 1, rid))
                 sent += math.ceil(dl / ps) * ps
-            for (text, _, rid), body in zip(jobs, run_all(url, jobs, concurrency, timeout)):
+            for (text, _, rid), body in zip(jobs, run_all(url, jobs, concurrency, timeout, registry)):
                 _check_one_token_per_char(body, text, rid)
         notes["donors"] += len(texts)
         notes["donor_tokens"] += sum(len(t) for t in texts.values())
@@ -381,7 +386,7 @@ def measure_stale_kv(url: str, agent, n: int, pool_tokens: int, page_size: int, 
         rec = {"trial": trial, "victim": vrid, "victim_len": vlen, "donors": len(texts), "own": own}
         f = agent.arm("prefill", "short", target={"rid": vrid}, params={"pages": keep}, count=100, ttl_s=300)
         try:
-            body = run_all(url, [(vtext, max_new_tokens(STALE_MAX_RECITE), vrid)], 1, timeout)[0]
+            body = run_all(url, [(vtext, max_new_tokens(STALE_MAX_RECITE), vrid)], 1, timeout, registry)[0]
             _check_one_token_per_char(body, vtext, vrid)
             reply = body["text"]
             fired = f.verify(timeout=10)

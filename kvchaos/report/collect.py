@@ -23,18 +23,18 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
 
+from kvchaos import policy
 from kvchaos.cluster.procs import log_tail
-from kvchaos.oracles import Run
+from kvchaos.history import History, HistoryError
 from kvchaos.workload.events import load_events
 
 ORACLE_RID_KEYS = ("victim_rid", "rid")
-LEAK_CHECKERS = ("isolation", "kv_lifecycle", "differential")  # as kvchaos.policy: never hidden
 RUN_VERDICTS = "verdicts.json"          # the run-level file this package writes into a run directory
 SCENARIO_DIR_RUN_VERDICTS = "run-verdicts.json"  # ... into a directory that is itself one scenario
 EXPERIMENTS = "experiments.jsonl"
 FINDINGS = "findings.json"
 SELFTEST_TEST = "session: planted-leak self-test"
-RANK = {"pass": 0, "known": 1, "unknown": 2, "fail": 3}  # how bad a status is for the run
+RANK = policy.RANK  # how bad a status is for the run (the policy's order)
 FAILED_TESTS = ("failed", "error")
 
 
@@ -48,10 +48,7 @@ class ReportError(ValueError):
     """A run directory kvchaos cannot build a report from (the message names the problem)."""
 
 
-def worst(statuses) -> str | None:
-    statuses = [s for s in statuses if s]
-    return max(statuses, key=lambda s: RANK.get(s, RANK["unknown"])) if statuses else None
-
+worst = policy.merge  # the run's status is the policy's merge of its experiments
 
 @dataclass
 class Request:
@@ -120,16 +117,11 @@ class Scenario:
 
     @property
     def status(self) -> str:
-        """The policy's status (for a planted experiment "pass" means: caught as required); in an old
-        directory derived from the verdicts' outcomes or statuses."""
+        """The policy's status (for a planted experiment "pass" means: caught as required): the
+        record's, else the policy's reading of the verdicts file (kvchaos.policy.status_of)."""
         if self.policy_status:
             return self.policy_status
-        if self.verdicts and all("outcome" in v for v in self.verdicts):  # judged verdicts, no record
-            red = [v for v in self.verdicts if v["outcome"] == "red"]
-            if red:
-                return "fail" if any(v.get("status") == "fail" for v in red) else "unknown"
-            return "known" if any(v["outcome"] == "known" for v in self.verdicts) else "pass"
-        return self.verdict_status
+        return policy.status_of(self.verdicts, self.events)
 
     @property
     def caught(self) -> bool | None:
@@ -141,25 +133,13 @@ class Scenario:
 
     @property
     def run_status(self) -> str:
-        """What this scenario means for the run. A planted experiment: pass when caught as required,
-        else unknown (the harness could not show it sees that bug) — its planted FAILs never redden
-        the run. Otherwise the policy's status, but an isolation / kv_lifecycle / differential FAIL
-        is FAIL unless it is an accepted known finding, and a known finding not accepted is red."""
-        if self.planted:
-            return "pass" if self.caught else "unknown"
-        st = [self.status]
-        for v in self.verdicts:
-            k = v.get("known") or {}
-            if v.get("oracle") in LEAK_CHECKERS and v.get("status") == "fail":
-                st.append("known" if v.get("outcome") == "known" and k.get("accepted") else "fail")
-        for v in self.unaccepted_known():
-            st.append("fail" if v.get("status") == "fail" else "unknown")
-        if self.known and set(self.known) - set(self.accepted) and not self.unaccepted_known():
-            st.append("fail")  # the record says a finding was not accepted (verdicts file lacks it)
-        return worst(st)
+        """What this scenario means for the run (kvchaos.policy.scenario_status): a planted experiment
+        is pass when caught as required, else unknown — its planted FAILs never redden the run."""
+        return policy.scenario_status(self.status, self.planted)
 
     def red_verdicts(self) -> list[dict]:
-        """Verdicts that make this scenario count against the run (for the report's reason line)."""
+        """Verdicts that make this scenario count against the run (for the report's reason line), as
+        the policy recorded them."""
         if self.planted:
             return [v for v in self.verdicts if v.get("required") and v.get("status") != v.get("required")]
         out = []
@@ -168,7 +148,7 @@ class Scenario:
             if v.get("outcome") == "known":
                 if not k.get("accepted"):
                     out.append(v)
-            elif v.get("outcome") == "red" or (v.get("oracle") in LEAK_CHECKERS and v.get("status") == "fail"):
+            elif v.get("outcome") == "red" or policy.leak_verdict(v):
                 out.append(v)
             elif "outcome" not in v and v.get("status") in ("fail", "unknown"):
                 out.append(v)
@@ -191,13 +171,18 @@ class Scenario:
         return ""
 
     @cached_property
-    def run(self) -> Run:
-        """The oracles' index of this scenario's events: what the report shows of a reply is exactly
-        what the checkers scanned (``Run.response_text``), so witness offsets index it."""
-        return Run(self.events)
+    def run(self) -> History | None:
+        """The checkers' index of this scenario's events: what the report shows of a reply is exactly
+        what the checkers scanned (``History.response_text``), so witness offsets index it. None
+        when the log cannot be indexed (the note says why)."""
+        try:
+            return History(self.events, source=self.events_file or self.name)
+        except HistoryError as e:
+            self.note = (self.note + "; " if self.note else "") + f"event log not readable as a history: {e}"
+            return None
 
     def response_text(self, rid: str) -> str:
-        return self.run.response_text(rid)
+        return self.run.response_text(rid) if self.run is not None else ""
 
 
 @dataclass
@@ -235,6 +220,18 @@ class RunModel:
     @property
     def harness_tests(self) -> list:
         return [t for t in self.tests if not self.is_chaos_test(t.nodeid)]
+
+
+def _jsonl(p: Path) -> list[dict]:
+    """A JSON-lines file that is not an event log (one object per line, no ``ev``)."""
+    out = []
+    for i, line in enumerate(p.read_text().splitlines()):
+        if line.strip():
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError as e:
+                raise ReportError(f"{p}:{i + 1}: not JSON ({e})") from None
+    return out
 
 
 def _read_json(p: Path):
@@ -519,7 +516,7 @@ def collect(run_dir: str | Path) -> RunModel:
         if (run_dir / name).exists():
             extras[name] = _read_json(run_dir / name)
     if (run_dir / "engine_errors.jsonl").exists():  # known silent engine failures, healed by a restart
-        extras["engine_errors"] = load_events(run_dir / "engine_errors.jsonl")
+        extras["engine_errors"] = _jsonl(run_dir / "engine_errors.jsonl")
     for a in sorted(run_dir.rglob("audit.json")):  # kvchaos audit results saved by a suite
         extras.setdefault("audits", {})[str(a.relative_to(run_dir))] = _read_json(a)
     cluster = _read_json(run_dir / "cluster.json") if (run_dir / "cluster.json").exists() else None
@@ -536,7 +533,7 @@ def leaks(m: RunModel) -> list[dict]:
         if s.planted:
             continue
         for v in s.verdicts:
-            if v.get("oracle") not in LEAK_CHECKERS or v.get("status") != "fail":
+            if not policy.leak_verdict(v):
                 continue
             k = v.get("known") or {}
             for n, w in enumerate(v.get("witnesses") or []):

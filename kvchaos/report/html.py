@@ -31,7 +31,9 @@ import time
 from kvchaos import canary
 
 from . import plots
-from .collect import FAILED_TESTS, LEAK_CHECKERS, known_findings
+from kvchaos.policy import leak_verdict
+
+from .collect import FAILED_TESTS, known_findings
 from .collect import leaks as run_leaks
 
 CSS = """
@@ -314,7 +316,7 @@ def scenario_html(i: int, scn) -> str:
         out.append(f'<figure class="timeline">{plots.timeline(scn)}</figure>')
         out.append(f'<figure class="latency">{plots.latency(scn)}</figure>')
     for v in scn.verdicts:
-        leak = v.get("oracle") in LEAK_CHECKERS and v.get("status") == "fail"
+        leak = leak_verdict(v)
         if leak and not scn.planted:
             n = len(v.get("witnesses") or [])
             out.append(f'<p><a href="#leaks">{esc(v.get("oracle"))}: {n} leak witness(es) — listed under Leaks</a></p>')

@@ -47,17 +47,8 @@ class EventLog:
 
 
 def load_events(path: str | Path) -> list[dict]:
-    """Read an event log; a truncated last line (crash mid-write) is reported, not swallowed."""
-    out = []
-    lines = Path(path).read_text().splitlines()
-    for i, line in enumerate(lines):
-        if not line.strip():
-            continue
-        try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError as e:
-            if i == len(lines) - 1:
-                out.append({"ev": "truncated", "line": i + 1, "error": str(e)})
-            else:
-                raise ValueError(f"{path}:{i + 1}: not JSON: {e}") from None
-    return out
+    """Read an event log: the one loader (:func:`kvchaos.history.read_records`): every line a JSON
+    object with an ``ev``, no key twice; a cut last line is kept as a ``truncated`` record."""
+    from kvchaos.history import read_records
+
+    return read_records(path)

@@ -269,7 +269,6 @@ class Workload:
                         canaries=cs, n_tokens=len(text), max_new_tokens=max_new_tokens(len(cs)),
                         abort_after_ms=abort_after_ms, oversized=(kind == "oversized"),
                         cache_salt=self.salts.get(t.name), **kw)
-        canary.SESSION.add_plans({p.rid: {"canaries": cs, "tenant": t.name}}, f"workload seed {self.seed}")
         if kind == "abort_after" and abort_after_ms is None:
             p.abort_after_ms = t.rng.uniform(5, 200)
         return p

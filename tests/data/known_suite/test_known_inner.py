@@ -35,14 +35,24 @@ def fake():
 
 def _run(experiment, fake, name, shorted: bool):
     wl = Workload(int(os.environ.get("INNER_SEED", "5")), n_tenants=4, prefix=name[:3])
-    plans = [wl.request(wl.tenants[i % 4], n_canaries=2) for i in range(30)]
+    plans = [wl.request(wl.tenants[i % 4], n_canaries=2) for i in range(40)]
     victim, donor = plans[7], plans[2]
     plant_leak(victim, donor)
 
     def drive(ex):
         ex.send(ex.plans)
-        if shorted:  # what the in-engine agent records when its short-transfer fault acts on a request
-            ex.log.emit("agent", agent_ev="fault_fired", kind="short", rid=victim.rid, source="agent")
+        if shorted:  # what the in-engine agents record when the short-transfer fault acts on a request:
+            # the donor's transfer wrote decode pages 100..109, decode gave them to the victim next, and
+            # the victim's transfer wrote one of them
+            pg, ag = list(range(100, 110)), {"source": "agent"}
+            ex.log.emit("agent", agent_ev="write_end", rid=donor.rid, room=1, pages=10, dst_pages=pg,
+                        dst_pages_total=10, dst_page_offset=0, ret=0, **ag)
+            ex.log.emit("agent", agent_ev="kv_prealloc", rid=victim.rid, room=2, dst_pages=pg, dst_pages_total=10,
+                        prev_holders=[[0, 10, donor.rid]], **ag)
+            ex.log.emit("agent", agent_ev="fault_fired", kind="short", rid=victim.rid, pages_sent=1,
+                        pages_reserved=10, **ag)
+            ex.log.emit("agent", agent_ev="write_end", rid=victim.rid, room=2, pages=1, dst_pages=pg[:1],
+                        dst_pages_total=1, dst_page_offset=0, ret=0, **ag)
 
     with experiment(name, plans, [Isolation(), Sensitivity()], cluster=fake, faults=None, drive=drive,
                     settle_s=0, timeout_s=10) as ex:

@@ -1,0 +1,439 @@
+"""The one history of an experiment: records, the loader that validates them, the index checkers read.
+
+An experiment's event log (``kvchaos.workload.events.EventLog``, JSONL) is its history, as in Jepsen:
+the driver writes what the client sent and received, the faults what they did, the in-engine agents
+what the engines did (copied in as ``{"ev": "agent", "agent_ev": ...}``). Every checker judges a
+:class:`History`, built here and nowhere else — from a file (:func:`load`) or from the records an
+experiment holds in memory (:class:`History` itself) — so the CLI, the suites, the report and shrink
+all read one log the same way.
+
+Validation (bad input is a :class:`HistoryError` naming ``file:line``; nothing is silently dropped
+or overwritten):
+
+* every line is one JSON object with an ``ev`` string; a key given twice in one record is an error
+  (JSON readers keep the last one: the first value would vanish);
+* a request has at most one ``plan``, ``send``, ``body`` and ``end``, and at most one final
+  ``status`` (streams also log their headers' status, ``headers_only``): a second one is an error —
+  it would replace what the client received the first time;
+* a last line that is not JSON (a crash mid-write) is kept as a ``truncated`` record and makes the
+  history *incomplete* (:attr:`History.problems`): the policy turns every PASS of an incomplete
+  history into UNKNOWN — the lost record could have been the leaking reply. A bad line anywhere
+  else is an error;
+* the fields checkers read have the types they need.
+
+Schema. An experiment's header (``ev: experiment``) carries ``schema`` (:data:`SCHEMA`). Logs written
+before the header carried it are schema 1 and read as they are (:func:`migrate`): a log on disk is
+never rejected for its age. A log of a newer schema is read as far as its records are understood,
+with a warning.
+
+What the client received (:meth:`History.client_views`): every byte of every reply, error and stream,
+whatever the driver's parse made of it — the parsed text, the error, the raw body, the raw body
+re-read as server-sent events (deltas joined: a canary split across chunks, or sent after a line the
+driver could not parse or after ``[DONE]``), every string in the reply's metadata, the output token
+ids decoded with the probe's tokenizer, the error records of the request and the error bodies of a
+``pd_direct`` prefill leg. Isolation scans all of them.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+
+SCHEMA = 2
+ONCE_PER_RID = ("plan", "send", "body", "end")
+# records that are not something the client received (the prompt is the harness's own text; faults
+# and agent events are the harness's and the engines' evidence). Every other record that names a
+# request is part of what its client saw and is scanned.
+NOT_RECEIVED = frozenset(("plan", "send", "fault", "agent", "experiment", "method", "probe", "engine_error",
+                          "observed", "aborted", "run", "truncated"))
+
+
+class HistoryError(ValueError):
+    """A log kvchaos cannot judge as written (the message names the file, the line and the problem)."""
+
+
+# --------------------------------------------------------------------------- loading
+def _object(pairs):
+    d = {}
+    for k, v in pairs:
+        if k in d:
+            raise _DuplicateKey(k)
+        d[k] = v
+    return d
+
+
+class _DuplicateKey(ValueError):
+    pass
+
+
+def _reject_constant(name):  # NaN / Infinity are not JSON; Python's reader accepts them
+    raise ValueError(f"{name} is not JSON")
+
+
+def parse(text: str, source: str = "<log>") -> list[dict]:
+    """The records of one JSONL log. A last line that is not JSON is kept as a ``truncated`` record."""
+    lines = text.splitlines()
+    last = max((i for i, x in enumerate(lines) if x.strip()), default=-1)
+    out = []
+    for i, line in enumerate(lines):
+        if not line.strip():
+            continue
+        where = f"{source}:{i + 1}"
+        try:
+            e = json.loads(line, object_pairs_hook=_object, parse_constant=_reject_constant)
+        except _DuplicateKey as k:
+            raise HistoryError(f"{where}: key {str(k)!r} given twice in one record (a reader would keep only the "
+                               "last value)") from None
+        except ValueError as err:
+            if i == last:  # a crash mid-write loses at most this line (EventLog writes whole lines)
+                out.append({"ev": "truncated", "line": i + 1, "text": line[:100000],
+                            "error": getattr(err, "msg", str(err))})
+                continue
+            raise HistoryError(f"{where}: not JSON: {getattr(err, 'msg', err)}") from None
+        if not isinstance(e, dict):
+            raise HistoryError(f"{where}: not a JSON object but {type(e).__name__}: not an event record")
+        if not isinstance(e.get("ev"), str) or not e["ev"]:
+            raise HistoryError(f"{where}: record without \"ev\" (every event record names its type)")
+        e.setdefault("_line", i + 1)
+        out.append(e)
+    return out
+
+
+def load(path: str | Path) -> "History":
+    """Read and validate one event log from disk."""
+    return History(read_records(path), source=str(path))
+
+
+def read_records(path: str | Path) -> list[dict]:
+    """The records of one event log on disk, each line checked (:func:`parse`), not yet indexed."""
+    p = Path(path)
+    if not p.exists():
+        raise HistoryError(f"{path}: no such file")
+    if p.is_dir():
+        raise HistoryError(f"{path}: is a directory, not an event log")
+    try:
+        text = p.read_bytes().decode("utf-8")
+    except OSError as e:
+        raise HistoryError(f"{path}: cannot read: {e.strerror or e}") from None
+    except UnicodeDecodeError as e:
+        raise HistoryError(f"{path}: not a UTF-8 text file (byte {e.start}): not an event log") from None
+    records = parse(text, str(path))
+    if not records:
+        raise HistoryError(f"{path}: empty log: no event records")
+    return records
+
+
+def migrate(records: list[dict]) -> tuple[list[dict], int]:
+    """Records of any schema in today's form, and the schema they were written in. Schema 1 (no
+    ``schema`` in the header, or no header) has the same records as schema 2 minus the header's
+    ``schema`` and the decode agent's ``kv_prealloc`` evidence: nothing to rewrite, only less
+    evidence (a finding whose mechanism needs ``kv_prealloc`` does not match such a log)."""
+    head = next((e for e in records if e.get("ev") == "experiment"), None)
+    schema = head.get("schema", 1) if head else 1
+    if not isinstance(schema, int) or isinstance(schema, bool) or schema < 1:
+        raise HistoryError(f"experiment header: schema must be a positive integer, got {schema!r}")
+    return records, schema
+
+
+# --------------------------------------------------------------------------- the index
+def agent_kind(e: dict) -> str | None:
+    """Agent events appear raw (``ev``, with ``source: agent``) or copied into an experiment's log
+    (``ev == "agent"``, ``agent_ev``)."""
+    if e.get("ev") == "agent":
+        return e.get("agent_ev")
+    return e.get("ev") if e.get("source") == "agent" else None
+
+
+@dataclass(frozen=True)
+class View:
+    """One rendering of what a client received for a request: ``name`` says which."""
+    name: str
+    text: str
+
+
+class History:
+    """One experiment's records, validated, and indexed by request. ``problems``: what makes the
+    history incomplete (a cut last line); the policy never lets an incomplete history PASS."""
+
+    def __init__(self, records: list[dict], source: str = "<history>"):
+        records, self.schema = migrate(list(records))
+        self.records = records
+        self.source = source
+        self.problems: list[str] = []
+        self.warnings: list[str] = []
+        self.header = next((e for e in records if e.get("ev") == "experiment"), {})
+        if self.schema > SCHEMA:
+            self.warnings.append(f"{source}: written with history schema {self.schema}, newer than this kvchaos "
+                                 f"({SCHEMA}): records it does not know are read as client data or ignored")
+        self.plans: dict[str, dict] = {}
+        self.sends: dict[str, dict] = {}
+        self.bodies: dict[str, dict] = {}
+        self.ends: dict[str, dict] = {}
+        self.statuses: dict[str, int] = {}       # final status, else the headers' (a stream cut short)
+        self._final: dict[str, dict] = {}
+        self.received: dict[str, list[dict]] = defaultdict(list)  # rid -> every client-side record
+        self.by_ev: dict[str, list[dict]] = defaultdict(list)
+        self.agent: list[dict] = []               # agent events (their kind: agent_kind(e))
+        self._agent_kinds: list[str] = []
+        for e in records:
+            ev = e.get("ev")
+            self.by_ev[ev].append(e)
+            where = f"{source}:{e.get('_line', e.get('line', '?'))}"
+            if ev == "truncated":
+                self.problems.append(f"{where}: the last line is cut ({e.get('error')}): a record was lost — "
+                                     "what it said cannot be judged")
+                continue
+            kind = agent_kind(e)
+            if kind is not None:
+                self.agent.append(e)
+                self._agent_kinds.append(kind)
+                continue
+            _check_types(e, where)
+            rid = e.get("rid")
+            if rid is None:
+                continue
+            if ev in ONCE_PER_RID:
+                seen = {"plan": self.plans, "send": self.sends, "body": self.bodies, "end": self.ends}[ev]
+                if rid in seen:
+                    raise HistoryError(f"{where}: a second {ev!r} record for request {rid!r} (first at line "
+                                       f"{seen[rid].get('_line', '?')}): one request, one {ev}")
+                seen[rid] = e
+            elif ev == "status":
+                if not e.get("headers_only"):
+                    if rid in self._final:
+                        raise HistoryError(f"{where}: a second final status for request {rid!r} (first at line "
+                                           f"{self._final[rid].get('_line', '?')})")
+                    self._final[rid] = e
+                    self.statuses[rid] = e.get("status")
+                elif rid not in self._final:
+                    self.statuses[rid] = e.get("status")
+            if ev not in NOT_RECEIVED:
+                self.received[rid].append(e)
+        for rid, e in self.ends.items():  # a reply cut before its status was logged has it on its end
+            if rid not in self.statuses and e.get("status") is not None:
+                self.statuses[rid] = e.get("status")
+
+    # ------------------------------------------------------------------ requests
+    @property
+    def complete(self) -> bool:
+        return not self.problems
+
+    def responses(self) -> list[str]:
+        """Every request the client got anything for (a body, an error body, a stream, a leg's error)."""
+        return [rid for rid, recs in self.received.items() if any(_strings(r) for r in recs)]
+
+    def outcome(self, rid: str) -> str | None:
+        return (self.ends.get(rid) or {}).get("outcome")
+
+    def client_views(self, rid: str) -> list[View]:
+        """Everything the client received for ``rid``, every way it can be read (module doc)."""
+        out: list[View] = []
+        model = ((self.header.get("layout") or {}).get("spec") or {}).get("model")
+        for r in self.received.get(rid, ()):
+            ev = r.get("ev")
+            if ev == "body":
+                for k in ("text", "error", "raw"):
+                    if isinstance(r.get(k), str) and r[k]:
+                        out.append(View(f"body.{k}", r[k]))
+                if isinstance(r.get("raw"), str) and "data:" in r["raw"]:
+                    out += [View(f"body.raw as server-sent events ({n})", t) for n, t in sse_texts(r["raw"]) if t]
+                meta = _strings(r.get("meta"))
+                if meta:
+                    out.append(View("body.meta", "\n".join(meta)))
+                ids = r.get("output_ids")
+                if isinstance(ids, list) and ids and _decodes_probe_ids(model):
+                    out.append(View("body.output_ids (probe tokenizer)", decode_probe_ids(ids)))
+                rest = [s for k, v in r.items() if k not in ("text", "error", "raw", "meta", "output_ids", "rid", "ev")
+                        for s in _strings(v)]
+                if rest:
+                    out.append(View("body (other fields)", "\n".join(rest)))
+            else:
+                strings = [s for k, v in r.items() if k not in ("rid", "ev") for s in _strings(v)]
+                if strings:
+                    out.append(View(ev, "\n".join(strings)))
+        return out
+
+    def response_text(self, rid: str) -> str:
+        """Every view of what the client received, joined: what isolation scans and what a witness's
+        ``offsets`` index."""
+        return "\n".join(v.text for v in self.client_views(rid))
+
+    def reply_text(self, rid: str) -> str:
+        """The reply as the driver parsed it (the own-canary echo is read here)."""
+        return (self.bodies.get(rid) or {}).get("text") or ""
+
+    def finish_reason(self, rid: str):
+        """A reply's finish reason: /generate's ``meta_info.finish_reason.type``, or an OpenAI choice's
+        ``finish_reason`` string (the driver puts both in the body's meta)."""
+        fr = ((self.bodies.get(rid) or {}).get("meta") or {}).get("finish_reason")
+        return fr.get("type") if isinstance(fr, dict) else fr
+
+    def window(self, rid: str) -> tuple[float, float] | None:
+        """Wall-clock span of a request, send to end (None when it was never sent)."""
+        s, e = self.sends.get(rid), self.ends.get(rid)
+        if s is None or not _num(s.get("wall")):
+            return None
+        end = e.get("wall") if e is not None and _num(e.get("wall")) else math.inf
+        return float(s["wall"]), float(end)
+
+    def agent_events(self, *kinds: str) -> list[dict]:
+        """The engines' events (raw or copied in as ``agent``), of these kinds (all when none given)."""
+        return [e for e, k in zip(self.agent, self._agent_kinds) if not kinds or k in kinds]
+
+    def fault_records(self, action: str | None = None) -> list[dict]:
+        return [e for e in self.by_ev.get("fault", ()) if action is None or e.get("action") == action]
+
+
+def as_history(h) -> History:
+    """A :class:`History`, from one or from a list of records."""
+    return h if isinstance(h, History) else History(h)
+
+
+# --------------------------------------------------------------------------- views
+def sse_texts(raw: str) -> list[tuple[str, str]]:
+    """The text a server-sent-event body carries, read leniently: every ``data:`` line that parses,
+    whatever came before it (a malformed line, ``[DONE]``). /generate chunks carry cumulative text
+    (each kept), OpenAI chunks deltas (joined, so a canary split across chunks is whole again);
+    error objects' messages too."""
+    pieces, deltas = [], []
+    for line in raw.split("\n"):
+        line = line.strip()
+        if not line.startswith("data:"):
+            continue
+        data = line[5:].strip()
+        try:
+            chunk = json.loads(data)
+        except ValueError:
+            continue
+        if not isinstance(chunk, dict):
+            continue
+        if isinstance(chunk.get("choices"), list):
+            for ch in chunk["choices"]:
+                if isinstance(ch, dict):
+                    t = ch.get("text")
+                    if not isinstance(t, str):
+                        t = (ch.get("delta") or {}).get("content") if isinstance(ch.get("delta"), dict) else None
+                    if isinstance(t, str):
+                        deltas.append(t)
+        elif isinstance(chunk.get("text"), str):
+            pieces.append(chunk["text"])
+        err = chunk.get("error")
+        if err is not None:
+            pieces += _strings(err)
+    out = [("chunks", "\n".join(pieces))] if pieces else []
+    if deltas:
+        out.append(("deltas joined", "".join(deltas)))
+    return out
+
+
+_PROBE_IDS: dict[int, str] | None = None
+
+
+def decode_probe_ids(ids: list) -> str:
+    """Output token ids as the probe's character-level tokenizer reads them (``?`` for an id that is
+    not one character)."""
+    global _PROBE_IDS
+    if _PROBE_IDS is None:
+        from kvchaos.model import char_vocab
+
+        _PROBE_IDS = {i: t for t, i in char_vocab().items() if len(t) == 1}
+    return "".join(_PROBE_IDS.get(i, "?") if isinstance(i, int) else "?" for i in ids)
+
+
+def _decodes_probe_ids(model) -> bool:
+    """Output ids are read with the probe's tokenizer unless the header names another model."""
+    return model is None or str(model).startswith(("probe", "like:"))
+
+
+def _strings(v) -> list[str]:
+    """Every non-empty string inside ``v`` (dict values, list items), depth-first."""
+    if isinstance(v, str):
+        return [v] if v else []
+    if isinstance(v, dict):
+        return [s for x in v.values() for s in _strings(x)]
+    if isinstance(v, (list, tuple)):
+        return [s for x in v for s in _strings(x)]
+    return []
+
+
+def _num(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _check_types(e: dict, where: str) -> None:
+    """The fields the checkers read, with the types they need (a clear message, never a traceback)."""
+    from kvchaos import canary
+
+    ev = e["ev"]
+    rid = e.get("rid")
+    if rid is not None and (not isinstance(rid, str) or not rid):
+        raise HistoryError(f"{where}: {ev} record: rid must be a non-empty string, got {rid!r}")
+    if ev == "plan":
+        if rid is None:
+            raise HistoryError(f"{where}: plan without a rid")
+        cs = e.get("canaries")
+        if cs is not None and not (isinstance(cs, list) and all(isinstance(c, str) and canary.is_canary(c) for c in cs)):
+            raise HistoryError(f"{where}: plan {rid}: canaries must be a list of canaries "
+                               f"([ + 10 of {canary.ALPHABET} + ]), got {cs!r}"[:300])
+        mnt = e.get("max_new_tokens")
+        if mnt is not None and (not isinstance(mnt, int) or isinstance(mnt, bool)):
+            raise HistoryError(f"{where}: plan {rid}: max_new_tokens must be an integer, got {mnt!r}")
+    elif ev in ("body", "send", "end", "status") and rid is None:
+        raise HistoryError(f"{where}: {ev} record without a rid (which request's is it?)")
+    if ev == "body":
+        for k in ("text", "error", "raw"):
+            if e.get(k) is not None and not isinstance(e[k], str):
+                raise HistoryError(f"{where}: body of {rid}: {k!r} must be a string, got {type(e[k]).__name__}")
+    elif ev == "status":
+        st = e.get("status")
+        if st is not None and (not isinstance(st, int) or isinstance(st, bool)):
+            raise HistoryError(f"{where}: status of {rid}: not an HTTP status: {st!r}")
+    elif ev == "end":
+        lat = e.get("latency_s")
+        if lat is not None and not _num(lat):
+            raise HistoryError(f"{where}: end of {rid}: latency_s must be a number, got {lat!r}")
+        st = e.get("status")
+        if st is not None and (not isinstance(st, int) or isinstance(st, bool)):
+            raise HistoryError(f"{where}: end of {rid}: status is not an HTTP status: {st!r}")
+    for k in ("wall", "t"):
+        if k in e and e[k] is not None and not _num(e[k]):
+            raise HistoryError(f"{where}: {ev} record: {k!r} must be a number, got {e[k]!r}")
+
+
+# --------------------------------------------------------------------------- witnesses
+class Witness(dict):
+    """One piece of evidence behind a verdict: a dict (serialized as it is) that renders itself —
+    the one line the CLI, the terminal, JUnit and the report show for it."""
+
+    def line(self, width: int = 240) -> str:
+        return render_witness(self, width)
+
+
+def witness(**fields) -> Witness:
+    return Witness(fields)
+
+
+def render_witness(w: dict, width: int = 240) -> str:
+    """The one-line rendering of a witness (a :class:`Witness` or one read back from JSON)."""
+    if not isinstance(w, dict):
+        return str(w)[:width]
+    if "victim_rid" in w:
+        s = f"victim {w['victim_rid']} ({w.get('victim_tenant')}) holds {w.get('matched')!r} ({w.get('match')})"
+        if w.get("owner_rid"):
+            s += f" of owner {w['owner_rid']} ({w.get('owner_tenant')}), origin {w.get('origin')}"
+        else:
+            s += ": canary of unknown origin (minted by nobody known to this judgement)"
+        s += f"; in {w.get('view')}" if w.get("view") else ""
+        s += f"; HTTP {w.get('status')}, {w.get('outcome')}"
+        s += "" if w.get("complete", True) else ", reply incomplete"
+        mech = w.get("mechanism")
+        if isinstance(mech, dict) and mech.get("shown"):
+            s += f"; mechanism: {mech.get('what')}"
+        return s[:width * 2]
+    keep = ("rid", "tenant", "problem", "outcome", "status", "latency_s", "missing", "room", "pages",
+            "after_release_ms", "release_outcome", "kv_used_before", "kv_used_after", "error", "stage")
+    s = ", ".join(f"{k}={w[k]}" for k in keep if w.get(k) is not None)
+    return (s or json.dumps(w, default=str))[:width]

@@ -1,0 +1,204 @@
+"""Page provenance from the engines' own events: which decode pages a request was given, which of them
+its KV transfer wrote, and who held the others before it.
+
+Evidence (in-engine agent, ``faults/agent``):
+
+* decode's ``kv_prealloc`` — the decode pages pre-allocated to a request, in the request's page order
+  (``dst_pages``, ``dst_pages_total``), and ``prev_holders``: run-length ``[first_index, count, rid]``
+  of the request that last held each page on decode (its prompt written there by a transfer, or its
+  generated tokens by a decode step), ``null`` when no request had since the agent started;
+* prefill's ``write_end`` — each KV write into decode's pages: ``dst_page_offset`` (the chunk's first
+  page in the request's page list) and ``dst_pages_total`` (pages written by it);
+* prefill's ``fault_fired`` kind ``short`` — a transfer cut by the fault: ``pages_sent`` of
+  ``pages_reserved``.
+
+A page decode gave a request that no write of that request filled holds what its previous holder
+left there: with that holder named by decode itself, a foreign canary recited by the request is
+explained — the mechanism of the stale-page findings.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from kvchaos.history import History, as_history
+
+
+MAX_CHAIN = 16  # holders followed back through pages a holder's own transfer left unwritten
+
+
+def _rooms_written(h: History, rid: str) -> list:
+    return [e.get("room") for e in h.agent_events("write_end") if e.get("rid") == rid]
+
+
+def prealloc(h: History, rid: str) -> dict | None:
+    """The ``kv_prealloc`` (decode) of the pages ``rid``'s transfer wrote into: the first one of the
+    room prefill wrote for it (a retracted request that resumed is pre-allocated again), else its
+    first one; None without one."""
+    evs = [e for e in h.agent_events("kv_prealloc") if e.get("rid") == rid]
+    if not evs:
+        return None
+    rooms = set(_rooms_written(h, rid))
+    return next((e for e in evs if e.get("room") in rooms), evs[0])
+
+
+def written_pages(h: History, rid: str) -> set[int] | None:
+    """Indices (in the request's page list) of the pages prefill's writes for ``rid`` filled; None
+    when a write does not say where it wrote (an agent too old to report it)."""
+    out: set[int] = set()
+    for e in h.agent_events("write_end"):
+        if e.get("rid") != rid:
+            continue
+        off, total = e.get("dst_page_offset"), e.get("dst_pages_total")
+        if not isinstance(off, int) or not isinstance(total, int):
+            return None
+        if e.get("ret") not in (0, "handles", None):
+            continue  # a write that failed filled nothing
+        out.update(range(off, off + total))
+    return out
+
+
+def holders(pre: dict) -> list:
+    """The previous holder of each page of a ``kv_prealloc`` (request page order)."""
+    total = pre.get("dst_pages_total")
+    if not isinstance(total, int):
+        total = len(pre.get("dst_pages") or [])
+    out: list = [None] * total
+    for run in pre.get("prev_holders") or []:
+        try:
+            first, count, who = int(run[0]), int(run[1]), run[2]
+        except (TypeError, ValueError, IndexError):
+            continue
+        for i in range(max(0, first), min(total, first + count)):
+            out[i] = who
+    return out
+
+
+def writer(h: History, page: int | None, holder, depth: int = 0):
+    """Whose bytes decode page ``page`` holds, given that ``holder`` held it last: the holder's own
+    (its transfer wrote that page, or decode wrote its generated tokens there) — unless its transfer
+    left that page unwritten, and then its previous holder's (followed back). A holder whose pages
+    this history does not show (an earlier experiment's request) is taken as the writer."""
+    if holder is None or page is None or depth >= MAX_CHAIN:
+        return holder
+    pre = prealloc(h, holder)
+    if pre is None:
+        return holder
+    pages = pre.get("dst_pages") or []
+    if page not in pages:
+        return holder  # a page decode gave it for its generated tokens
+    j = pages.index(page)
+    done = written_pages(h, holder)
+    if done is None or j in done:
+        return holder
+    return writer(h, page, holders(pre)[j], depth + 1)
+
+
+def stale_pages(h, rid: str) -> dict | None:
+    """What ``rid`` read but its transfer never wrote: ``{reserved, written, unwritten, writers}``
+    (``writers``: request whose bytes they hold -> how many of those pages, following holders back
+    through pages their own transfers left unwritten), or None without the evidence (no
+    ``kv_prealloc`` of decode for it, or writes that do not say where)."""
+    h = as_history(h)
+    pre = prealloc(h, rid)
+    done = written_pages(h, rid)
+    if pre is None or done is None:
+        return None
+    held = holders(pre)
+    pages = list(pre.get("dst_pages") or [])
+    unwritten = [i for i in range(len(held)) if i not in done]
+    writers = Counter()
+    for i in unwritten:
+        w = writer(h, pages[i] if i < len(pages) else None, held[i])
+        if w is not None:
+            writers[w] += 1
+    return {"reserved": len(held), "written": len([i for i in done if i < len(held)]), "unwritten": len(unwritten),
+            "writers": dict(writers), "unknown_writer": len(unwritten) - sum(writers.values()),
+            "prealloc_wall": pre.get("wall")}
+
+
+def shorted(h, rid: str) -> list[dict]:
+    """The ``short`` firings for ``rid`` that sent fewer pages than the chunk had reserved."""
+    h = as_history(h)
+    out = []
+    for e in h.agent_events("fault_fired"):
+        if e.get("kind") != "short" or e.get("rid") != rid:
+            continue
+        sent, res = e.get("pages_sent"), e.get("pages_reserved")
+        if isinstance(sent, int) and isinstance(res, int) and sent < res:
+            out.append(e)
+    return out
+
+
+def carriers(h: History, c: str | None, registry=None) -> set:
+    """Every request known to have carried canary ``c`` in its prompt: this history's plans and the
+    registry's (a conversation's turns and a tenant's system prompt carry the same canary)."""
+    if not c:
+        return set()
+    out = {rid for rid, p in h.plans.items() if c in (p.get("canaries") or [])}
+    if registry is not None:
+        out |= registry.carriers(c)
+    return out
+
+
+def carried_by(h: History, rid: str, registry=None) -> set:
+    """The canaries ``rid`` carried in its prompt (its plan here, else the registry's record)."""
+    p = h.plans.get(rid)
+    out = set(p.get("canaries") or []) if p else set()
+    if registry is not None:
+        out |= registry.carried_by(rid)
+    return out
+
+
+def explains(h, witness: dict, registry=None) -> tuple[bool, str, dict | None]:
+    """Does decode's own page evidence explain this isolation witness as stale KV: the victim read
+    pages its transfer never wrote, holding the bytes of a request that carried the canary (sent
+    before the victim's pages were handed over)? A recital of a canary nobody minted is explained
+    when every trigram of it after the first comes from canaries the writers of those pages carried
+    (the probe picks a recital's first character and copies the rest by trigram: a chain that
+    enters a stale canary from elsewhere, or passes between two that share a trigram, is a chimera)."""
+    h = as_history(h)
+    victim = witness.get("victim_rid")
+    if witness.get("match") == "unknown-origin":
+        return _explains_chimera(h, witness, registry)
+    who = carriers(h, witness.get("canary"), registry) | ({witness["owner_rid"]} if witness.get("owner_rid") else set())
+    if not who:
+        return False, "the canary's owner is unknown: nothing can have left it in a page", None
+    sp = stale_pages(h, victim)
+    if sp is None:
+        return False, f"no decode page evidence for {victim} (kv_prealloc / write_end with page lists)", None
+    if not sp["unwritten"]:
+        return False, f"every one of the {sp['reserved']} pages decode gave {victim} was written by its transfer", sp
+    hit = sorted(who & set(sp["writers"]))
+    if not hit:
+        return False, (f"none of the {sp['unwritten']} pages of {victim} its transfer left unwritten holds the bytes "
+                       f"of a request that carried {witness.get('canary')} (they hold {sorted(sp['writers'])[:5]}'s, "
+                       f"{sp['unknown_writer']} unknown)"), sp
+    late = [r for r in hit if (h.sends.get(r) or {}).get("wall", 0) > (sp.get("prealloc_wall") or float("inf"))]
+    if late and len(late) == len(hit):
+        return False, f"{late[0]} was sent after decode gave {victim} its pages: it cannot have left bytes there", sp
+    return True, (f"{victim} read {sp['unwritten']} of {sp['reserved']} pages its transfer never wrote; "
+                  f"{sum(sp['writers'][r] for r in hit)} of them hold the bytes of {', '.join(hit[:3])}, "
+                  f"which carried {witness.get('canary')}"), sp
+
+
+def _explains_chimera(h: History, witness: dict, registry=None) -> tuple[bool, str, dict | None]:
+    from kvchaos import canary
+
+    victim, piece = witness.get("victim_rid"), witness.get("matched") or ""
+    sp = stale_pages(h, victim)
+    if sp is None:
+        return False, f"no decode page evidence for {victim} (kv_prealloc / write_end with page lists)", None
+    if not sp["unwritten"]:
+        return False, f"every one of the {sp['reserved']} pages decode gave {victim} was written by its transfer", sp
+    stale = {canary.payload(c) for w in sp["writers"] for c in carried_by(h, w, registry)}
+    own = {canary.payload(c) for c in carried_by(h, victim, registry)}
+    # the probe picks a recital's first character by selection and copies the rest by trigram: every
+    # trigram after the first must come from a canary the stale pages' writers (or the victim) carried
+    grams = [piece[i:i + 3] for i in range(1, len(piece) - 2)]
+    missing = [g for g in grams if not any(g in p for p in stale | own)]
+    if missing or not any(g in p for g in grams for p in stale):
+        return False, (f"{piece!r} is not made of the canaries carried by the requests whose bytes {victim}'s "
+                       f"unwritten pages hold ({len(stale)} canaries; trigrams from none: {missing[:5]})"), sp
+    return True, (f"{victim} read {sp['unwritten']} of {sp['reserved']} pages its transfer never wrote; {piece!r} is "
+                  f"made of the canaries the requests whose bytes they hold carried ({len(stale)} of them)"), sp
