@@ -12,7 +12,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from kvchaos import canary  # noqa: E402
-from kvchaos.oracles import _automaton, scan  # noqa: E402
+from kvchaos.oracles.isolation import automaton, scan  # noqa: E402
 
 
 def main():
@@ -31,7 +31,7 @@ def main():
         texts.append(canary.filler(rng, 300) + "".join(p + "][" for p in picks) + canary.filler(rng, 200))
 
     t0 = time.perf_counter()
-    auto = _automaton(plans, partial_len=8)
+    auto = automaton([(rid, p["tenant"], c, None) for rid, p in plans.items() for c in p["canaries"]], partial_len=8)
     build = time.perf_counter() - t0
     t0 = time.perf_counter()
     ac_hits = [sorted({k for _, _, k, own in scan(t, auto) if any(o[3] == "exact" for o in own)}) for t in texts]

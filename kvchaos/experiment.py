@@ -117,6 +117,7 @@ class Experiment:
         self.engine_errors: list[dict] = []
         self.history: History | None = None
         self.attempt = attempt  # 2: a re-run after an accepted engine failure blinded the first
+        self.rerun: str | None = None  # set when this attempt was blinded and its test runs again
         self.history_error: str | None = None
         self.judged = False
         self._during: During | None = None
@@ -231,7 +232,13 @@ class Experiment:
 
     @property
     def by(self) -> dict[str, oracles.Verdict]:
+        """Every verdict, by checker: those asked for and the leak checkers that always run."""
         return {v.oracle: v for v in self.verdicts}
+
+    @property
+    def claimed_verdicts(self) -> dict[str, str]:
+        """checker -> status, of the checkers this experiment was given (not the always-run ones)."""
+        return {v.oracle: v.status for v in self.verdicts if v.oracle in self.claimed}
 
     def context(self) -> Context:
         if self.history is None:
@@ -287,7 +294,7 @@ class Experiment:
                "plans_digest": self.plans_digest, "n": len(self.plans),
                "status": j.status, "exit_code": j.exit_code, "planted": j.planted,
                "known": sorted({i.finding.id for i in j.known}), "problems": j.problems,
-               "attempt": self.attempt,
+               "attempt": self.attempt, "rerun": self.rerun,
                "accepted": sorted({i.finding.id for i in j.known if i.accepted}),
                "verdicts": {i.verdict.oracle: i.verdict.status for i in j.items},
                "required": {i.verdict.oracle: i.wanted for i in j.items if i.wanted},

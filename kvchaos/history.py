@@ -420,6 +420,14 @@ def render_witness(w: dict, width: int = 240) -> str:
     """The one-line rendering of a witness (a :class:`Witness` or one read back from JSON)."""
     if not isinstance(w, dict):
         return str(w)[:width]
+    if "victim_rid" in w and "cached_tokens" in w:  # a prefix-cache witness
+        s = (f"victim {w['victim_rid']} ({w.get('victim_tenant')}, salt {w.get('victim_salt')!r}) was served "
+             f"{w.get('cached_tokens')} cached tokens, its own salt's prefixes explain {w.get('same_salt_prefix')}")
+        if w.get("owner_rid"):
+            s += f"; from {w['owner_rid']} ({w.get('owner_tenant')}, salt {w.get('owner_salt')!r})"
+        if "engine_salt" in w:
+            s += f"; the engine used salt {w['engine_salt']!r}"
+        return s[:width * 2]
     if "victim_rid" in w:
         s = f"victim {w['victim_rid']} ({w.get('victim_tenant')}) holds {w.get('matched')!r} ({w.get('match')})"
         if w.get("owner_rid"):

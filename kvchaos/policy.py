@@ -96,10 +96,14 @@ def exit_code(status: str) -> int:
     return EXIT.get(status, EXIT[UNKNOWN])
 
 
-def scenario_status(status: str, planted: str | None) -> str:
+def scenario_status(status: str, planted: str | None, rerun: bool = False) -> str | None:
     """What one experiment means for its run: a planted experiment (a bug put there on purpose) is
     PASS when it came out as required (caught), else UNKNOWN (the harness did not show it sees that
-    bug) — its planted FAILs never count as findings about the engine."""
+    bug) — its planted FAILs never count as findings about the engine. An attempt an accepted engine
+    failure blinded, run once more (``rerun``): None — the next attempt stands for it (both are
+    reported)."""
+    if rerun:
+        return None
     if planted:
         return PASS if status == PASS else UNKNOWN
     return status
@@ -510,6 +514,23 @@ class Policy:
         if self.selftest is None or st == "caught" or self.blind_model:
             return None
         return f"the session's planted-leak self-test was not a clean catch ({st}): isolation cannot be trusted"
+
+    def accepted_engine_failures(self, engine_errors, ctx: "Context") -> list[str]:
+        """The accepted findings that name one of these engine failures (an ``engine_error``
+        signature) for the engine that ran."""
+        sigs = {e.get("signature") for e in engine_errors or ()}
+        return sorted({f.id for f in self.registry.findings if self.accepted(f) and f.applies_to(ctx.engine, ctx.version)
+                       and any(m.signature.get("engine_error") in sigs for m in f.matches)})
+
+    def blinded(self, j: "Judgement", engine_errors) -> list[str]:
+        """Why an experiment may run once more: it is red only for want of power (no FAIL, a claimed
+        isolation UNKNOWN) and an accepted engine failure struck during it — the findings naming that
+        failure; [] otherwise. A second blinded attempt is red like any other."""
+        if j.status != UNKNOWN or not engine_errors:
+            return []
+        blind = any(i.outcome == "red" and i.verdict.oracle == "isolation" and i.verdict.status == UNKNOWN
+                    for i in j.items)
+        return self.accepted_engine_failures(engine_errors, j.ctx) if blind else []
 
     def checks(self, checks) -> tuple[Composite, set[str]]:
         """The checkers a history is judged by: those asked for, and every always-run leak checker."""

@@ -220,6 +220,9 @@ class Progress:
         elif hasattr(rep, "wasxfail"):
             st["outcome"] = "xfailed" if rep.skipped else "xpassed"
             st["message"] = rep.wasxfail
+        elif rep.outcome == "rerun":  # blinded by an accepted engine failure: the test runs again
+            st["outcome"] = "rerun"
+            st["message"] = str(rep.longrepr)[-2000:]
         elif rep.failed:
             st["outcome"] = "failed" if rep.when == "call" else "error"
             st["message"] = str(rep.longrepr)[-2000:]
@@ -305,6 +308,82 @@ def pytest_runtest_protocol(item, nextitem):
         yield
 
 
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_protocol(item, nextitem):  # noqa: F811 - the wrapper above holds the machine lock
+    """Run a test; once more when its first attempt was blinded by an accepted engine failure.
+
+    An experiment red only for want of power (claimed isolation UNKNOWN, no FAIL anywhere in the
+    test) during which an engine failure an accepted finding names struck (Mooncake's transfer thread
+    dying: the cluster fixture restarts prefill after the test) says nothing about the engine's
+    isolation: the test runs once more on the restarted engine. The first attempt's report is
+    ``rerun`` (terminal ``R``), its experiments stay in the run directory marked ``rerun``
+    (kvchaos.policy.scenario_status: the next attempt stands for them); a second blinded attempt is
+    red like any other."""
+    from _pytest.runner import call_and_report, runtestprotocol
+
+    if not isinstance(item, pytest.Function):
+        return None
+    item.ihook.pytest_runtest_logstart(nodeid=item.nodeid, location=item.location)
+    item._kvchaos_attempt = 1
+    if not item._request:
+        item._initrequest()
+    setup = call_and_report(item, "setup", True)
+    call = call_and_report(item, "call", False) if setup.passed else None
+    why = _blinded(item, call)  # decided before teardown: a re-run keeps the session's fixtures
+    if why:
+        call.outcome = "rerun"
+        call.longrepr = f"KVCHAOS RERUN: {why}\n{call.longrepr}"
+    if call is not None:
+        item.ihook.pytest_runtest_logreport(report=call)
+    last = None if item.session.shouldfail or item.session.shouldstop else nextitem
+    call_and_report(item, "teardown", True, nextitem=_Parent(item) if why else last)
+    item._request, item.funcargs = False, None  # what runtestprotocol does after its teardown
+    if why:
+        _mark_rerun(item, why)
+        item._kvchaos_attempt = 2
+        runtestprotocol(item, nextitem=nextitem, log=True)
+    item.ihook.pytest_runtest_logfinish(nodeid=item.nodeid, location=item.location)
+    return True
+
+
+class _Parent:
+    """What a test's teardown tears down to when it runs again: its function-scope fixtures only."""
+
+    def __init__(self, item):
+        self._chain = item.listchain()[:-1]
+        self.nodeid = item.nodeid
+
+    def listchain(self):
+        return self._chain
+
+
+def _blinded(item, call) -> str | None:
+    """Why the first attempt of ``item`` is to run again (None: it stands)."""
+    policy = getattr(item.config, "_kvchaos_policy", None)
+    exps = [ex for ex in getattr(item, "_kvchaos_experiments", ()) if ex.judgement is not None]
+    if call is None or not call.failed or policy is None or not exps or hasattr(call, "wasxfail"):
+        return None
+    why = []
+    for ex in exps:
+        if ex.judgement.status == "fail":
+            return None  # a leak, or any FAIL: it stands
+        if ex.judgement.red:
+            found = policy.blinded(ex.judgement, ex.engine_errors)
+            if not found:
+                return None  # red for a reason no accepted engine failure explains
+            why.append(f"experiment {ex.name} ({ex.id}) had no power to see a leak after {', '.join(found)} "
+                       f"({', '.join(e.get('signature', '?') for e in ex.engine_errors)})")
+    return "; ".join(why) or None
+
+
+def _mark_rerun(item, why: str) -> None:
+    """The first attempt's experiments, recorded again as run once more (the last record stands)."""
+    for ex in getattr(item, "_kvchaos_experiments", ()):
+        if ex.judgement is not None and ex.record:
+            ex.rerun = why
+            ex._record(ex.judgement)
+
+
 def pytest_unconfigure(config):
     lock = getattr(config, "_kvchaos_machine_lock_cleanup", None)
     if lock is not None:
@@ -378,6 +457,8 @@ def pytest_report_header(config):
 def pytest_report_teststatus(report, config):
     if getattr(report, "wasxfail", "").startswith("KNOWN ") and report.skipped:
         return "known", "K", ("KNOWN", {"yellow": True})
+    if report.outcome == "rerun":
+        return "rerun", "R", ("RERUN", {"yellow": True})
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
@@ -687,6 +768,7 @@ def experiment(request, kvchaos_run_dir, kvchaos_policy, seeds):
                             "max_steps": request.config.getoption("--kvchaos-shrink-steps"),
                             "checker": request.config.getoption("--kvchaos-shrink-checker")}
         kw.setdefault("policy", kvchaos_policy)  # a cluster of its own brings its own self-test's policy
+        kw.setdefault("attempt", getattr(request.node, "_kvchaos_attempt", 1))
         ex = Experiment(name, plans, checks, run_dir=kvchaos_run_dir, test_id=request.node.nodeid, **kw)
         made.append(ex)
         return ex

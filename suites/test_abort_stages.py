@@ -74,7 +74,7 @@ def test_abort_between_the_chunks_of_a_chunked_prefill(experiment, seeds, faults
     victim = wl.request(wl.tenants[0], "plain", n_tokens=1400, n_canaries=4)
     plans = plans[:3] + [victim] + plans[3:]
     checks = [AbortSemantics(), KVLifecycle(), Isolation(), Liveness(bound_s=BOUND_S)]
-    with experiment("abort_chunked_prefill", plans, checks, seed=wl.seed, concurrency=4, timeout_s=BOUND_S,
+    with experiment("abort_chunked_prefill", plans, checks, seed=wl.seed, concurrency=6, timeout_s=BOUND_S,
                     via="pd") as ex:
         faults.agent.arm("prefill", "chunked_prefill", params={"size": 256})
         chor = ex.during(abort_at_stages(ex, cluster, faults, {"transferring": victim}))

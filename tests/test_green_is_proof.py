@@ -193,3 +193,25 @@ def test_4_the_power_floor_counts_evidence_of_the_class_not_requests(tmp_path):
 
     for write in (no_canaries, mostly_503, fault_broke_most):
         assert judge(tmp_path, write) == 3, write.__name__
+
+
+def test_a_killed_node_breaks_what_it_served_on_purpose_and_the_rest_holds_the_power(tmp_path):
+    """A process kill fails every request in flight while the role is down: those are broken on
+    purpose (never served, so nothing could show a leak); the whole workload's power stands. A delay
+    fault that broke most of what it touched is not excused that way."""
+    from kvchaos.oracles import power
+
+    def killed(log):
+        rng = random.Random(8)
+        crowd(log, 60, rng, t0=100.0)
+        log.emit("fault", action="fired", kind="sigkill", role="prefill", injector="process", at=110.0, wall=110.0)
+        for i in range(20):
+            request(log, f"k{i}", "t3", canary.mint(rng, 2), "", 110.0 + i, status=503)
+        log.emit("fault", action="healed", kind="restart", role="prefill", injector="process", at=140.0, wall=140.0)
+
+    assert judge(tmp_path, killed) == 0
+    path = sorted(tmp_path.iterdir())[-1]
+    from kvchaos.history import load
+
+    pw = power(load(path))
+    assert pw["classes"]["process:sigkill:prefill"]["vacuous"] and pw["met"]

@@ -94,3 +94,32 @@ def test_a_leak_beside_a_broken_engine_stays_red(tmp_path):
 def test_a_broken_engine_whose_finding_is_not_accepted_stays_red(tmp_path):
     r, _ = inner(tmp_path, "--kvchaos-profile", "gpu", k="starved_by_broken")
     assert r.returncode == 1 and "1 failed" in r.stdout, r.stdout[-1500:]
+
+
+def test_a_run_blinded_by_an_accepted_engine_failure_runs_once_more(tmp_path):
+    """Mooncake's transfer thread dying (an accepted finding) left the first attempt without power:
+    the test runs again on the restarted engine, both attempts are recorded, the second stands. Blinded
+    twice is red; blind without an engine failure, or a leak beside one, is red at once."""
+    r, run_dir = inner(tmp_path, "--kvchaos-accept-known",
+                       k="blinded_once or blinded_twice or blind_without or leak_with_engine")
+    ends = [json.loads(x) for x in (run_dir / "progress.jsonl").read_text().splitlines() if '"end"' in x]
+    got = [(e["nodeid"].split("::")[1], e["outcome"]) for e in ends if e["ev"] == "end"]
+    assert got == [("test_blinded_once", "rerun"), ("test_blinded_once", "passed"),
+                   ("test_blinded_twice", "rerun"), ("test_blinded_twice", "failed"),
+                   ("test_blind_without_engine_failure", "failed"),
+                   ("test_leak_with_engine_failure", "failed")], got
+    assert r.returncode == 1 and "3 failed, 1 passed" in r.stdout and "2 rerun" in r.stdout, r.stdout[-1500:]
+    recs = [json.loads(x) for x in (run_dir / "experiments.jsonl").read_text().splitlines()]
+    last = {}
+    for rec in recs:
+        last[rec["id"]] = rec
+    once = [x for x in last.values() if x["name"].startswith("blinded")]
+    assert sorted((x["attempt"], bool(x["rerun"]), x["status"]) for x in once) == [(1, True, "unknown"),
+                                                                                    (2, False, "pass")]
+    assert "mooncake" in next(x for x in once if x["rerun"])["rerun"]
+    from kvchaos.report.collect import collect, judge
+
+    m = collect(run_dir)
+    blinded = [s for s in m.scenarios if s.name.startswith("blinded")]
+    assert {s.run_status for s in blinded} == {None, "pass"}  # the second attempt stands for the first
+    assert judge(m)["overall"] == "fail"  # the other tests are red

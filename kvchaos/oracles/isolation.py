@@ -42,6 +42,7 @@ from .base import FAIL, PASS, UNKNOWN, Checker, Verdict
 
 ECHO_RATE = 0.99
 CORRUPTING_FAULTS = ("short", "fail", "reject_admitted", "prefix_collision")  # break their target on purpose
+NODE_FAULTS = ("process", "k8s")  # kill / stop a role: what it was serving while down fails on purpose
 WORKLOAD_CUT = ("abort_after", "disconnect_before_first_token")  # plans the client itself cuts short
 TEXT_VIEWS = ("body.text", "body.raw as server-sent events", "body.output_ids")  # the model's own text
 RUN = re.compile(r"(?<![A-Z2-7])[A-Z2-7]+(?![A-Z2-7])")
@@ -52,13 +53,16 @@ RUN = re.compile(r"(?<![A-Z2-7])[A-Z2-7]+(?![A-Z2-7])")
 class SensitivityFloor:
     """When a class of requests counts as able to show a leak. ``all`` (the whole workload): at least
     ``min_samples`` evidence requests and a ``confidence`` lower bound >= ``min_rate`` on their
-    canaries' echo rate. Each fault's exposure class: ``class_min_samples`` / ``class_min_rate``.
-    Every class: at least ``min_observed`` of its candidate requests observed (evidence)."""
+    canaries' echo rate — the model's recital rate, established. Each fault's exposure class:
+    ``class_min_samples`` evidence requests and a lower bound >= ``class_min_rate`` — that the recital
+    held where the fault acted (with 5 requests of 2-3 canaries all echoed the bound is 0.76-0.82; a
+    class where a third of the canaries went unrecited falls below it). Every class: at least
+    ``min_observed`` of its candidate requests observed (evidence)."""
     min_samples: int = 20
     min_rate: float = 0.95
     confidence: float = 0.95
-    class_min_samples: int = 10
-    class_min_rate: float = 0.80
+    class_min_samples: int = 5
+    class_min_rate: float = 0.75
     min_observed: float = 0.5
 
     def __post_init__(self):
@@ -125,7 +129,9 @@ def _fired(h: History) -> list[dict]:
             else:
                 role = e.get("role")
                 out.append({"cls": f"{inj}:{kind}" + (f":{role}" if role else ""), "rid": e.get("rid"),
-                            "wall": e.get("at", e.get("wall")), "fault": e.get("fault"), "role": role})
+                            "wall": e.get("at", e.get("wall")), "fault": e.get("fault"), "role": role,
+                            # a node killed or frozen fails what it was serving: broken on purpose
+                            "node_down": inj in NODE_FAULTS})
     for e in h.agent_events("mutation_on"):
         out.append({"cls": f"agent:{e.get('kind')}", "rid": None, "wall": e.get("wall"), "fault": e.get("fault"),
                     "corrupting": False})
@@ -154,7 +160,8 @@ def exposure_classes(h: History) -> dict[str, dict]:
     windows = {rid: h.window(rid) for rid in h.plans}
     classes: dict[str, dict] = {}
     for a in _fired(h):
-        c = classes.setdefault(a["cls"], {"acted": set(), "spans": [], "corrupted": set(), "aborted": set()})
+        c = classes.setdefault(a["cls"], {"acted": set(), "spans": [], "corrupted": set(), "aborted": set(),
+                                          "node_down": False})
         rid = a.get("rid")
         if rid:
             c["acted"].add(rid)
@@ -166,9 +173,12 @@ def exposure_classes(h: History) -> dict[str, dict]:
                 c["spans"].append(windows[rid])
         elif isinstance(a.get("wall"), (int, float)):
             c["spans"].append((a["wall"], _healed_at(h, a)))
+            c["node_down"] = c["node_down"] or bool(a.get("node_down"))
     for c in classes.values():
         c["exposed"] = set(c["acted"]) | {rid for rid, w in windows.items() if w and any(
             w[0] <= b and a <= w[1] for a, b in c["spans"])}
+        if c["node_down"]:  # in flight while the role was down and not answered: broken on purpose
+            c["corrupted"] |= {r for r in c["exposed"] if not (h.outcome(r) == "ok" and h.statuses.get(r) == 200)}
         del c["spans"]
     return classes
 
@@ -203,14 +213,17 @@ def power(h, floor: SensitivityFloor = DEFAULT_FLOOR, echo_rate: float = ECHO_RA
                            "reply": text[:120]})
     out = {"all": _class_figures("all", set(h.plans), per, floor, echo_rate, all_class=True)}
     for name, c in sorted(classes.items()):
-        fig = _class_figures(name, c["exposed"], per, floor, echo_rate)
+        # a fault that broke every request it reached: nothing it touched was served, so nothing could
+        # show a leak; the whole workload's power stands for the run
+        vacuous = bool(c["exposed"]) and c["exposed"] <= (c["corrupted"] | c["aborted"])
+        fig = _class_figures(name, c["exposed"], per, floor, echo_rate, vacuous=vacuous)
         fig.update({"acted": len(c["acted"]), "corrupted": len(c["corrupted"]), "aborted": len(c["aborted"])})
         out[name] = fig
     return {"met": all(f["met"] for f in out.values()), "classes": out, "hit_limit": hit_limit, "misses": misses,
             "floor": {k: getattr(floor, k) for k in floor.__dataclass_fields__}, "echo_rate": echo_rate}
 
 
-def _class_figures(name, rids, per, floor, echo_rate, all_class=False) -> dict:
+def _class_figures(name, rids, per, floor, echo_rate, all_class=False, vacuous=False) -> dict:
     cands = [r for r in rids if per.get(r) is not None]
     ev = [per[r] for r in cands if per[r]]
     n_can = sum(n for n, _ in ev)
@@ -229,9 +242,11 @@ def _class_figures(name, rids, per, floor, echo_rate, all_class=False) -> dict:
     if cands and observed < floor.min_observed:
         why.append(f"only {len(ev)} of {len(cands)} candidate requests observed "
                    f"({100 * observed:.0f} % < {100 * floor.min_observed:.0f} %)")
-    if not cands:
+    if not cands and not vacuous:
         why.append("no request that could show a leak")
-    return {"requests": len(rids), "candidates": len(cands), "evidence": len(ev),
+    if vacuous:
+        why = []  # every request it reached was broken on purpose: none was served to show anything
+    return {"vacuous": vacuous, "requests": len(rids), "candidates": len(cands), "evidence": len(ev),
             "echoed_requests": sum(1 for n, k in ev if k == n), "canaries": n_can, "echoed": n_echo, "rate": round(rate, 4), "lower_bound": round(lb, 4), "observed": round(observed, 3),
             "met": not why, "why": "; ".join(why)}
 
@@ -240,6 +255,9 @@ def power_line(pw: dict) -> str:
     """One line of per-class figures."""
     parts = []
     for name, f in pw["classes"].items():
+        if f.get("vacuous"):
+            parts.append(f"{name}: every one of its {f['requests']} requests broken on purpose (none served)")
+            continue
         parts.append(f"{name}: {f['evidence']}/{f['candidates']} requests, {f['echoed']}/{f['canaries']} canaries "
                      f"(lb {f['lower_bound']:.3f})" + ("" if f["met"] else f" — NOT MET: {f['why']}"))
     return "; ".join(parts)

@@ -90,7 +90,7 @@ def run_all(url, jobs, concurrency=8, timeout=120.0, registry=None) -> list[dict
     if registry is not None:
         for job in jobs:
             registry.add_text(job[0], job[2] if len(job) > 2 else None, "probe measurement")
-    return asyncio.run(_run_all(url, jobs, concurrency, timeout, registry))
+    return asyncio.run(_run_all(url, jobs, concurrency, timeout))
 
 
 def echo_jobs(rng: random.Random, n: int, lengths: list[int]):

@@ -108,6 +108,8 @@ class Scenario:
     version: str | None = None
     events_file: str | None = None
     note: str | None = None             # something the reader must know about this scenario's data
+    rerun: str | None = None            # blinded by an accepted engine failure: its test ran again (why)
+    attempt: int = 1
 
     @property
     def verdict_status(self) -> str:
@@ -135,7 +137,7 @@ class Scenario:
     def run_status(self) -> str:
         """What this scenario means for the run (kvchaos.policy.scenario_status): a planted experiment
         is pass when caught as required, else unknown — its planted FAILs never redden the run."""
-        return policy.scenario_status(self.status, self.planted)
+        return policy.scenario_status(self.status, self.planted, bool(self.rerun))
 
     def red_verdicts(self) -> list[dict]:
         """Verdicts that make this scenario count against the run (for the report's reason line), as
@@ -157,6 +159,8 @@ class Scenario:
     @property
     def context(self) -> str:
         """How to read this scenario's status."""
+        if self.rerun:
+            return f"blinded, run again (the next attempt stands for it): {self.rerun}"
         if self.planted:
             what = f"planted on purpose: {self.planted}"
             if self.caught:
@@ -404,7 +408,8 @@ def _experiment_scenarios(run_dir: Path, recs: list[dict]) -> list[Scenario]:
                              test=r.get("test") or head.get("test"), id=r["id"], policy_status=r.get("status"),
                              planted=r.get("planted"), known=list(r.get("known") or []),
                              accepted=list(r.get("accepted") or []), engine=r.get("engine"),
-                             version=r.get("version"), events_file=r["events"], note=note))
+                             version=r.get("version"), events_file=r["events"], note=note, rerun=r.get("rerun"),
+                             attempt=r.get("attempt") or 1))
     return out
 
 
@@ -577,7 +582,7 @@ def judge(m: RunModel) -> dict:
     that was not planted ran (a run of harness tests only has no chaos verdict).
     ``overall``: ``chaos``, but "fail" when any test failed or errored, or when ``--kvchaos-strict``
     was set and a listed finding did not reproduce."""
-    real = [s for s in m.scenarios if not s.planted]
+    real = [s for s in m.scenarios if not s.planted and not s.rerun]
     planted = [s for s in m.scenarios if s.planted]
     counted = real + [s for s in planted if not s.caught]
     chaos = worst(s.run_status for s in counted) if real else (

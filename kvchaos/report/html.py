@@ -31,6 +31,7 @@ import time
 from kvchaos import canary
 
 from . import plots
+from kvchaos.history import render_witness
 from kvchaos.policy import leak_verdict
 
 from .collect import FAILED_TESTS, known_findings
@@ -144,16 +145,17 @@ def _isolation_witnesses(scn, v, cls: str = "leak", sid: int | None = None) -> s
                 f"{esc(w0.get('outcome') or (r.outcome if r else None))}, {esc(_complete(w0, r))}) "
                 f"received {len(ws)} canar{'y' if len(ws) == 1 else 'ies'} of {esc(owners)} "
                 f"<span class=\"muted\">origin: {esc(origins)}</span>")
-        rows = "".join(f"<tr><td><code>{esc(w.get('canary'))}</code></td><td>{esc(w.get('match'))}</td>"
+        rows = "".join(f"<tr title=\"{esc(render_witness(w))}\"><td><code>{esc(w.get('canary') or w.get('matched'))}</code></td><td>{esc(w.get('match'))}</td>"
                        f"<td>{esc(w.get('owner_rid') or 'unknown origin')}</td><td>{esc(w.get('owner_tenant'))}</td>"
                        f"<td>{esc(w.get('origin'))}</td><td>{esc(w.get('offsets'))}</td></tr>" for w in ws)
-        if rid in scn.run.bodies:
+        if scn.run is not None and rid in scn.run.received:
             text = scn.response_text(rid)
             marks = [(w["offsets"][0], w["offsets"][1], _owner(w), w.get("matched")) for w in ws if w.get("offsets")]
             own_cs = r.canaries if r is not None else []
             body = highlight(text, marks, [canary.payload(c) for c in own_cs])
             own = " ".join(f"<code>{esc(c)}</code>" for c in own_cs) or "none"
-            reply = (f'<div>reply as the checker scanned it (text, error, raw bytes; leaked text highlighted, '
+            reply = (f'<div>reply as the checker scanned it (every view of what the client received: text, error, '
+                     f'raw bytes, the stream re-read, metadata; leaked text highlighted, '
                      f'own canaries green; own: {own}):</div><pre class="reply">{body}</pre>')
         else:
             # no reply record for the victim: mark the leaked text inside the oracle's excerpt
@@ -181,8 +183,9 @@ def _other_witnesses(v, where: str = "verdicts.json") -> str:
     ws = v.get("witnesses") or []
     if not ws:
         return ""
+    lines = "".join(f"<li>{esc(render_witness(w))}</li>" for w in ws[:MAX_WITNESSES])
     return (f'<div class="witness other" data-oracle="{esc(v.get("oracle"))}"><div><b>{esc(v.get("oracle"))}</b> '
-            f"witnesses ({len(ws)})</div>{_witness_table(ws, where=where)}</div>")
+            f"witnesses ({len(ws)})</div><ul class=\"lines\">{lines}</ul>{_witness_table(ws, where=where)}</div>")
 
 
 def _columns(rows) -> list:

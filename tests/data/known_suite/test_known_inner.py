@@ -139,3 +139,52 @@ def test_fault_starved_broken_engine_leak_elsewhere(experiment, broken, fake):
                     settle_s=0, timeout_s=10):
         pass
     _fault_starved(experiment, broken, "starved2", leak=False)
+
+
+# --------------------------------------------------------------------------- blinded by an engine failure
+ATTEMPTS: dict = {}
+
+
+@pytest.fixture
+def flaky(request):
+    """Attempt n (1, 2, ...) of a test, on a stand-in cluster: the test's ``broken_attempts`` names the
+    attempts that find the engine broken (every reply a 400, the transfer thread's death in the logs)."""
+    n = ATTEMPTS[request.node.nodeid] = ATTEMPTS.get(request.node.nodeid, 0) + 1
+    broken = n in getattr(request.function, "broken_attempts", ())
+    blind = broken and not getattr(request.function, "still_answers", False)
+    with FakeEngine("reject" if blind else "echo") as eng:
+        yield (Broken if broken else StandIn)(eng.url)
+
+
+def _powered(experiment, cluster, name, leak=False):
+    wl = Workload(13, n_tenants=4, prefix=name[:3])
+    plans = [wl.request(wl.tenants[i % 4], n_canaries=2) for i in range(40)]
+    if leak:
+        plant_leak(plans[7], plans[2])
+    with experiment(name, plans, [Isolation(), Sensitivity()], cluster=cluster, faults=None, settle_s=0,
+                    timeout_s=10) as ex:
+        pass
+    ex.require(isolation=PASS)
+
+
+def test_blinded_once(experiment, flaky):
+    _powered(experiment, flaky, "blinded")
+
+
+def test_blinded_twice(experiment, flaky):
+    _powered(experiment, flaky, "twice")
+
+
+def test_blind_without_engine_failure(experiment):
+    with FakeEngine("reject") as eng:
+        _powered(experiment, StandIn(eng.url), "noexcuse")
+
+
+def test_leak_with_engine_failure(experiment, flaky):
+    _powered(experiment, flaky, "leakbroken", leak=True)
+
+
+test_blinded_once.broken_attempts = (1,)
+test_blinded_twice.broken_attempts = (1, 2)
+test_leak_with_engine_failure.broken_attempts = (1,)
+test_leak_with_engine_failure.still_answers = True  # the engine broke, and a reply showed a leak
