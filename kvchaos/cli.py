@@ -437,7 +437,9 @@ def cmd_report(args) -> int:
         print(line)
     print(f"kvchaos report: {r['html']} and {r['verdicts']}: {r['label']}")
     # accepted known findings only: not red (KNOWN, never PASS); no chaos verdict at all: 3
-    return {"pass": 0, "known": 0, "fail": 1}.get(r["overall"], 3)
+    from kvchaos.policy import exit_code
+
+    return exit_code(r["overall"])  # "none" (no chaos verdict): 3, as unknown
 
 
 # --------------------------------------------------------------------------- judge

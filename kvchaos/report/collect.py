@@ -34,7 +34,6 @@ SCENARIO_DIR_RUN_VERDICTS = "run-verdicts.json"  # ... into a directory that is 
 EXPERIMENTS = "experiments.jsonl"
 FINDINGS = "findings.json"
 SELFTEST_TEST = "session: planted-leak self-test"
-RANK = policy.RANK  # how bad a status is for the run (the policy's order)
 FAILED_TESTS = ("failed", "error")
 
 
@@ -48,7 +47,7 @@ class ReportError(ValueError):
     """A run directory kvchaos cannot build a report from (the message names the problem)."""
 
 
-worst = policy.merge  # the run's status is the policy's merge of its experiments
+
 
 @dataclass
 class Request:
@@ -585,10 +584,10 @@ def judge(m: RunModel) -> dict:
     real = [s for s in m.scenarios if not s.planted and not s.rerun]
     planted = [s for s in m.scenarios if s.planted]
     counted = real + [s for s in planted if not s.caught]
-    chaos = worst(s.run_status for s in counted) if real else (
+    chaos = policy.merge(s.run_status for s in counted) if real else (
         "unknown" if any(not s.caught for s in planted) else "none")
     red, known = [], []
-    for s in sorted(counted, key=lambda s: -RANK.get(s.run_status, 2)):
+    for s in sorted(counted, key=lambda s: -policy.RANK.get(s.run_status, 2)):
         if s.run_status == "pass":
             continue
         vs = s.red_verdicts()
