@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
@@ -231,7 +232,9 @@ class History:
     def client_views(self, rid: str) -> list[View]:
         """Everything the client received for ``rid``, every way it can be read (module doc)."""
         out: list[View] = []
-        model = ((self.header.get("layout") or {}).get("spec") or {}).get("model")
+        layout = self.header.get("layout")
+        spec = layout.get("spec") if isinstance(layout, dict) else None
+        model = spec.get("model") if isinstance(spec, dict) else None
         for r in self.received.get(rid, ()):
             ev = r.get("ev")
             if ev == "body":
@@ -268,7 +271,8 @@ class History:
     def finish_reason(self, rid: str):
         """A reply's finish reason: /generate's ``meta_info.finish_reason.type``, or an OpenAI choice's
         ``finish_reason`` string (the driver puts both in the body's meta)."""
-        fr = ((self.bodies.get(rid) or {}).get("meta") or {}).get("finish_reason")
+        meta = (self.bodies.get(rid) or {}).get("meta")
+        fr = meta.get("finish_reason") if isinstance(meta, dict) else None
         return fr.get("type") if isinstance(fr, dict) else fr
 
     def window(self, rid: str) -> tuple[float, float] | None:
@@ -307,6 +311,9 @@ def sse_texts(raw: str) -> list[tuple[str, str]]:
         try:
             chunk = json.loads(data)
         except ValueError:
+            # a line cut short or malformed: the string values it holds still reached the client (a
+            # payload split between the last whole event and this one is whole again once joined)
+            deltas += _fragments(data)
             continue
         if not isinstance(chunk, dict):
             continue
@@ -326,6 +333,25 @@ def sse_texts(raw: str) -> list[tuple[str, str]]:
     out = [("chunks", "\n".join(pieces))] if pieces else []
     if deltas:
         out.append(("deltas joined", "".join(deltas)))
+    return out
+
+
+_TEXT_VALUE = re.compile(r'"(?:text|content)"\s*:\s*"((?:[^"\\]|\\.)*)(?:"|$)')
+
+
+def _fragments(data: str) -> list[str]:
+    """The text a line that does not parse still carried (a ``"text": "...`` or ``"content": "...``
+    value, the last one cut short included), in order: a payload split between the last whole
+    event and a cut line is whole again once joined."""
+    out = []
+    for m in _TEXT_VALUE.finditer(data):
+        frag = m.group(1)
+        try:
+            frag = json.loads(f'"{frag}"')
+        except ValueError:
+            pass
+        if frag:
+            out.append(frag)
     return out
 
 
@@ -398,6 +424,10 @@ def _check_types(e: dict, where: str) -> None:
         st = e.get("status")
         if st is not None and (not isinstance(st, int) or isinstance(st, bool)):
             raise HistoryError(f"{where}: end of {rid}: status is not an HTTP status: {st!r}")
+    if ev == "experiment":
+        for k in ("engine", "layout"):
+            if e.get(k) is not None and not isinstance(e[k], dict):
+                raise HistoryError(f"{where}: experiment header: {k!r} must be an object, got {e[k]!r}"[:300])
     for k in ("wall", "t"):
         if k in e and e[k] is not None and not _num(e[k]):
             raise HistoryError(f"{where}: {ev} record: {k!r} must be a number, got {e[k]!r}")

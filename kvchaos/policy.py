@@ -69,8 +69,9 @@ def is_leak_checker(name: str) -> bool:
 
 
 def always_run() -> list[Checker]:
-    """The leak checkers every history is judged by: those that need nothing but the history."""
-    return [c() for c in sorted(_checker_classes(), key=lambda c: c.name) if c.leak and c.log_only]
+    """The leak checkers every history is judged by: kvchaos' own that need nothing but the history."""
+    return [c() for c in sorted(_checker_classes(), key=lambda c: c.name)
+            if c.leak and c.log_only and c.__module__.startswith("kvchaos.oracles")]
 
 
 def with_always(checks) -> tuple[Composite, set[str]]:
@@ -583,6 +584,8 @@ class Policy:
                 ok = True  # a planted experiment: only what it requires counts
             elif leak and v.status == FAIL:
                 ok = False  # a leak is red whether or not the test asked for this checker
+            elif leak and v.stats.get("crashed"):
+                ok = False  # a leak checker that could not judge the history proves nothing: red
             elif leak and mine and v.oracle == "isolation" and v.status == UNKNOWN:
                 ok = False  # claimed isolation without the power to see a leak: a blind run
             elif v.status == UNKNOWN and not mine:

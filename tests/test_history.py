@@ -157,3 +157,22 @@ def test_no_flag_switches_a_leak_checker_off(tmp_path):
     p = tmp_path / "leak.jsonl"
     p.write_text("".join(json.dumps(r) + "\n" for r in recs))
     assert main(["judge", "--checkers", "liveness", str(p)]) == 1
+
+
+def test_a_leak_checker_that_crashes_is_red_even_when_not_claimed():
+    """A history that crashes isolation must not let ``--checkers liveness`` turn it green."""
+    from kvchaos.policy import Context, Policy
+
+    h = History([plan("a", [A])])
+    v = Verdict("isolation", oracles.UNKNOWN, "the checker crashed: boom", [], {"crashed": "boom"})
+    live = Verdict("liveness", oracles.PASS, "ok")
+    j = Policy().judge([live, v], Context.of(h), claimed={"liveness"})
+    assert j.red and j.status == oracles.UNKNOWN
+    with pytest.raises(HistoryError, match="'layout' must be an object"):
+        History([{"ev": "experiment", "layout": "mha"}, plan("a", [A])])
+
+
+def test_a_payload_split_between_the_last_event_and_a_cut_line_is_whole_again():
+    raw = 'data: {"choices": [{"text": "ABCDE"}]}\n\ndata: {"id": "cmpl-1", "choices": [{"index": 0, "text": "FGHIJ]x'
+    assert ("deltas joined", "ABCDEFGHIJ]x") in sse_texts(raw)
+    assert leaks([plan("a", [A]), plan("b", [B]), body("b", text="ABCDE", raw=raw, complete=False)])
