@@ -35,8 +35,8 @@ from urllib.parse import urlsplit
 
 from kvchaos import canary, oracles
 from kvchaos.cluster.dry import DryRun  # noqa: F401 - raised on entering a dry run's experiment
-from kvchaos.history import SCHEMA, History, HistoryError
 from kvchaos.cluster.layouts import DEFAULT_LAYOUT
+from kvchaos.history import SCHEMA, History, HistoryError
 from kvchaos.oracles import FAIL, PASS, UNKNOWN  # noqa: F401 - re-exported for suites
 from kvchaos.policy import KNOWN, Context, Judgement, Policy
 from kvchaos.workload import EventLog, plans_digest, run_plans
@@ -118,7 +118,6 @@ class Experiment:
         self.history: History | None = None
         self.attempt = attempt  # 2: a re-run after an accepted engine failure blinded the first
         self.rerun: str | None = None  # set when this attempt was blinded and its test runs again
-        self.history_error: str | None = None
         self.judged = False
         self._during: During | None = None
         self.t_start = None
@@ -199,8 +198,8 @@ class Experiment:
             self.log.close()
         try:
             self.history = History(self.log.records, source=str(self.path))
-        except HistoryError as e:  # e.g. a record written twice: every checker says it cannot judge
-            self.history, self.history_error = None, str(e)
+        except HistoryError:  # e.g. a record written twice: every checker says it cannot judge it
+            self.history = None
         self.verdicts = self.policy.gate(self.checks.check(self.history or self.log.records, self.canaries),
                                          self.history)
         self._record(self.policy.judge(self.verdicts, self.context(), claimed=self.claimed))

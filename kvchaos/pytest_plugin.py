@@ -296,21 +296,10 @@ def _machine_lock(config) -> None:
         config._kvchaos_machine_lock_cleanup = MachineLock(path(config.option.testrunuid))
 
 
-@pytest.hookimpl(hookwrapper=True, tryfirst=True)
-def pytest_runtest_protocol(item, nextitem):
-    lock = getattr(item.config, "_kvchaos_machine_lock", None)
-    if lock is None:
-        yield
-        return
-    with lock.hold(exclusive=item.get_closest_marker("exclusive") is not None) as waited:
-        if waited >= 1.0:
-            item.user_properties.append(("kvchaos_machine_lock_wait_s", round(waited, 1)))
-        yield
-
-
 @pytest.hookimpl(tryfirst=True)
-def pytest_runtest_protocol(item, nextitem):  # noqa: F811 - the wrapper above holds the machine lock
-    """Run a test; once more when its first attempt was blinded by an accepted engine failure.
+def pytest_runtest_protocol(item, nextitem):
+    """Run a test (holding the run's machine lock under xdist); once more when its first attempt was
+    blinded by an accepted engine failure.
 
     An experiment red only for want of power (claimed isolation UNKNOWN, no FAIL anywhere in the
     test) during which an engine failure an accepted finding names struck (Mooncake's transfer thread
@@ -319,10 +308,20 @@ def pytest_runtest_protocol(item, nextitem):  # noqa: F811 - the wrapper above h
     ``rerun`` (terminal ``R``), its experiments stay in the run directory marked ``rerun``
     (kvchaos.policy.scenario_status: the next attempt stands for them); a second blinded attempt is
     red like any other."""
-    from _pytest.runner import call_and_report, runtestprotocol
-
     if not isinstance(item, pytest.Function):
         return None
+    lock = getattr(item.config, "_kvchaos_machine_lock", None)
+    if lock is None:
+        return _protocol(item, nextitem)
+    with lock.hold(exclusive=item.get_closest_marker("exclusive") is not None) as waited:
+        if waited >= 1.0:
+            item.user_properties.append(("kvchaos_machine_lock_wait_s", round(waited, 1)))
+        return _protocol(item, nextitem)
+
+
+def _protocol(item, nextitem) -> bool:
+    from _pytest.runner import call_and_report, runtestprotocol
+
     item.ihook.pytest_runtest_logstart(nodeid=item.nodeid, location=item.location)
     item._kvchaos_attempt = 1
     if not item._request:
