@@ -74,11 +74,16 @@ def _reject_constant(name):  # NaN / Infinity are not JSON; Python's reader acce
     raise ValueError(f"{name} is not JSON")
 
 
-def parse(text: str, source: str = "<log>") -> list[dict]:
+class Records(list):
+    """Records read from a file, with the line each came from (``lines``, same order)."""
+    lines: list
+
+
+def parse(text: str, source: str = "<log>") -> Records:
     """The records of one JSONL log. A last line that is not JSON is kept as a ``truncated`` record."""
     lines = text.splitlines()
     last = max((i for i, x in enumerate(lines) if x.strip()), default=-1)
-    out = []
+    out, at = Records(), []
     for i, line in enumerate(lines):
         if not line.strip():
             continue
@@ -92,14 +97,16 @@ def parse(text: str, source: str = "<log>") -> list[dict]:
             if i == last:  # a crash mid-write loses at most this line (EventLog writes whole lines)
                 out.append({"ev": "truncated", "line": i + 1, "text": line[:100000],
                             "error": getattr(err, "msg", str(err))})
+                at.append(i + 1)
                 continue
             raise HistoryError(f"{where}: not JSON: {getattr(err, 'msg', err)}") from None
         if not isinstance(e, dict):
             raise HistoryError(f"{where}: not a JSON object but {type(e).__name__}: not an event record")
         if not isinstance(e.get("ev"), str) or not e["ev"]:
             raise HistoryError(f"{where}: record without \"ev\" (every event record names its type)")
-        e.setdefault("_line", i + 1)
         out.append(e)
+        at.append(i + 1)
+    out.lines = at
     return out
 
 
@@ -160,8 +167,10 @@ class History:
     history incomplete (a cut last line); the policy never lets an incomplete history PASS."""
 
     def __init__(self, records: list[dict], source: str = "<history>"):
+        lines = getattr(records, "lines", None)
         records, self.schema = migrate(list(records))
         self.records = records
+        line = dict(zip(map(id, records), lines)) if lines else {}  # where each record is, for messages
         self.source = source
         self.problems: list[str] = []
         self.warnings: list[str] = []
@@ -182,7 +191,7 @@ class History:
         for e in records:
             ev = e.get("ev")
             self.by_ev[ev].append(e)
-            where = f"{source}:{e.get('_line', e.get('line', '?'))}"
+            where = f"{source}:{line.get(id(e), '?')}"
             if ev == "truncated":
                 self.problems.append(f"{where}: the last line is cut ({e.get('error')}): a record was lost — "
                                      "what it said cannot be judged")
@@ -200,13 +209,13 @@ class History:
                 seen = {"plan": self.plans, "send": self.sends, "body": self.bodies, "end": self.ends}[ev]
                 if rid in seen:
                     raise HistoryError(f"{where}: a second {ev!r} record for request {rid!r} (first at line "
-                                       f"{seen[rid].get('_line', '?')}): one request, one {ev}")
+                                       f"{line.get(id(seen[rid]), '?')}): one request, one {ev}")
                 seen[rid] = e
             elif ev == "status":
                 if not e.get("headers_only"):
                     if rid in self._final:
                         raise HistoryError(f"{where}: a second final status for request {rid!r} (first at line "
-                                           f"{self._final[rid].get('_line', '?')})")
+                                           f"{line.get(id(self._final[rid]), '?')})")
                     self._final[rid] = e
                     self.statuses[rid] = e.get("status")
                 elif rid not in self._final:
