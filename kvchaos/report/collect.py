@@ -562,6 +562,7 @@ def known_findings(m: RunModel) -> list[dict]:
             out.append({"id": k.get("id"), "title": k.get("title"), "engine": s.engine, "version": s.version,
                         "test": s.test, "experiment": s.name, "oracle": v.get("oracle"), "status": v.get("status"),
                         "accepted": bool(k.get("accepted")), "upstream": list(k.get("upstream") or []),
+                        "conditions": k.get("conditions"),
                         "versions": k.get("versions"), "witnesses": v.get("witnesses") or [],
                         "summary": v.get("summary"), "scenario": i})
     for k in (m.findings or {}).get("known") or []:

@@ -258,7 +258,8 @@ def _known_section(m) -> str:
                    f"<div>{esc(k.get('engine'))} {esc(k.get('version'))} · {where}</div>"
                    f"<div>{esc(k.get('oracle'))} {badge(k.get('status'))} {esc(k.get('summary'))}</div>"
                    f"<div>upstream: {_links(k.get('upstream'))}</div>"
-                   f"<div><b>witnesses ({len(ws)})</b></div>{_witness_table(ws, 10)}</div>")
+                   + (f"<div>measured under: {esc(k.get('conditions'))}</div>" if k.get("conditions") else "")
+                   + f"<div><b>witnesses ({len(ws)})</b></div>{_witness_table(ws, 10)}</div>")
     out.append("</section>")
     return "".join(out)
 
