@@ -49,7 +49,7 @@ ONCE_PER_RID = ("plan", "send", "body", "end")
 # and agent events are the harness's and the engines' evidence). Every other record that names a
 # request is part of what its client saw and is scanned.
 NOT_RECEIVED = frozenset(("plan", "send", "fault", "agent", "experiment", "method", "probe", "engine_error",
-                          "observed", "aborted", "run", "truncated"))
+                          "observed", "aborted", "run", "truncated", "cache_flushed"))
 
 
 class HistoryError(ValueError):
@@ -185,6 +185,7 @@ class History:
         self.statuses: dict[str, int] = {}       # final status, else the headers' (a stream cut short)
         self._final: dict[str, dict] = {}
         self.received: dict[str, list[dict]] = defaultdict(list)  # rid -> every client-side record
+        self.unattributed: list[dict] = []  # records naming no request that are not the harness's own
         self.by_ev: dict[str, list[dict]] = defaultdict(list)
         self.agent: list[dict] = []               # agent events (their kind: agent_kind(e))
         self._agent_kinds: list[str] = []
@@ -204,6 +205,8 @@ class History:
             _check_types(e, where)
             rid = e.get("rid")
             if rid is None:
+                if ev not in NOT_RECEIVED:
+                    self.unattributed.append(e)  # a record of unknown kind naming no request: scanned too
                 continue
             if ev in ONCE_PER_RID:
                 seen = {"plan": self.plans, "send": self.sends, "body": self.bodies, "end": self.ends}[ev]
@@ -267,6 +270,12 @@ class History:
                 if strings:
                     out.append(View(ev, "\n".join(strings)))
         return out
+
+    def unattributed_views(self) -> list[View]:
+        """Records that name no request and are not the harness's own: whatever they carry is read as
+        something a client may have received."""
+        return [View(f"{e.get('ev')} (no rid)", "\n".join(s for k, v in e.items() if k != "ev" for s in _strings(v)))
+                for e in self.unattributed]
 
     def response_text(self, rid: str) -> str:
         """Every view of what the client received, joined: what isolation scans and what a witness's

@@ -176,3 +176,11 @@ def test_a_payload_split_between_the_last_event_and_a_cut_line_is_whole_again():
     raw = 'data: {"choices": [{"text": "ABCDE"}]}\n\ndata: {"id": "cmpl-1", "choices": [{"index": 0, "text": "FGHIJ]x'
     assert ("deltas joined", "ABCDEFGHIJ]x") in sse_texts(raw)
     assert leaks([plan("a", [A]), plan("b", [B]), body("b", text="ABCDE", raw=raw, complete=False)])
+
+
+def test_a_record_naming_no_request_is_read_too():
+    """A record of a kind the harness does not write, naming no request: what it carries is read."""
+    recs = [plan("a", [A]), plan("b", [B]), {"ev": "chunk", "data": "..." + A[1:-1] + "..."}]
+    v = oracles.isolation(History(recs))
+    assert v.status == oracles.FAIL and v.witnesses[0]["victim_rid"] is None
+    assert v.witnesses[0]["view"] == "chunk (no rid)"

@@ -316,12 +316,12 @@ def isolation(h, partial_len: int = 8, echo_rate: float = ECHO_RATE, registry=No
     h = as_history(h)
     auto = automaton(known_canaries(h, registry), partial_len)
     witnesses, seen = [], set()
-    for rid in h.responses():
-        victim = h.plans.get(rid, {})
+    for rid in h.responses() + [None]:  # None: records naming no request
+        victim = h.plans.get(rid, {}) if rid else {}
         common = {"victim_rid": rid, "victim_tenant": victim.get("tenant"), "status": h.statuses.get(rid),
                   "outcome": h.outcome(rid), "complete": (h.bodies.get(rid) or {}).get("complete", True)}
         base = 0
-        for view in h.client_views(rid):
+        for view in (h.client_views(rid) if rid else h.unattributed_views()):
             text = view.text
             hits = scan(text, auto)
             exact_spans = [(s, e) for s, e, _k, own in hits if any(o[3] == "exact" for o in own)]
@@ -359,7 +359,7 @@ def isolation(h, partial_len: int = 8, echo_rate: float = ECHO_RATE, registry=No
     stats = {"responses": n, "power": pw, "partial_len": partial_len,
              "registry": len(registry) if registry is not None else None}
     if witnesses:
-        victims = sorted({w["victim_rid"] for w in witnesses})
+        victims = sorted({w["victim_rid"] for w in witnesses}, key=str)
         w0 = witnesses[0]
         owner = (f"{w0['owner_rid']} ({w0['owner_tenant']})" if w0["owner_rid"] else "nobody: canary of unknown origin")
         stats["victims"] = len(victims)
