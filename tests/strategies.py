@@ -11,8 +11,8 @@ then per request ``send``, ``status`` (``headers_only`` for streams), ``first_by
 headers, timeout) give exactly the records the driver logs — the SSE parsing (``data:`` lines,
 ``[DONE]``, a line that is not a JSON object, a line cut mid-way), the merging of streamed chunks
 (cumulative ``text`` on ``/generate``, deltas on the OpenAI endpoints) and the extraction of
-text / output_ids / meta / error are ported from the driver as of commit 51ec8ca, on purpose not
-imported: the driver is being rewritten, these generators describe what a client sees.
+text / output_ids / meta / error are the driver's own functions (``test_generated_records_are_the_drivers``
+checks the whole exchange against the real driver).
 
 A generated :class:`Scenario` is data (what Hypothesis draws and prints); ``Scenario.write(dir,
 leak=...)`` renders it. With ``leak=False`` the same logs are written with the foreign canary's
@@ -30,6 +30,7 @@ from hypothesis import strategies as st
 
 from kvchaos import canary
 from kvchaos.probe import COMMITTED, max_new_tokens, prompt as probe_prompt
+from kvchaos.workload.driver import _extract, _merge_stream  # the driver's own reading of a reply
 from kvchaos.workload.events import EventLog
 from kvchaos.workload.plan import RequestPlan
 
@@ -199,36 +200,6 @@ class _Malformed(ValueError):
 
 class _Cut(Exception):
     pass
-
-
-def _merge_stream(prev, chunk, endpoint):
-    if endpoint == "generate":
-        return chunk
-    prev = prev or {"text": ""}
-    for ch in chunk.get("choices", []):
-        prev["text"] += ch.get("text") or (ch.get("delta") or {}).get("content") or ""
-        if ch.get("finish_reason") is not None:
-            prev["finish_reason"] = ch["finish_reason"]
-    return prev
-
-
-def _extract(parsed, endpoint):
-    if not isinstance(parsed, dict):
-        return "", None, None, None
-    if "error" in parsed or "raw" in parsed:
-        err = parsed.get("error") or parsed.get("raw")
-        return "", None, None, err if isinstance(err, str) else json.dumps(err)[:2000]
-    if parsed.get("object") == "error":
-        return "", None, None, str(parsed.get("message") or json.dumps(parsed))[:2000]
-    if endpoint == "generate" or "meta_info" in parsed:
-        return parsed.get("text", ""), parsed.get("output_ids"), parsed.get("meta_info"), None
-    if "choices" in parsed:
-        ch = parsed["choices"][0] if parsed["choices"] else {}
-        text = ch.get("text") if "text" in ch else (ch.get("message") or {}).get("content", "")
-        return text or "", None, {**(parsed.get("usage") or {}), "finish_reason": ch.get("finish_reason")}, None
-    if "finish_reason" in parsed:
-        return parsed.get("text", ""), None, {"finish_reason": parsed["finish_reason"]}, None
-    return parsed.get("text", ""), None, None, None
 
 
 def send(log, p: RequestPlan, pd: bool = False) -> dict:
