@@ -214,4 +214,4 @@ def test_a_killed_node_breaks_what_it_served_on_purpose_and_the_rest_holds_the_p
     from kvchaos.history import load
 
     pw = power(load(path))
-    assert pw["classes"]["process:sigkill:prefill"]["vacuous"] and pw["met"]
+    assert pw["classes"]["process:sigkill:prefill"]["thin"] and pw["met"]

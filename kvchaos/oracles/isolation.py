@@ -213,17 +213,20 @@ def power(h, floor: SensitivityFloor = DEFAULT_FLOOR, echo_rate: float = ECHO_RA
                            "reply": text[:120]})
     out = {"all": _class_figures("all", set(h.plans), per, floor, echo_rate, all_class=True)}
     for name, c in sorted(classes.items()):
-        # a fault that broke every request it reached: nothing it touched was served, so nothing could
-        # show a leak; the whole workload's power stands for the run
-        vacuous = bool(c["exposed"]) and c["exposed"] <= (c["corrupted"] | c["aborted"])
-        fig = _class_figures(name, c["exposed"], per, floor, echo_rate, vacuous=vacuous)
+        broken = len(c["exposed"] & (c["corrupted"] | c["aborted"]))
+        fig = _class_figures(name, c["exposed"], per, floor, echo_rate, broken=broken)
         fig.update({"acted": len(c["acted"]), "corrupted": len(c["corrupted"]), "aborted": len(c["aborted"])})
         out[name] = fig
     return {"met": all(f["met"] for f in out.values()), "classes": out, "hit_limit": hit_limit, "misses": misses,
             "floor": {k: getattr(floor, k) for k in floor.__dataclass_fields__}, "echo_rate": echo_rate}
 
 
-def _class_figures(name, rids, per, floor, echo_rate, all_class=False, vacuous=False) -> dict:
+def _class_figures(name, rids, per, floor, echo_rate, all_class=False, broken=0) -> dict:
+    """Figures of one class and whether its floor is met. ``broken``: how many of its requests a fault
+    broke (or the workload aborted) on purpose. A class with fewer candidates than its floor asks for
+    only because the fault broke the rest on purpose — a node down fails what it served — is met when
+    every candidate it left was observed reciting all of its own canaries (none at all: nothing was
+    served that could show a leak); the whole workload's power stands for the run."""
     cands = [r for r in rids if per.get(r) is not None]
     ev = [per[r] for r in cands if per[r]]
     n_can = sum(n for n, _ in ev)
@@ -232,22 +235,24 @@ def _class_figures(name, rids, per, floor, echo_rate, all_class=False, vacuous=F
     rate = n_echo / n_can if n_can else 0.0
     observed = len(ev) / len(cands) if cands else 0.0
     need_n, need_rate = (floor.min_samples, floor.min_rate) if all_class else (floor.class_min_samples, floor.class_min_rate)
+    thin = (not all_class and broken and len(cands) < need_n and len(ev) == len(cands)
+            and all(k == n for n, k in ev))
     why = []
-    if len(ev) < need_n:
-        why.append(f"{len(ev)} evidence requests (with canaries, completed with HTTP 200): fewer than {need_n}")
-    if lb < need_rate:
-        why.append(f"echo lower bound {lb:.3f} < {need_rate:.2f}")
-    if all_class and rate < echo_rate:
-        why.append(f"echo rate {100 * rate:.1f} % < {100 * echo_rate:.0f} %")
-    if cands and observed < floor.min_observed:
-        why.append(f"only {len(ev)} of {len(cands)} candidate requests observed "
-                   f"({100 * observed:.0f} % < {100 * floor.min_observed:.0f} %)")
-    if not cands and not vacuous:
-        why.append("no request that could show a leak")
-    if vacuous:
-        why = []  # every request it reached was broken on purpose: none was served to show anything
-    return {"vacuous": vacuous, "requests": len(rids), "candidates": len(cands), "evidence": len(ev),
-            "echoed_requests": sum(1 for n, k in ev if k == n), "canaries": n_can, "echoed": n_echo, "rate": round(rate, 4), "lower_bound": round(lb, 4), "observed": round(observed, 3),
+    if not thin:
+        if len(ev) < need_n:
+            why.append(f"{len(ev)} evidence requests (with canaries, completed with HTTP 200): fewer than {need_n}")
+        if lb < need_rate:
+            why.append(f"echo lower bound {lb:.3f} < {need_rate:.2f}")
+        if all_class and rate < echo_rate:
+            why.append(f"echo rate {100 * rate:.1f} % < {100 * echo_rate:.0f} %")
+        if cands and observed < floor.min_observed:
+            why.append(f"only {len(ev)} of {len(cands)} candidate requests observed "
+                       f"({100 * observed:.0f} % < {100 * floor.min_observed:.0f} %)")
+        if not cands:
+            why.append("no request that could show a leak")
+    return {"broken": broken, "thin": bool(thin), "requests": len(rids), "candidates": len(cands), "evidence": len(ev),
+            "echoed_requests": sum(1 for n, k in ev if k == n), "canaries": n_can, "echoed": n_echo,
+            "rate": round(rate, 4), "lower_bound": round(lb, 4), "observed": round(observed, 3),
             "met": not why, "why": "; ".join(why)}
 
 
@@ -255,8 +260,9 @@ def power_line(pw: dict) -> str:
     """One line of per-class figures."""
     parts = []
     for name, f in pw["classes"].items():
-        if f.get("vacuous"):
-            parts.append(f"{name}: every one of its {f['requests']} requests broken on purpose (none served)")
+        if f.get("thin"):
+            parts.append(f"{name}: {f['broken']} of its {f['requests']} requests broken on purpose, the "
+                         f"{f['evidence']} it left served with all their own canaries recited")
             continue
         parts.append(f"{name}: {f['evidence']}/{f['candidates']} requests, {f['echoed']}/{f['canaries']} canaries "
                      f"(lb {f['lower_bound']:.3f})" + ("" if f["met"] else f" — NOT MET: {f['why']}"))
