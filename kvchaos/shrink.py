@@ -505,7 +505,7 @@ def reproduce(minimal_dir, times: int = 1) -> int:
     import httpx
 
     from faults import FaultKit, install_network_proxy
-    from kvchaos import canary, oracles
+    from kvchaos import oracles
     from kvchaos.cluster import Cluster, ClusterSpec, SingleServer
     from kvchaos.cluster.reaper import Reaper
     from kvchaos.experiment import Experiment

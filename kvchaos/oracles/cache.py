@@ -24,7 +24,11 @@ from __future__ import annotations
 
 import os
 
-from . import FAIL, PASS, UNKNOWN, Checker, Run, Verdict, agent_kind, kv_page_size
+from kvchaos.history import agent_kind
+from kvchaos.history import as_history as Run
+
+from .base import FAIL, PASS, UNKNOWN, Checker, Verdict
+from .kvpages import kv_page_size
 
 TIMING_ARMS = ("same_salt_hit", "same_salt_miss", "cross_salt", "never_cached")
 
