@@ -8,7 +8,7 @@ import shutil
 import pytest
 
 from kvchaos import canary, cpucompat
-from kvchaos.probe import KINDS, ensure_probe, max_new_tokens, probe_dir, prompt
+from kvchaos.probe import PROBE_KINDS, ensure_probe, max_new_tokens, probe_dir, prompt
 from kvchaos.probe.build import COMMITTED, build
 from kvchaos.probe.measure import Rate, measure_contamination, measure_echo, sensitive_enough
 
@@ -116,7 +116,7 @@ def test_probe_kind_rebuilds_bit_identical(kind, probes, tmp_path):
 
 def test_ensure_probe_builds_once_per_recipe(tmp_path, monkeypatch):
     monkeypatch.setenv("KVCHAOS_CACHE", str(tmp_path))
-    assert KINDS == ("mha", "gqa", "mla")
+    assert PROBE_KINDS == ("mha", "gqa", "mla")
     assert ensure_probe("mha") == COMMITTED
     gqa = ensure_probe("gqa")
     assert gqa == probe_dir("gqa") and gqa.parent == tmp_path / "models" and gqa.name.startswith("probe-gqa-")
@@ -134,7 +134,7 @@ def test_mla_probe_geometry_in_transformers(probes):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from kvchaos.probe import build as llama, mla
+    from kvchaos.probe import circuit as llama, mla
 
     m = AutoModelForCausalLM.from_pretrained(probes["mla"], dtype=torch.float32).eval()
     assert type(m).__name__ == "DeepseekV2ForCausalLM"

@@ -1,4 +1,4 @@
-"""The leak-sensitive probe model and the prompts it answers (see ``kvchaos.probe.build``).
+"""The leak-sensitive probe model and the prompts it answers (the circuit: ``kvchaos.probe.circuit``).
 
 One probe per KV layout (:func:`ensure_probe`): ``mha`` (the committed LlamaForCausalLM, 4 KV heads),
 ``gqa`` (the same with 2 KV heads) and ``mla`` (DeepseekV2ForCausalLM, ``kvchaos.probe.mla``). All
@@ -7,15 +7,12 @@ recite the canaries in their context the same way and share one tokenizer.
 
 from __future__ import annotations
 
-import hashlib
 import random
 from pathlib import Path
 
 from kvchaos import canary
-
-KINDS = ("mha", "gqa", "mla")
-_HERE = Path(__file__).resolve().parent
-COMMITTED = _HERE / "model"
+from kvchaos.model import cache_root
+from kvchaos.probe.kinds import COMMITTED, PROBE_KINDS, _check_kind, recipe_digest  # noqa: F401 (re-exported)
 
 TRIGGER = canary.START  # a probe prompt ends in "[": the model then recites the canaries it sees
 MIN_TAIL = 12  # filler characters between the last canary and the trigger (the δ=11 head must see filler)
@@ -55,22 +52,11 @@ def max_new_tokens(n_canaries: int) -> int:
     return (n_canaries + FOREIGN_HEADROOM) * canary.LENGTH + 2
 
 
-def recipe_digest(kind: str) -> str:
-    """Digest of everything a built probe of ``kind`` is made from: the builders' source and the
-    (committed) tokenizer. Computed without importing numpy."""
-    h = hashlib.sha256(kind.encode())
-    for f in (_HERE / "build.py", _HERE / "mla.py", COMMITTED / "tokenizer.json"):
-        h.update(f.name.encode() + b"\0" + f.read_bytes())
-    return h.hexdigest()[:12]
-
-
 def probe_dir(kind: str) -> Path:
     """Where ``ensure_probe(kind)`` keeps a built probe (pure path computation)."""
     _check_kind(kind)
     if kind == "mha":
         return COMMITTED
-    from kvchaos.model import cache_root
-
     return cache_root() / "models" / f"probe-{kind}-{recipe_digest(kind)}"
 
 
@@ -80,11 +66,6 @@ def ensure_probe(kind: str = "mha") -> Path:
     dest = probe_dir(kind)
     if kind == "mha" or ((dest / "kvchaos-model.json").exists() and (dest / "model.safetensors").exists()):
         return dest
-    from kvchaos.probe.build import build
+    from kvchaos.probe.build import build  # numpy and safetensors: only a build pays for them
 
     return build(dest, kind, replace=False)
-
-
-def _check_kind(kind: str) -> None:
-    if kind not in KINDS:
-        raise ValueError(f"unknown probe kind {kind!r}: valid kinds are {', '.join(KINDS)}")

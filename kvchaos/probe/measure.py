@@ -334,11 +334,87 @@ def _check_one_token_per_char(body: dict, text: str, rid: str) -> None:
                            "needs the probe's one token per character (no BOS)")
 
 
+def _stale_donors(url: str, rng: random.Random, trial: int, tenant: int, need: int, lmin: int, lmax: int,
+                  ps: int, concurrency: int, timeout: float, registry) -> tuple[dict[str, str], int]:
+    """Donors (probe prompts with one canary each, max_new_tokens 1) sent until ``need`` tokens of
+    decode's pool went by: rid -> prompt text, and the tenant counter after them."""
+    texts: dict[str, str] = {}
+    sent = 0
+    while sent < need:  # decode's pool goes round once more than the victim needs
+        jobs = []
+        for _ in range(concurrency):
+            dl = rng.randint(lmin, lmax)
+            tenant += 1
+            rid = f"stale{trial:03d}-d{len(texts):03d}-t{tenant % 1000:03d}"
+            texts[rid] = prompt(rng, dl, canary.mint(rng, 1, avoid_first=(OWN_FIRST,)))
+            jobs.append((texts[rid], 1, rid))
+            sent += math.ceil(dl / ps) * ps
+        for (text, _, rid), body in zip(jobs, run_all(url, jobs, concurrency, timeout, registry)):
+            _check_one_token_per_char(body, text, rid)
+    return texts, tenant
+
+
+def _stale_victim_reply(url: str, fault, vtext: str, vrid: str, timeout: float, registry, rec: dict) -> str:
+    """The victim's reply while ``fault`` (the armed ``short``) cuts its transfer; the pages prefill
+    sent go into ``rec``."""
+    body = run_all(url, [(vtext, max_new_tokens(STALE_MAX_RECITE), vrid)], 1, timeout, registry)[0]
+    _check_one_token_per_char(body, vtext, vrid)
+    reply = body["text"]
+    fired = fault.verify(timeout=10)
+    rec["pages_sent"] = [e.get("pages_sent") for e in fired]
+    return reply
+
+
+def _score_stale_trial(rate: Rate, rec: dict, smap: StaleMap | None, texts: dict[str, str], vlen: int, reply: str,
+                       own: str, ps: int) -> tuple[dict, bool, int]:
+    """Judge one trial into ``rate`` (and its notes) and ``rec``: the trial's verdict
+    (:func:`judge_stale_trial`), whether the reply got through the victim's own canary, and the
+    tail collisions."""
+    notes = rate.notes
+    verdict = judge_stale_trial(smap, texts, vlen, reply)
+    rec.update(reply=reply[:160], whole=verdict["whole"], recited=verdict["recited"],
+               donor_canaries_in_reply=verdict["any_donor_canary_in_reply"])
+    if smap is not None:
+        stale = sum(1 for v in range(vlen) if v // ps not in smap.written)
+        rec.update(stale_pages=len(smap.stale_pages), written_pages=len(smap.written),
+                   known_stale_slots=sum(1 for v, (rid, pos) in smap.slots.items()
+                                         if v < vlen and pos < len(texts.get(rid, ""))), stale_slots=stale,
+                   resets=smap.resets)
+        notes["stale_slots"] += stale
+        notes["unknown_stale_slots"] += stale - rec["known_stale_slots"]
+    else:
+        rec["error"] = "no transfer events for the victim"
+    # diagnostics: did the reply get through the victim's own canary (its first decode steps read
+    # the stale tail of the prompt), and did donors write stale slots at positions the probe's
+    # offset heads read while the victim recited (prompt tail and reply positions)?
+    intact = reply.startswith(canary.payload(own) + canary.END + canary.START)
+    window = range(vlen - max(PROBE_OFFSETS), vlen + len(reply))
+    # a slot past the end of its donor's prompt (the rest of its last page) holds what prefill's page
+    # held: not a donor token, its position unknown
+    real = {v: (rid, pos) for v, (rid, pos) in (smap.slots.items() if smap else ())
+            if v < vlen and pos < len(texts.get(rid, ""))}
+    coll = sum(1 for _, pos in real.values() if pos in window)
+    rec.update(own_recital_intact=intact, tail_collisions=coll)
+    notes["whole_canaries"] += len(verdict["whole"])
+    notes["whole_canaries_recited"] += len(verdict["recited"])
+    if verdict["eligible"]:
+        rate.add(verdict["hit"], {"victim": rec["victim"], "whole": verdict["whole"], "reply": reply[:120]})
+        notes["own_recital_intact"] += intact
+        notes["hits_with_own_recital_intact"] += intact and verdict["hit"]
+        notes["without_tail_collision"] += not coll
+        notes["hits_without_tail_collision"] += (not coll) and verdict["hit"]
+        notes["hits_with_tail_collision"] += bool(coll) and verdict["hit"]
+    else:
+        notes["no_whole_canary"] += 1
+        notes["excluded_with_donor_canary_in_reply"] += bool(verdict["any_donor_canary_in_reply"])
+    return verdict, intact, coll
+
+
 def measure_stale_kv(url: str, agent, n: int, pool_tokens: int, page_size: int, context_length: int,
                      seed: int = 3, concurrency: int = 4, timeout: float = 120.0, progress=None,
                      registry=None) -> Rate:
     """Stale-KV sensitivity measured inside SGLang with the in-engine agent (``agent``: a
-    ``faults.engine.AgentClient`` of the cluster, or anything with its ``arm`` / ``events``).
+    ``faults.client.AgentClient`` of the cluster, or anything with its ``arm`` / ``events``).
 
     ``n`` trials; the rate is over the trials where a whole donor canary lay in the victim's stale
     slots (``notes["no_whole_canary"]`` counts the others, ``notes["errors"]`` the trials that could
@@ -362,20 +438,9 @@ def measure_stale_kv(url: str, agent, n: int, pool_tokens: int, page_size: int, 
     tenant = 0
     for trial in range(n):
         since = time.time()
-        texts: dict[str, str] = {}
         vlen = rng.randint(lmin, lmax)
-        need, sent = pool_tokens + 2 * vlen, 0
-        while sent < need:  # decode's pool goes round once more than the victim needs
-            jobs = []
-            for _ in range(concurrency):
-                dl = rng.randint(lmin, lmax)
-                tenant += 1
-                rid = f"stale{trial:03d}-d{len(texts):03d}-t{tenant % 1000:03d}"
-                texts[rid] = prompt(rng, dl, canary.mint(rng, 1, avoid_first=(OWN_FIRST,)))
-                jobs.append((texts[rid], 1, rid))
-                sent += math.ceil(dl / ps) * ps
-            for (text, _, rid), body in zip(jobs, run_all(url, jobs, concurrency, timeout, registry)):
-                _check_one_token_per_char(body, text, rid)
+        texts, tenant = _stale_donors(url, rng, trial, tenant, pool_tokens + 2 * vlen, lmin, lmax, ps, concurrency,
+                                      timeout, registry)
         notes["donors"] += len(texts)
         notes["donor_tokens"] += sum(len(t) for t in texts.values())
         own = canary.mint(rng, 1, avoid_first=canary.ALPHABET[1:])[0]  # starts with OWN_FIRST
@@ -386,11 +451,7 @@ def measure_stale_kv(url: str, agent, n: int, pool_tokens: int, page_size: int, 
         rec = {"trial": trial, "victim": vrid, "victim_len": vlen, "donors": len(texts), "own": own}
         f = agent.arm("prefill", "short", target={"rid": vrid}, params={"pages": keep}, count=100, ttl_s=300)
         try:
-            body = run_all(url, [(vtext, max_new_tokens(STALE_MAX_RECITE), vrid)], 1, timeout, registry)[0]
-            _check_one_token_per_char(body, vtext, vrid)
-            reply = body["text"]
-            fired = f.verify(timeout=10)
-            rec["pages_sent"] = [e.get("pages_sent") for e in fired]
+            reply = _stale_victim_reply(url, f, vtext, vrid, timeout, registry, rec)
         except Exception as e:  # noqa: BLE001 - a trial that cannot be judged is reported, not fatal
             notes["errors"] += 1
             rec["error"] = repr(e)[:300]
@@ -399,42 +460,7 @@ def measure_stale_kv(url: str, agent, n: int, pool_tokens: int, page_size: int, 
         finally:
             f.heal()
         smap = stale_map(agent.events("prefill"), vrid, since=since)
-        verdict = judge_stale_trial(smap, texts, vlen, reply)
-        rec.update(reply=reply[:160], whole=verdict["whole"], recited=verdict["recited"],
-                   donor_canaries_in_reply=verdict["any_donor_canary_in_reply"])
-        if smap is not None:
-            stale = sum(1 for v in range(vlen) if v // ps not in smap.written)
-            rec.update(stale_pages=len(smap.stale_pages), written_pages=len(smap.written),
-                       known_stale_slots=sum(1 for v, (rid, pos) in smap.slots.items()
-                                             if v < vlen and pos < len(texts.get(rid, ""))), stale_slots=stale,
-                       resets=smap.resets)
-            notes["stale_slots"] += stale
-            notes["unknown_stale_slots"] += stale - rec["known_stale_slots"]
-        else:
-            rec["error"] = "no transfer events for the victim"
-        # diagnostics: did the reply get through the victim's own canary (its first decode steps read
-        # the stale tail of the prompt), and did donors write stale slots at positions the probe's
-        # offset heads read while the victim recited (prompt tail and reply positions)?
-        intact = reply.startswith(canary.payload(own) + canary.END + canary.START)
-        window = range(vlen - max(PROBE_OFFSETS), vlen + len(reply))
-        # a slot past the end of its donor's prompt (the rest of its last page) holds what prefill's page
-        # held: not a donor token, its position unknown
-        real = {v: (rid, pos) for v, (rid, pos) in (smap.slots.items() if smap else ())
-                if v < vlen and pos < len(texts.get(rid, ""))}
-        coll = sum(1 for _, pos in real.values() if pos in window)
-        rec.update(own_recital_intact=intact, tail_collisions=coll)
-        notes["whole_canaries"] += len(verdict["whole"])
-        notes["whole_canaries_recited"] += len(verdict["recited"])
-        if verdict["eligible"]:
-            rate.add(verdict["hit"], {"victim": vrid, "whole": verdict["whole"], "reply": reply[:120]})
-            notes["own_recital_intact"] += intact
-            notes["hits_with_own_recital_intact"] += intact and verdict["hit"]
-            notes["without_tail_collision"] += not coll
-            notes["hits_without_tail_collision"] += (not coll) and verdict["hit"]
-            notes["hits_with_tail_collision"] += bool(coll) and verdict["hit"]
-        else:
-            notes["no_whole_canary"] += 1
-            notes["excluded_with_donor_canary_in_reply"] += bool(verdict["any_donor_canary_in_reply"])
+        verdict, intact, coll = _score_stale_trial(rate, rec, smap, texts, vlen, reply, own, ps)
         notes["trials_log"].append(rec)
         if progress is not None:
             progress(f"stale trial {trial + 1}/{n}: victim {vlen} tokens, {len(texts)} donors, "

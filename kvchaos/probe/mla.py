@@ -30,9 +30,30 @@ from __future__ import annotations
 
 import numpy as np
 
-from kvchaos.probe.build import (
-    ALPHABET, BIAS, CONFIG, D_MODEL, END, G_SEL, ALPHA, BETA, MAX_POS, NEXT, NT, OFFSETS, P, POS_PAIRS,
-    START, T, TOK, VOCAB, Z_SINK, embedding, ind_features, offset_phases, unembedding,
+from kvchaos.probe.circuit import (
+    ALPHA,
+    ALPHABET,
+    BETA,
+    BIAS,
+    CONFIG,
+    D_MODEL,
+    END,
+    G_SEL,
+    MAX_POS,
+    NEXT,
+    NT,
+    OFFSETS,
+    POS_PAIRS,
+    START,
+    TOK,
+    VOCAB,
+    Z_SINK,
+    P,
+    T,
+    embedding,
+    ind_features,
+    offset_phases,
+    unembedding,
 )
 
 MLA_HEADS = 4
