@@ -22,8 +22,9 @@ from pathlib import Path
 import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from faults import open_network_proxy  # noqa: E402 - the fault layer's network proxy
+from faults import AGENT_MODULE, open_network_proxy  # noqa: E402 - the fault layer's network proxy
 from kvchaos.cluster import Cluster, ClusterSpec, SingleServer  # noqa: E402
+from kvchaos.cluster.argv import resolve_model  # noqa: E402
 from kvchaos.cluster.procs import tree_pids  # noqa: E402
 
 
@@ -70,7 +71,7 @@ def rss_mb(pids) -> float:
 def measure_cluster(spec, window):
     with tempfile.TemporaryDirectory() as d:
         t0 = time.monotonic()
-        c = Cluster(spec, d, proxy_factory=open_network_proxy).start()
+        c = Cluster(spec, d, proxy_factory=open_network_proxy, agent_module=AGENT_MODULE).start()
         cold = time.monotonic() - t0
         try:
             pids = c.all_pids()
@@ -92,7 +93,7 @@ def main():
     ap.add_argument("--no-baseline", action="store_true", help="skip the busy-poll baseline cluster")
     args = ap.parse_args()
     spec = ClusterSpec.load(args.profile)
-    spec.resolve_model()  # generate the tiny model outside the timed region
+    resolve_model(spec)  # generate the tiny model outside the timed region
 
     pd = measure_cluster(spec, args.idle_window)
     with tempfile.TemporaryDirectory() as d:

@@ -27,7 +27,7 @@ import httpx
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-from faults import open_network_proxy  # noqa: E402 - the fault layer's network proxy
+from faults import AGENT_MODULE, open_network_proxy  # noqa: E402 - the fault layer's network proxy
 from kvchaos import canary, probe  # noqa: E402
 from kvchaos.cluster import Cluster, ClusterSpec  # noqa: E402
 from kvchaos.cluster.reaper import Reaper  # noqa: E402
@@ -78,7 +78,7 @@ def main():
     rows = {}
     with tempfile.TemporaryDirectory() as tmp:
         reaper = Reaper(f"kvc-headroom-{int(time.time())}")
-        c = Cluster(spec, Path(tmp), reaper=reaper, proxy_factory=open_network_proxy).start()
+        c = Cluster(spec, Path(tmp), reaper=reaper, proxy_factory=open_network_proxy, agent_module=AGENT_MODULE).start()
         try:
             for name, budget in BUDGETS.items():
                 got = {w: [0, 0] for w in POSITIONS}

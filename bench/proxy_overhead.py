@@ -1,4 +1,4 @@
-"""Added latency of the toxiproxy-compatible fault proxy (faults/proxy.py), as ratios measured in one run.
+"""Added latency of the toxiproxy-compatible fault proxy (faults/proxy/), as ratios measured in one run.
 
 1. Loopback HTTP micro-benchmark: a tiny keep-alive HTTP server answered directly and through the
    proxy (no toxics), sequential (interleaved, so drift hits both arms) and at concurrency 32. The
@@ -102,19 +102,19 @@ def micro(n: int):
 
 
 def cluster(n: int, full: bool):
-    from faults import open_network_proxy
+    from faults import AGENT_MODULE, open_network_proxy
     from kvchaos.cluster import Cluster, ClusterSpec
 
     body = {"text": "kvchaos proxy bench " * 10 + "[", "sampling_params": {"max_new_tokens": 8, "temperature": 0}}
     with tempfile.TemporaryDirectory() as d:
         spec = ClusterSpec.load("cpu", network_proxy="embedded")
-        with Cluster(spec, d, proxy_factory=open_network_proxy) as c:
+        with Cluster(spec, d, proxy_factory=open_network_proxy, agent_module=AGENT_MODULE) as c:
             e = c.endpoints
             direct, proxied = paired(e.router_direct + "/generate", e.router + "/generate", n, "POST", body)
             row(f"CPU PD cluster /generate, client->router hop, n={n}", direct, proxied)
         if full:
             spec0 = ClusterSpec.load("cpu", network_proxy="")
-            with Cluster(spec0, d + "/noproxy") as c0:
+            with Cluster(spec0, d + "/noproxy", agent_module=AGENT_MODULE) as c0:
                 none, _ = paired(c0.endpoints.router + "/generate", c0.endpoints.router + "/generate", n, "POST", body)
             row(f"CPU PD cluster /generate, no proxy vs all three hops proxied, n={n}", none, proxied)
 

@@ -20,8 +20,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from faults import FaultKit  # noqa: E402
-from faults import open_network_proxy  # noqa: E402 - the fault layer's network proxy
+from faults import AGENT_MODULE, open_network_proxy  # noqa: E402 - the fault layer's network proxy
 from kvchaos.cluster import Cluster, ClusterSpec  # noqa: E402
+from kvchaos.cluster.argv import resolve_model  # noqa: E402
 from kvchaos.workload import EventLog  # noqa: E402
 
 
@@ -31,11 +32,11 @@ def main():
     ap.add_argument("-n", type=int, default=10)
     args = ap.parse_args()
     spec = ClusterSpec.load(args.profile)
-    spec.resolve_model()
+    resolve_model(spec)
     resets = []
     with tempfile.TemporaryDirectory() as d:
         t0 = time.monotonic()
-        c = Cluster(spec, d, proxy_factory=open_network_proxy).start()
+        c = Cluster(spec, d, proxy_factory=open_network_proxy, agent_module=AGENT_MODULE).start()
         start_s = time.monotonic() - t0
         try:
             with EventLog(Path(d) / "reset.jsonl") as log:

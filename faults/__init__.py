@@ -2,7 +2,7 @@
 
 - ``faults.agent``    in-engine agent, loaded into every SGLang server process (transfer delay /
                       failure / short transfer / hold-then-late-write, transfer-start events,
-                      engine-bug replay mutations); ``faults.engine`` is its harness-side client.
+                      engine-bug replay mutations); ``faults.client`` is its harness-side client.
 - ``faults.proxy``    toxiproxy-API-compatible TCP fault proxy (asyncio); ``faults.netfault``
                       drives it — or a real toxiproxy-server — through ``toxiproxy-python``.
 - ``faults.process``  SIGKILL / SIGSTOP+SIGCONT of a server's process tree, restart, rejoin.
@@ -18,7 +18,9 @@ test even on failure and errors the test if anything is still armed afterwards.
 
 The cluster layer (``kvchaos.cluster``) never imports this package: the network proxy it places in
 front of the router comes from here as a factory — ``Cluster(spec, workdir,
-proxy_factory=faults.open_network_proxy)``, or once per process ``faults.install_network_proxy()``.
+proxy_factory=faults.open_network_proxy)``, or once per process ``faults.install_network_proxy()`` —
+and the agent its engines load at boot is named from here — ``Cluster(..., agent_module=AGENT_MODULE)``,
+or once per process ``faults.install_agent()``. ``faults.install()`` does both.
 
 This module stays light (it is imported into every engine process that loads the agent).
 """
@@ -28,25 +30,43 @@ from __future__ import annotations
 import time
 
 from .base import Fault, FaultDidNotFire  # noqa: F401
-from .engine import AgentClient, AgentError, ArmedFault  # noqa: F401
+from .client import AgentClient, AgentError, ArmedFault  # noqa: F401
 
 
 def open_network_proxy(where: str, token: str):
     """The cluster's proxy factory (``kvchaos.cluster.hooks.ProxyFactory``): the embedded
     toxiproxy-API proxy (``where="embedded"``) or a real toxiproxy-server (``host:port``), driven by
     :class:`faults.netfault.NetworkFaults`."""
-    from .netfault import NetworkFaults
+    from .netfault import NetworkFaults  # on use: toxiproxy's client stays out of engine processes
 
     return NetworkFaults.open(where, token)
+
+
+AGENT_MODULE = __name__ + ".agent"  # what an engine's boot hook imports (kvchaos/_boot/sitecustomize.py)
 
 
 def install_network_proxy():
     """Make :func:`open_network_proxy` the proxy factory of every ``kvchaos.cluster.Cluster`` this
     process builds without one (what the kvchaos pytest plugin and CLI do at start-up). Returns the
     factory it replaced."""
+    # imported here, not at the top: this package is imported into every engine process (the agent)
     from kvchaos.cluster.hooks import set_default_proxy_factory
 
     return set_default_proxy_factory(open_network_proxy)
+
+
+def install_agent():
+    """Make :data:`AGENT_MODULE` the in-engine agent of every ``kvchaos.cluster.Cluster`` this process
+    builds without one. Returns the module name it replaced."""
+    from kvchaos.cluster.hooks import set_engine_agent  # see install_network_proxy
+
+    return set_engine_agent(AGENT_MODULE)
+
+
+def install() -> None:
+    """Both: the network proxy factory and the in-engine agent (what the pytest plugin and CLI call)."""
+    install_network_proxy()
+    install_agent()
 
 
 def copy_agent_event(log, e: dict) -> None:
@@ -74,7 +94,7 @@ def k8s_from_env(log=None, env=None):
     if not ns or set(sel) != {"prefill", "decode"}:
         raise ValueError("Kubernetes process faults need KVCHAOS_K8S_NAMESPACE and a selector for prefill and decode "
                          f"in KVCHAOS_K8S_SELECTORS (got namespace {ns!r}, roles {sorted(sel)})")
-    from .k8s import KubernetesProcessFaults
+    from .k8s import KubernetesProcessFaults  # on use: only a Kubernetes deployment needs it
 
     return KubernetesProcessFaults(ns, sel, log=log, chaos_mesh=env.get("KVCHAOS_K8S_CHAOS_MESH") == "1")
 
@@ -83,7 +103,7 @@ class FaultKit:
     def __init__(self, cluster, log, seeds=None):
         """``seeds``: the test's :class:`kvchaos.workload.seed.Seeds` — every fault armed through this kit
         draws its randomness (jitter, toxicity) from the next fault seed of the run."""
-        from .process import ProcessFaults
+        from .process import ProcessFaults  # on use: it imports kvchaos.cluster, which engine processes never need
 
         self.cluster, self.log = cluster, log
         self.t0 = time.time()

@@ -3,7 +3,7 @@
 Loaded into every SGLang process (and the harness's own) by ``kvchaos/_boot/sitecustomize.py``
 when ``KVCHAOS_CPU_COMPAT=1``. It changes nothing on disk: every patch is applied at import time,
 only to the module that needs it, and only where the measured incompatibility exists
-(``shared/notes/sglang-on-cpu.md``). The GPU profile never loads it.
+(``docs/engine/sglang-on-cpu.md``). The GPU profile never loads it.
 
 It is pinned to the versions it was written for. On any other version it refuses to run with a
 message naming the package, the version found and the version expected — silently patching code
@@ -267,7 +267,7 @@ POST_IMPORT = {
 REWRITE = {"torchvision._meta_registrations": _rewrite_tv_meta}
 
 
-class _PostImportLoader(importlib.abc.Loader):
+class PostImportLoader(importlib.abc.Loader):
     def __init__(self, inner, hook):
         self._inner, self._hook = inner, hook
 
@@ -293,7 +293,7 @@ class CompatFinder(importlib.abc.MetaPathFinder):
             if fullname in REWRITE:
                 spec.loader = _RewritingLoader(fullname, spec.origin, REWRITE[fullname])
             else:
-                spec.loader = _PostImportLoader(spec.loader, POST_IMPORT[fullname])
+                spec.loader = PostImportLoader(spec.loader, POST_IMPORT[fullname])
             return spec
         if fullname in ("vllm", "vllm._custom_ops"):
             if self._vllm_missing is None:

@@ -1,4 +1,4 @@
-"""The agent's TCP channel (faults/agent/net.py + faults.engine.AgentClient(remote=...)): control and
+"""The agent's TCP channel (faults/agent/net.py + faults.client.AgentClient(remote=...)): control and
 evidence through the gateway with a shared token, never an engine-side file; bad input named (wrong
 token, another protocol version, an unreachable gateway, an address on every interface), nothing
 waits without a bound; a standby process takes the gateway over when its process is gone."""
@@ -11,9 +11,9 @@ import time
 import pytest
 
 import faults.agent as agent_mod
-import faults.engine as engine
+import faults.client as engine
 from faults.agent import net
-from faults.engine import AgentClient, AgentError, AgentRefused
+from faults.client import AgentClient, AgentError, AgentRefused
 
 TOKEN = "s3cret-token"
 
@@ -29,9 +29,9 @@ def served(tmp_path, monkeypatch):
     """One prefill agent (this process) behind a gateway on a loopback port."""
     d = tmp_path / "engine-side"
     d.mkdir()
-    monkeypatch.setattr(agent_mod, "ROLE", "prefill")
+    monkeypatch.setattr(agent_mod.control, "ROLE", "prefill")
     a = agent_mod.Agent(str(d))
-    monkeypatch.setattr(agent_mod, "AGENT", a)
+    monkeypatch.setattr(agent_mod.control, "AGENT", a)
     a.serve()
     port = _free_port()
     gw = net.Gateway(str(d), "127.0.0.1", port, TOKEN, "prefill")

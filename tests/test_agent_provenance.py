@@ -20,9 +20,9 @@ from faults.agent import provenance
 def _start(tmp_path, monkeypatch, role):
     d = tmp_path / f"ag-{role}"
     d.mkdir()
-    monkeypatch.setattr(agent_mod, "ROLE", role)
+    monkeypatch.setattr(agent_mod.control, "ROLE", role)
     a = agent_mod.Agent(str(d))
-    monkeypatch.setattr(agent_mod, "AGENT", a)
+    monkeypatch.setattr(agent_mod.control, "AGENT", a)
     return a
 
 

@@ -136,15 +136,15 @@ def test_boot_dir_twice_on_the_path_via_symlink_runs_ours_once(tmp_path):
     alias = tmp_path / "boot-alias"
     alias.symlink_to(BOOT, target_is_directory=True)
     other = _other_dir(tmp_path)
-    # a stand-in agent package counts how often our hook runs (each run calls faults.agent.boot())
+    # a stand-in agent package counts how often our hook runs (each run calls the named module's boot())
     agent_dir = tmp_path / "agentpkg"
-    (agent_dir / "faults").mkdir(parents=True)
-    (agent_dir / "faults" / "__init__.py").write_text("")
-    (agent_dir / "faults" / "agent.py").write_text(FAKE_AGENT)
+    (agent_dir / "standin").mkdir(parents=True)
+    (agent_dir / "standin" / "__init__.py").write_text("")
+    (agent_dir / "standin" / "agent.py").write_text(FAKE_AGENT)
     marker, boot_log = tmp_path / "marker.jsonl", tmp_path / "boot.log"
 
     # the same boot dir as a different string too (trailing "/.")
-    env = _env([BOOT, alias, f"{BOOT}/.", agent_dir, other], KVCHAOS_AGENT="test",
+    env = _env([BOOT, alias, f"{BOOT}/.", agent_dir, other], KVCHAOS_AGENT="test", KVCHAOS_BOOT_AGENT="standin.agent",
                KVCHAOS_TEST_MARKER=str(marker), KVCHAOS_TEST_BOOT_LOG=str(boot_log))
     proc = _run(tmp_path, env)
 
@@ -158,6 +158,24 @@ def test_boot_dir_twice_on_the_path_via_symlink_runs_ours_once(tmp_path):
     probe = _probe(proc)
     assert _same(probe["sitecustomize"], BOOT / "sitecustomize.py")
     assert _same(probe["chained"], other / "sitecustomize.py")
+
+
+def test_the_boot_hook_loads_the_agent_the_cluster_names_and_nothing_else(tmp_path):
+    """The hook imports no fault module by name: it boots the module in KVCHAOS_BOOT_AGENT (what the
+    cluster passes on from kvchaos.cluster.hooks), and says so when that module is missing."""
+    agent_dir = tmp_path / "agentpkg"
+    agent_dir.mkdir()
+    (agent_dir / "my_agent.py").write_text(FAKE_AGENT)
+    boot_log = tmp_path / "boot.log"
+    ok = _run(tmp_path, _env([BOOT, agent_dir], KVCHAOS_AGENT="test", KVCHAOS_BOOT_AGENT="my_agent",
+                             KVCHAOS_TEST_BOOT_LOG=str(boot_log)))
+    assert ok.returncode == 0, ok.stderr
+    assert boot_log.read_text().splitlines() == ["boot"]
+    for name in ("", "no_such_agent_module"):
+        proc = _run(tmp_path, _env([BOOT, agent_dir], KVCHAOS_AGENT="test", KVCHAOS_BOOT_AGENT=name))
+        assert proc.returncode == 0, proc.stderr
+        assert f"agent module {name!r} (KVCHAOS_BOOT_AGENT) is unavailable; agent not loaded" in proc.stderr
+    assert "faults" not in (BOOT / "sitecustomize.py").read_text().replace("# ", "")
 
 
 def test_no_other_sitecustomize_prints_nothing(tmp_path):

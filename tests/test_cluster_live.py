@@ -5,7 +5,8 @@ import time
 import pytest
 
 from kvchaos.cluster import AttachedCluster, ClusterSpec
-from kvchaos.cluster.launcher import engine_env, router_argv, wait_healthy
+from kvchaos.cluster.api import wait_healthy
+from kvchaos.cluster.argv import engine_env, router_argv
 from kvchaos.cluster.ports import release_ports, reserve_ports
 from kvchaos.cluster.procs import ManagedProcess
 

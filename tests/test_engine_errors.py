@@ -3,11 +3,15 @@ a CI run on sglang 0.5.23, tests/data/prefill-transfer-worker-died.log), healed 
 and KNOWN (the registry's sglang-mooncake-transfer-worker-dies) only when liveness caught it: never
 hiding an isolation, kv_lifecycle or differential FAIL or an isolation UNKNOWN."""
 
+import tomllib
 from pathlib import Path
+
+import pytest
 
 from kvchaos import oracles
 from kvchaos.cluster import ClusterSpec
-from kvchaos.cluster.launcher import Cluster, scan_engine_errors
+from kvchaos.cluster.engine_errors import ENGINE_ERRORS, FINDINGS_FILE, load_engine_errors, scan_engine_errors
+from kvchaos.cluster.launcher import Cluster
 from kvchaos.oracles import Verdict
 
 REAL = (Path(__file__).parent / "data" / "prefill-transfer-worker-died.log").read_text()
@@ -104,3 +108,22 @@ def test_known_only_when_liveness_caught_it_and_nothing_else_is_wrong():
         assert any(i.verdict.oracle == other.oracle and i.outcome == "red" for i in j.items)
     assert _judge([V("isolation", oracles.PASS), V("liveness", oracles.FAIL, HUNG)], []).status == "fail"
     assert _judge([V("isolation", oracles.PASS), V("liveness", oracles.PASS)], FOUND).status == "pass"
+
+
+def test_every_finding_names_an_engine_error_the_registry_declares():
+    """Engine-error signatures sit beside the findings (kvchaos/findings.toml [[engine_error]]): a
+    finding whose signature names an undeclared one could never match."""
+    doc = tomllib.loads(FINDINGS_FILE.read_text())
+    named = {m["signature"]["engine_error"] for f in doc["finding"] for m in f["match"]
+             if "engine_error" in m.get("signature", {})}
+    assert named and named <= set(ENGINE_ERRORS), named - set(ENGINE_ERRORS)
+
+
+def test_a_malformed_engine_error_table_is_named(tmp_path):
+    bad = tmp_path / "f.toml"
+    bad.write_text('[[engine_error]]\nname = "x"\n')
+    with pytest.raises(ValueError, match="engine_error #0 needs a name and a pattern"):
+        load_engine_errors(bad)
+    bad.write_text('[[engine_error]]\nname = "x"\npattern = "a"\n[[engine_error]]\nname = "x"\npattern = "b"\n')
+    with pytest.raises(ValueError, match="'x' listed twice"):
+        load_engine_errors(bad)

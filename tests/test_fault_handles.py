@@ -18,8 +18,8 @@ import time
 import pytest
 
 from faults import Fault, FaultDidNotFire
-from faults.engine import AgentClient, ArmedFault
-from faults.engine import FaultDidNotFire as EngineFaultDidNotFire
+from faults.client import AgentClient, ArmedFault
+from faults.client import FaultDidNotFire as EngineFaultDidNotFire
 from faults.netfault import NetFault, NetworkFaults
 from faults.process import ProcessFault, ProcessFaults, _state
 from kvchaos.cluster.reaper import kill_tree

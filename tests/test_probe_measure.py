@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import faults.agent as agent_mod
-from faults.engine import AgentClient
+from faults.client import AgentClient
 from kvchaos import canary
 from kvchaos.probe.measure import judge_stale_trial, stale_canaries, stale_map
 
@@ -152,9 +152,9 @@ def test_writes_after_the_victims_transfer_began_are_ignored_and_no_events_is_no
 # ------------------------------------------------------------------ the agent's events
 @pytest.fixture
 def agent(tmp_path, monkeypatch):
-    monkeypatch.setattr(agent_mod, "ROLE", "prefill")
+    monkeypatch.setattr(agent_mod.control, "ROLE", "prefill")
     a = agent_mod.Agent(str(tmp_path))
-    monkeypatch.setattr(agent_mod, "AGENT", a)
+    monkeypatch.setattr(agent_mod.control, "AGENT", a)
     a.serve()
     yield a
     a._srv.shutdown()

@@ -17,7 +17,8 @@ import pytest
 
 import faults
 from faults.netfault import NetworkFaults
-from kvchaos.cluster import Cluster, ClusterSpec, ProxyFactoryMissing, default_proxy_factory, set_default_proxy_factory
+from kvchaos.cluster import (AgentMissing, Cluster, ClusterSpec, ProxyFactoryMissing, default_proxy_factory, engine_agent,
+                             set_default_proxy_factory, set_engine_agent)
 
 STUB = textwrap.dedent('''
     """Stand-in for ``python -m sglang.launch_server`` / ``python -m sglang_router.launch_router``."""
@@ -86,6 +87,22 @@ def test_a_cluster_asking_for_a_proxy_refuses_to_start_without_a_factory(spec, t
     assert "faults.install_network_proxy()" in str(e.value) and "network_proxy = \"\"" in str(e.value)
     assert c.procs == {} and c.ports == [] and c.reaper is None and c.proxy is None  # nothing was launched
     assert not (tmp_path / "c" / "logs").exists()
+
+
+def test_a_cluster_loading_the_agent_refuses_to_start_without_an_agent_module(spec, tmp_path, no_default):
+    spec.agent = True
+    prev = set_engine_agent(None)
+    try:
+        c = Cluster(spec, tmp_path / "c", proxy_factory=faults.open_network_proxy)
+        with pytest.raises(AgentMissing, match="agent_module=faults.AGENT_MODULE") as e:
+            c.start()
+        assert "faults.install_agent()" in str(e.value) and "agent = false" in str(e.value)
+        assert c.procs == {} and c.ports == [] and c.reaper is None  # nothing was launched
+        assert faults.install_agent() is None and engine_agent() == faults.AGENT_MODULE == "faults.agent"
+        with pytest.raises(TypeError):
+            set_engine_agent("faults.agent:boot")
+    finally:
+        set_engine_agent(prev)
 
 
 def test_no_proxy_no_factory_needed(spec, tmp_path, no_default):

@@ -1,7 +1,7 @@
 import pytest
 
 from kvchaos.cluster import ClusterSpec, SpecError
-from kvchaos.cluster.launcher import engine_env, router_argv, server_argv
+from kvchaos.cluster.argv import engine_env, router_argv, server_argv
 
 
 def test_cpu_profile_loads_with_measured_flags():
@@ -98,7 +98,7 @@ def test_attach_parse():
 def test_attach_with_agent_gateways_needs_their_token():
     """Attached engines that load the agent over TCP: the harness gets every agent fault through the
     gateways (faults.FaultKit over AgentClient.for_cluster), given the token they were started with."""
-    from faults.engine import AgentClient
+    from faults.client import AgentClient
     from kvchaos.cluster import AttachedCluster
 
     base = "router=http://r:1,prefill=http://p:2,decode=http://d:3"

@@ -12,7 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from faults import open_network_proxy
+from faults import AGENT_MODULE, open_network_proxy
 from kvchaos.cluster import Cluster, ClusterSpec, ProcessDied
 from kvchaos.cluster.reaper import proc_table, related
 
@@ -103,7 +103,7 @@ def test_xdist_workers_each_run_a_cluster_and_none_survives_a_sigkill_of_pytest(
 
 def test_server_that_dies_at_start_is_reported_with_its_log(tmp_path):
     spec = ClusterSpec.load("cpu", prefill_args=["--no-such-flag-kvchaos"], startup_timeout_s=240)
-    c = Cluster(spec, tmp_path, proxy_factory=open_network_proxy)
+    c = Cluster(spec, tmp_path, proxy_factory=open_network_proxy, agent_module=AGENT_MODULE)
     t0 = time.monotonic()
     with pytest.raises(ProcessDied) as e:
         c.start()

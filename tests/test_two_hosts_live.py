@@ -14,7 +14,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from faults.engine import AgentClient
+from faults import AGENT_MODULE
+from faults.client import AgentClient
 from kvchaos import canary
 from kvchaos.cluster import Cluster, ClusterSpec, netns
 from kvchaos.workload import Workload
@@ -44,7 +45,7 @@ def test_the_session_cluster_keeps_engine_files_out_of_sight(cluster, faults):
 @pytest.mark.slow  # its own cluster; make test's two-host session covers the same on the session cluster
 def test_agents_answer_over_tcp_while_their_files_are_out_of_sight(tmp_path, kvchaos_reaper):
     spec = ClusterSpec.load("cpu", network_proxy="", topology="two-hosts")
-    with Cluster(spec, tmp_path / "c", reaper=kvchaos_reaper).start() as c:
+    with Cluster(spec, tmp_path / "c", reaper=kvchaos_reaper, agent_module=AGENT_MODULE).start() as c:
         hosts = c.describe()["topology"]
         assert hosts["addresses"]["prefill"] in c.endpoints.prefill and c.agent_urls["decode"].startswith(
             f"tcp://{hosts['addresses']['decode']}:")

@@ -21,7 +21,7 @@ import weakref
 ROLE = os.environ.get("KVCHAOS_AGENT_ROLE", "")
 
 # Filled by register_fault() as the subsystem modules import (faults/agent/__init__.py imports them all).
-KINDS: tuple[str, ...] = ()
+FAULT_KINDS: tuple[str, ...] = ()
 # switched on at arm time, off at heal (engine-bug replays, and one configuration fault)
 MUTATIONS: tuple[str, ...] = ()
 _UNLIMITED: set[str] = set()  # kinds whose ``count`` defaults to unlimited instead of 1
@@ -37,10 +37,10 @@ def register_fault(kind: str, *, unlimited: bool = False, mutation: bool = False
     runs at heal for any kind that has something to undo. ``unlimited``: ``count`` defaults to
     unlimited (else 1). ``check(params)`` refuses bad params at arm. ``held``: it parks something
     until the harness releases it (or heals it)."""
-    global KINDS, MUTATIONS
-    if kind in KINDS:
+    global FAULT_KINDS, MUTATIONS
+    if kind in FAULT_KINDS:
         raise ValueError(f"fault kind {kind!r} registered twice")
-    KINDS += (kind,)
+    FAULT_KINDS += (kind,)
     if check is not None:
         _CHECK[kind] = check
     if held:
@@ -140,8 +140,8 @@ class Agent:
 
     def arm(self, req: dict) -> dict:
         kind = req.get("kind")
-        if kind not in KINDS:
-            raise ValueError(f"unknown fault kind {kind!r}; one of {KINDS}")
+        if kind not in FAULT_KINDS:
+            raise ValueError(f"unknown fault kind {kind!r}; one of {FAULT_KINDS}")
         target = req.get("target") or {"any": True}
         _check_target(target)
         fid = str(req.get("id") or f"f{int(time.time() * 1000) % 10**9}-{random.randrange(10**6)}")

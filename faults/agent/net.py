@@ -33,91 +33,15 @@ import socket
 import socketserver
 import sys
 import threading
-import time
-from urllib.parse import urlsplit
 
-PROTOCOL = 1  # bump when a command or reply changes shape: a harness of another version is refused by name
+from ..wire import PROTOCOL, AgentAddressError, EventFiles, call_unix, parse_url  # noqa: F401 (re-exported)
+
 ANY_HOST = ("0.0.0.0", "::", "")
-
-
-class AgentAddressError(ValueError):
-    pass
-
-
-def parse_url(url: str) -> tuple[str, int]:
-    """``tcp://HOST:PORT`` -> (host, port); anything else is named."""
-    u = urlsplit(url)
-    try:
-        port = u.port
-    except ValueError:
-        port = None
-    if u.scheme != "tcp" or not u.hostname or port is None or u.path not in ("", "/"):
-        raise AgentAddressError(f"agent address {url!r}: expected tcp://HOST:PORT (e.g. tcp://10.0.0.5:7810)")
-    return u.hostname, port
 
 
 def bind_allowed(host: str, env=None) -> bool:
     env = os.environ if env is None else env
     return host not in ANY_HOST or env.get("KVCHAOS_AGENT_BIND_ALL") == "1"
-
-
-def call_unix(path: str, req: dict, timeout: float) -> dict:
-    """One request to the agent listening on Unix socket ``path``; its reply (``ok`` False with the
-    ``error`` when it closed without one)."""
-    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    s.settimeout(timeout)
-    try:
-        s.connect(path)
-        s.sendall((json.dumps(req) + "\n").encode())
-        buf = b""
-        while not buf.endswith(b"\n"):
-            d = s.recv(1 << 20)
-            if not d:
-                break
-            buf += d
-    finally:
-        s.close()
-    if not buf:
-        return {"ok": False, "error": f"closed without a reply to {req.get('cmd')}"}
-    return json.loads(buf)
-
-
-class EventFiles:
-    """The agents' ``events-<pid>.jsonl`` files in one directory, read incrementally: only the bytes
-    appended since the last read are parsed (a line still being written waits for the next read);
-    those of dead processes stay. Used by the gateway on the engine's host and by a harness that
-    shares the host (``AgentClient`` with a control directory)."""
-
-    def __init__(self, d: str):
-        self.dir = d
-        self.cache: dict[str, tuple[int, list]] = {}
-        self.lock = threading.Lock()
-
-    def read(self) -> list[dict]:
-        """Every event of every file so far."""
-        out = []
-        with self.lock:
-            for path in glob.glob(os.path.join(self.dir, "events-*.jsonl")):
-                off, parsed = self.cache.get(path, (0, []))
-                try:
-                    with open(path, "rb") as fh:
-                        fh.seek(off)
-                        chunk = fh.read()
-                except OSError:
-                    chunk = b""
-                end = chunk.rfind(b"\n") + 1
-                for line in chunk[:end].splitlines():
-                    try:
-                        parsed.append(json.loads(line))
-                    except json.JSONDecodeError:
-                        continue
-                self.cache[path] = (off + end, parsed)
-                out.extend(parsed)
-        return out
-
-    def since(self, marks: dict) -> list[dict]:
-        """The events past ``marks`` ({pid: last seq seen})."""
-        return [e for e in self.read() if e.get("seq", 0) > int(marks.get(str(e.get("pid")), 0))]
 
 
 def local_agents(d: str) -> list[dict]:

@@ -9,6 +9,7 @@ setting (decode's drain-ack timeout on the live queues)."""
 from __future__ import annotations
 
 from . import control as _ctl
+from ..wire import PARK_STAGES
 from .control import _track_instances, _wrap, register_fault
 
 
@@ -78,16 +79,7 @@ def _timeout_off(agent, f: dict):
 
 
 # ---------------------------------------------------------------- park: a request held at a queue stage
-# stage -> (role, the hook that holds it there, what it holds)
-PARK_STAGES = {
-    "decode_prealloc": ("decode", "DecodePreallocQueue._update_handshake_waiters",
-                        "after the handshake, before decode pre-allocates its pages (prefill waits in its "
-                        "bootstrap queue: decode has sent no metadata)"),
-    "prefill_waiting": ("prefill", "Scheduler.get_new_batch_prefill",
-                        "bootstrapped, in prefill's waiting queue, not yet prefilled"),
-    "decode_waiting": ("decode", "_get_new_prebuilt_batch",
-                       "its KV received, in decode's waiting queue, not yet decoding"),
-}
+# PARK_STAGES (stage -> role, hook, what it holds): faults.wire, shared with the harness
 
 
 def _park_check(params: dict) -> None:

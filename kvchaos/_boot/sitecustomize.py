@@ -4,7 +4,9 @@ The launcher puts ``kvchaos/_boot`` first on PYTHONPATH for every engine process
 SGLang's own subprocesses (scheduler, detokenizer, spawned with multiprocessing) load it too.
 
 - ``KVCHAOS_CPU_COMPAT=1``: install ``kvchaos.cpucompat`` (CPU profile only).
-- ``KVCHAOS_AGENT=<spec>``: load the in-engine fault agent (``faults.agent``), if present.
+- ``KVCHAOS_AGENT=<spec>``: load the in-engine fault agent: the module the cluster names in
+  ``KVCHAOS_BOOT_AGENT`` (its ``boot()`` is called). This hook imports nothing of the fault layer by
+  name; the cluster passes on what the fault layer registered (``kvchaos.cluster.hooks``).
 
 Failures in the compat layer are fatal on purpose (a half-patched engine gives misleading
 results); the error names the package and version.
@@ -24,12 +26,18 @@ if os.environ.get("KVCHAOS_CPU_COMPAT") == "1":
     cpucompat.install()
 
 if os.environ.get("KVCHAOS_AGENT"):
+    import importlib
+
+    _name = os.environ.get("KVCHAOS_BOOT_AGENT", "")
     try:
-        import faults.agent as _agent  # noqa: F401
+        _agent = importlib.import_module(_name) if _name else None
     except ModuleNotFoundError as e:  # only when the agent module itself is absent
-        if e.name not in ("faults.agent", "faults"):
+        if not _name.startswith(str(e.name)):
             raise
-        sys.stderr.write(f"kvchaos: KVCHAOS_AGENT set but faults.agent unavailable: {e}\n")
+        _agent = None
+    if _agent is None:
+        sys.stderr.write(f"kvchaos: KVCHAOS_AGENT set but the agent module {_name!r} (KVCHAOS_BOOT_AGENT) "
+                         "is unavailable; agent not loaded\n")
     else:
         _agent.boot()
 

@@ -1,8 +1,18 @@
 """Launch, attach to and supervise SGLang prefill/decode clusters."""
 
-from .hooks import NetworkProxy, ProxyFactory, default_proxy_factory, set_default_proxy_factory
-from .launcher import AttachedCluster, Cluster, ClusterStartError, Endpoints, ProxyFactoryMissing, SingleServer
+from .api import AgentMissing, ClusterStartError, Endpoints, ProxyFactoryMissing
+from .attached import AttachedCluster
+from .hooks import (
+    NetworkProxy,
+    ProxyFactory,
+    default_proxy_factory,
+    engine_agent,
+    set_default_proxy_factory,
+    set_engine_agent,
+)
+from .launcher import Cluster
 from .procs import ProcessDied
+from .single import SingleServer
 from .spec import ClusterSpec, SpecError
 
 __all__ = ["AttachedCluster", "Cluster", "ClusterSpec", "ClusterStartError", "Endpoints", "NetworkProxy",

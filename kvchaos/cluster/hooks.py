@@ -13,6 +13,13 @@ takes a *proxy factory* ``factory(where, token) -> NetworkProxy`` from above:
 
 A cluster whose spec asks for a proxy and that has no factory refuses to start (before launching
 anything) with :class:`ProxyFactoryMissing`, saying which of the two to do.
+
+The in-engine agent. With ``spec.agent`` set, every engine process loads an agent module at start
+(``kvchaos/_boot/sitecustomize.py`` imports the module named in ``KVCHAOS_BOOT_AGENT`` and calls its
+``boot()``). Which module that is belongs to the fault layer too: per cluster
+``Cluster(..., agent_module=faults.AGENT_MODULE)``, or per process :func:`set_engine_agent`
+(``faults.install_agent()``; ``faults.install()`` does both). Without one, ``start()`` raises
+:class:`AgentMissing` before launching anything.
 """
 
 from __future__ import annotations
@@ -56,3 +63,21 @@ def set_default_proxy_factory(factory: ProxyFactory | None) -> ProxyFactory | No
 
 def default_proxy_factory() -> ProxyFactory | None:
     return _default_proxy_factory
+
+
+# the module every engine process of an agent-loading cluster imports at boot (its ``boot()`` is called)
+_engine_agent: str | None = None
+
+
+def set_engine_agent(module: str | None) -> str | None:
+    """Make ``module`` (a dotted module name with a ``boot()`` function) the in-engine agent of every
+    Cluster built without one; return the previous one."""
+    global _engine_agent
+    if module is not None and (not isinstance(module, str) or not all(p.isidentifier() for p in module.split("."))):
+        raise TypeError(f"engine agent must be a dotted module name, not {module!r}")
+    prev, _engine_agent = _engine_agent, module
+    return prev
+
+
+def engine_agent() -> str | None:
+    return _engine_agent

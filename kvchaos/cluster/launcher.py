@@ -17,237 +17,40 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import secrets
 import shutil
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
-from urllib.parse import urlsplit
 
 import httpx
 
-from .hooks import ProxyFactory, default_proxy_factory
+from .api import (  # noqa: F401 (re-exported)
+    AgentMissing,
+    ClusterAPI,
+    ClusterStartError,
+    Endpoints,
+    ProxyFactoryMissing,
+    _http_ok,
+    wait_healthy,
+)
+from .argv import LOOPBACK, engine_env, resolve_model, router_argv, server_argv
+from .attached import AttachedCluster  # noqa: F401 (re-exported)
+from .engine_errors import scan_engine_errors
+from .hooks import ProxyFactory, default_proxy_factory, engine_agent
+from .netns import TwoHosts
 from .ports import release_ports, reserve_ports
 from .procs import ManagedProcess, ProcessDied, leftover, stop_all, tree_pids
-from .reaper import ENV_KEY, Reaper
+from .reaper import Reaper
+from .single import SingleServer  # noqa: F401 (re-exported)
 from .spec import ClusterSpec
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-BOOT_DIR = REPO_ROOT / "kvchaos" / "_boot"
-LOOPBACK = "127.0.0.1"
 DECODE_DROP_WAIT_S = 25.0  # how long a prefill restart waits for decode to drop the old instance
 
 
-# Engine failures that leave the server process alive and answering /health while it no longer works.
-#   mooncake_transfer_worker_died (sglang 0.5.23, prefill): MooncakeKVManager.transfer_worker re-raises
-#   any exception, so the worker thread dies and every later KV transfer on its queue stalls — seen
-#   here as a KeyError in check_status() for a room the scheduler had just cleared, under clean load
-#   (upstream: PR #27162 "Fail single request instead of killing the mooncake transfer worker",
-#   PR #28003 / issue #27643 missing-status KeyError, kvcache-ai/Mooncake#1400).
-ENGINE_ERRORS = {
-    "mooncake_transfer_worker_died": re.compile(
-        r"RuntimeError: Transfer thread failed because of (?P<cause>.*?)\. Prefill instance with "
-        r"bootstrap_port=(?P<port>\d+) is dead"),
-}
-
-
-def scan_engine_errors(logs: dict, offsets: dict) -> list[dict]:
-    """New matches of ``ENGINE_ERRORS`` in each role's log since the last scan (``offsets[role]`` holds
-    the read position and the last lines, updated); each with the role, signature, the matching line
-    and the lines before it (the traceback, also when it was read by an earlier scan)."""
-    found = []
-    for role, path in logs.items():
-        try:
-            size = os.path.getsize(path)
-        except OSError:
-            continue
-        st = offsets.setdefault(role, {"pos": 0, "tail": []})
-        if size < st["pos"]:  # the log was replaced
-            st.update(pos=0, tail=[])
-        with open(path, "rb") as f:
-            f.seek(st["pos"])
-            chunk = f.read(size - st["pos"])
-        end = chunk.rfind(b"\n") + 1  # only whole lines; the rest is read next time
-        st["pos"] += end
-        lines = st["tail"] + chunk[:end].decode("utf-8", "replace").splitlines()
-        for i in range(len(st["tail"]), len(lines)):
-            for sig, rx in ENGINE_ERRORS.items():
-                m = rx.search(lines[i])
-                if m:
-                    found.append({"role": role, "signature": sig, "line": lines[i].strip(), **m.groupdict(),
-                                  "traceback": "\n".join(lines[max(0, i - 20):i + 1]), "log": str(path),
-                                  "wall": time.time()})
-        st["tail"] = lines[-20:]
-    return found
-
-
-class ClusterStartError(RuntimeError):
-    pass
-
-
-class ProxyFactoryMissing(ClusterStartError):
-    """The spec asks for a network proxy, and no proxy factory was given or installed."""
-
-
-# --------------------------------------------------------------------------- commands
-def engine_env(spec: ClusterSpec, extra: dict | None = None) -> dict:
-    env = {k: v for k, v in os.environ.items() if k != ENV_KEY}
-    pp = [str(BOOT_DIR), str(REPO_ROOT)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
-    env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(pp))
-    if spec.cpu_compat:
-        env["KVCHAOS_CPU_COMPAT"] = "1"
-    else:
-        env.pop("KVCHAOS_CPU_COMPAT", None)
-    if spec.transfer_backend == "mooncake_tcp":
-        env.setdefault("MC_FORCE_TCP", "1")
-    env.update(spec.env)
-    env.update(extra or {})
-    return env
-
-
-def server_argv(spec: ClusterSpec, model_path: str, role: str, port: int, bootstrap_port: int | None = None,
-                host: str = LOOPBACK) -> list[str]:
-    """argv for one SGLang server. role: 'prefill' | 'decode' | 'single'; ``host``: the address it
-    serves on (its namespace's, in the two-hosts topology)."""
-    if role not in ("prefill", "decode", "single"):
-        raise ValueError(f"unknown role {role!r}")
-    argv = [
-        spec.python, "-m", "sglang.launch_server",
-        "--model-path", model_path,
-        "--device", spec.device,
-        "--dtype", spec.dtype,
-        "--max-total-tokens", str(spec.pool_tokens),
-        "--context-length", str(spec.context_length),
-        "--page-size", str(spec.page_size),
-        "--host", host, "--port", str(port),
-        "--enable-metrics",
-    ]
-    argv += spec.common_args
-    if role == "single":
-        return argv
-    argv += ["--disaggregation-mode", role, "--disaggregation-transfer-backend", spec.transfer_backend]
-    if spec.transfer_backend == "mooncake" and (spec.ib_device or os.environ.get("KVCHAOS_IB_DEVICE")):
-        argv += ["--disaggregation-ib-device", spec.ib_device or os.environ["KVCHAOS_IB_DEVICE"]]
-    if role == "prefill":
-        if bootstrap_port is None:
-            raise ValueError("prefill needs a bootstrap port")
-        argv += ["--disaggregation-bootstrap-port", str(bootstrap_port)] + spec.prefill_args
-    else:
-        argv += spec.decode_args
-    return argv
-
-
-def router_argv(spec: ClusterSpec, prefill_url: str, bootstrap_port: int, decode_url: str, port: int,
-                metrics_port: int | None = None) -> list[str]:
-    """sglang-router argv. Its Prometheus exporter binds a fixed port (29000) unless told otherwise,
-    so two clusters on one host collide: every router gets a reserved ``metrics_port``."""
-    argv = [
-        spec.python, "-m", "sglang_router.launch_router", "--pd-disaggregation",
-        "--prefill", prefill_url, str(bootstrap_port),
-        "--decode", decode_url,
-        "--host", LOOPBACK, "--port", str(port),
-    ]
-    if spec.router == "mini-lb":
-        argv.append("--mini-lb")
-    elif metrics_port is not None:
-        argv += ["--prometheus-host", LOOPBACK, "--prometheus-port", str(metrics_port)]
-    return argv + spec.router_args
-
-
-# --------------------------------------------------------------------------- helpers
-def _http_ok(url: str, timeout: float = 2.0) -> httpx.Response | None:
-    try:
-        r = httpx.get(url, timeout=timeout)
-    except httpx.HTTPError:
-        return None
-    return r if r.status_code == 200 else None
-
-
-def wait_healthy(procs: dict[str, ManagedProcess], urls: dict[str, str], deadline: float,
-                 check=None) -> None:
-    """Wait until every url in ``urls`` answers; raise ProcessDied / ClusterStartError otherwise.
-
-    ``check(role, response) -> bool`` can require more than HTTP 200.
-    """
-    pending = dict(urls)
-    while pending:
-        for role in list(pending):
-            p = procs[role]
-            if not p.alive():
-                raise p.died_error("died during startup")
-            r = _http_ok(pending[role])
-            if r is not None and (check is None or check(role, r)):
-                pending.pop(role)
-        if not pending:
-            return
-        if time.monotonic() > deadline:
-            tails = "\n".join(f"--- {r} ({procs[r].log_path}) ---\n{procs[r].tail(25)}" for r in pending)
-            raise ClusterStartError(f"timed out waiting for {sorted(pending)} to become healthy\n{tails}")
-        time.sleep(0.5)
-
-
-@dataclass
-class Endpoints:
-    router: str
-    prefill: str
-    decode: str
-    bootstrap_port: int | None = None
-    # with a network proxy: the router's own address ("router" is then the client-side proxy)
-    router_direct: str | None = None
-    proxies: dict = field(default_factory=dict)  # proxy name -> {"listen", "upstream"}
-
-    def as_dict(self) -> dict:
-        return {"router": self.router, "prefill": self.prefill, "decode": self.decode,
-                "bootstrap_port": self.bootstrap_port, "router_direct": self.router_direct,
-                "proxies": self.proxies}
-
-
-class _ClusterAPI:
-    """What suites use, launched or attached."""
-
-    endpoints: Endpoints
-    spec: ClusterSpec
-
-    @property
-    def canaries(self):
-        """Every canary the harness sent this cluster (``kvchaos.canary.Registry``): its KV pages may
-        hold any of them, so a reply reciting one names its owner. Experiments on this cluster add
-        their plans and hand it to their checkers; :meth:`generate` adds what it sends."""
-        reg = self.__dict__.get("_canaries")
-        if reg is None:
-            from kvchaos.canary import Registry
-
-            reg = self.__dict__["_canaries"] = Registry()
-        return reg
-
-    def server_info(self, role: str = "decode", timeout: float = 10.0) -> dict:
-        url = getattr(self.endpoints, role)
-        r = httpx.get(f"{url}/server_info", timeout=timeout)
-        r.raise_for_status()
-        return r.json()
-
-    def generate(self, text=None, input_ids=None, max_new_tokens=16, timeout=None, via="router", **extra) -> httpx.Response:
-        body = {"sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0.0}, **extra}
-        if input_ids is not None:
-            body["input_ids"] = input_ids
-        else:
-            body["text"] = text
-            self.canaries.add_text(text or "", extra.get("rid"), "cluster.generate")
-        url = getattr(self.endpoints, via) if via in ("router", "prefill", "decode") else via
-        return httpx.post(f"{url}/generate", json=body, timeout=timeout or self.spec.request_timeout_s)
-
-    def check_alive(self) -> None:
-        pass
-
-    def log_paths(self) -> dict:
-        return {}
-
-
 # --------------------------------------------------------------------------- launched cluster
-class Cluster(_ClusterAPI):
+class Cluster(ClusterAPI):
     """A launched prefill + decode + router cluster.
 
     ``proxy_factory(where, token) -> NetworkProxy`` makes the network proxies when
@@ -257,9 +60,10 @@ class Cluster(_ClusterAPI):
     """
 
     def __init__(self, spec: ClusterSpec, workdir: str | os.PathLike, reaper: Reaper | None = None,
-                 proxy_factory: ProxyFactory | None = None):
+                 proxy_factory: ProxyFactory | None = None, agent_module: str | None = None):
         self.spec = spec
         self.proxy_factory = proxy_factory
+        self.agent_module = agent_module
         self.workdir = Path(workdir)
         self.token = f"kvc-{os.getpid()}-{secrets.token_hex(4)}"
         self._own_reaper = reaper is None
@@ -278,7 +82,7 @@ class Cluster(_ClusterAPI):
         self.restarts: list[dict] = []
         self._decode_log_at_prefill_start = 0  # where decode's log stood when the running prefill started
         self._log_offsets: dict[str, int] = {}
-        self.engine_failures: list[dict] = []  # every ENGINE_ERRORS match seen, with "healed" (restart record)
+        self.engine_failures: list[dict] = []  # every engine error (kvchaos/findings.toml [[engine_error]]) seen, with "healed" (restart record)
 
     # -- lifecycle
     def start(self) -> "Cluster":
@@ -304,18 +108,30 @@ class Cluster(_ClusterAPI):
                 "do), or set network_proxy = \"\" for a cluster without fault proxies.")
         return factory
 
+    def _agent_module(self) -> str | None:
+        """The module every engine loads as its agent (None when the spec asks for none)."""
+        if not self.spec.agent:
+            return None
+        module = self.agent_module or engine_agent()
+        if module is None:
+            raise AgentMissing(
+                f"profile {self.spec.name!r} loads the in-engine agent (agent = true), but no agent module was "
+                "given: the cluster layer launches the engines, the agent comes from the fault layer. Pass "
+                "Cluster(spec, workdir, agent_module=faults.AGENT_MODULE), call faults.install_agent() (or "
+                "faults.install()) once at start-up, or set agent = false in the profile.")
+        return module
+
     def _start(self, t0: float) -> None:
         spec = self.spec
         proxy_factory = self._proxy_factory()  # refuse before launching anything
+        agent_module = self._agent_module()
         if self.reaper is None:
             self.reaper = Reaper(self.token)
-        self.model_path = spec.resolve_model()
+        self.model_path = resolve_model(spec)
         p_port, boot_port, d_port, r_port, m_port = self.ports = reserve_ports(5)
         env = engine_env(spec)
         logs = self.workdir / "logs"
         if spec.topology == "two-hosts":  # prefill and decode in namespaces of their own (reaper-registered)
-            from .netns import TwoHosts
-
             self.hosts = TwoHosts().up(self.reaper)
         host = {r: self.hosts.ip(r) if self.hosts else LOOPBACK for r in ("prefill", "decode")}
         pre = f"http://{host['prefill']}:{p_port}"
@@ -330,7 +146,8 @@ class Cluster(_ClusterAPI):
             # short path: a Unix socket path must stay under 108 bytes
             self.agent_dir = tempfile.mkdtemp(prefix=f"kvc-ag-{os.getpid()}-", dir="/tmp")
             for role in role_env:
-                role_env[role].update(KVCHAOS_AGENT=self.agent_dir, KVCHAOS_AGENT_ROLE=role)
+                role_env[role].update(KVCHAOS_AGENT=self.agent_dir, KVCHAOS_AGENT_ROLE=role,
+                                      KVCHAOS_BOOT_AGENT=agent_module)
             if spec.agent_channel == "tcp" or self.hosts:  # each server's gateway; its files stay engine-side
                 gw_ports = reserve_ports(2)
                 self.ports += gw_ports
@@ -461,7 +278,7 @@ class Cluster(_ClusterAPI):
 
     def engine_errors(self) -> list[dict]:
         """Known engine failures that leave the process running (so check_alive cannot see them),
-        found in the servers' logs since the last call: see ``ENGINE_ERRORS``."""
+        found in the servers' logs since the last call: see ``kvchaos.cluster.engine_errors``."""
         new = scan_engine_errors({r: p.log_path for r, p in self.procs.items() if r != "router"}, self._log_offsets)
         for f in new:
             f["healed"] = None
@@ -521,123 +338,6 @@ class Cluster(_ClusterAPI):
                 "topology": self.hosts.describe() if self.hosts else "one-host",
                 "model_path": self.model_path, "timings": self.timings, "logs": self.log_paths(),
                 "pids": {r: p.pid for r, p in self.procs.items()}}
-
-
-class SingleServer(_ClusterAPI):
-    """A non-disaggregated server of the same model and settings: the reference for differential checks."""
-
-    def __init__(self, spec: ClusterSpec, workdir, reaper: Reaper | None = None):
-        self.spec, self.workdir = spec, Path(workdir)
-        self.token = f"kvc-{os.getpid()}-{secrets.token_hex(4)}"
-        self._own_reaper = reaper is None
-        self.reaper = reaper
-        self.proc: ManagedProcess | None = None
-        self.ports: list[int] = []
-        self.url: str | None = None
-
-    def start(self) -> "SingleServer":
-        try:
-            if self.reaper is None:
-                self.reaper = Reaper(self.token)
-            (port,) = self.ports = reserve_ports(1)
-            self.url = f"http://{LOOPBACK}:{port}"
-            self.endpoints = Endpoints(router=self.url, prefill=self.url, decode=self.url)
-            self.proc = ManagedProcess("single", server_argv(self.spec, self.spec.resolve_model(), "single", port),
-                                       engine_env(self.spec), self.workdir / "logs" / "single.log", self.reaper, self.token)
-            wait_healthy({"single": self.proc}, {"single": f"{self.url}/health"},
-                         time.monotonic() + self.spec.startup_timeout_s)
-        except BaseException:
-            self.stop()
-            raise
-        return self
-
-    def check_alive(self) -> None:
-        if self.proc and not self.proc.alive():
-            raise self.proc.died_error("is no longer running")
-
-    def stop(self) -> list[int]:
-        left = []
-        if self.proc:
-            self.proc.stop()
-            left = leftover([self.proc.pgid], self.token)
-        release_ports(self.ports)
-        self.ports = []
-        if self._own_reaper and self.reaper is not None:
-            self.reaper.close()
-            self.reaper = None
-        return left
-
-    def log_paths(self) -> dict:
-        return {"single": str(self.proc.log_path)} if self.proc else {}
-
-
-# --------------------------------------------------------------------------- attach mode
-class AttachedCluster(_ClusterAPI):
-    """Servers someone else runs (a staging deployment, a GPU box). Nothing is started or killed."""
-
-    def __init__(self, endpoints: Endpoints, spec: ClusterSpec | None = None, agent_urls: dict | None = None,
-                 agent_token: str | None = None):
-        self.endpoints = endpoints
-        self.spec = spec or ClusterSpec.load("cpu")
-        self.timings = {}
-        self.agent_urls = dict(agent_urls or {})  # role -> tcp:// gateway of the agent loaded in its engine
-        self.agent_token = agent_token
-
-    @classmethod
-    def parse(cls, text: str, spec: ClusterSpec | None = None, env=None) -> "AttachedCluster":
-        """``router=URL,prefill=URL,decode=URL`` (all three required), and, when the remote engines
-        load the agent (``KVCHAOS_AGENT=tcp://...``), ``prefill_agent=tcp://HOST:PORT,decode_agent=...``
-        with the shared token in ``KVCHAOS_AGENT_TOKEN``: every agent fault then works attached."""
-        env = os.environ if env is None else env
-        parts, agents = {}, {}
-        roles = ("router", "prefill", "decode", "prefill_agent", "decode_agent")
-        for item in filter(None, (s.strip() for s in text.split(","))):
-            if "=" not in item:
-                raise ValueError(f"--kvchaos-attach: {item!r} is not role=URL (roles: {', '.join(roles)})")
-            k, v = item.split("=", 1)
-            if k not in roles:
-                raise ValueError(f"--kvchaos-attach: unknown role {k!r} (roles: {', '.join(roles)})")
-            if k.endswith("_agent"):
-                u = urlsplit(v)
-                try:
-                    ok = u.scheme == "tcp" and u.hostname and u.port
-                except ValueError:
-                    ok = False
-                if not ok:
-                    raise ValueError(f"--kvchaos-attach: {k}={v!r} must be tcp://HOST:PORT (the engine's KVCHAOS_AGENT)")
-                agents[k[: -len("_agent")]] = v
-                continue
-            if not v.startswith(("http://", "https://")):
-                raise ValueError(f"--kvchaos-attach: {k}={v!r} must be an http(s) URL")
-            parts[k] = v.rstrip("/")
-        missing = {"router", "prefill", "decode"} - set(parts)
-        if missing:
-            raise ValueError(f"--kvchaos-attach: missing {sorted(missing)}; give router=URL,prefill=URL,decode=URL")
-        token = env.get("KVCHAOS_AGENT_TOKEN") or None
-        if agents and not token:
-            raise ValueError(f"--kvchaos-attach: agent gateways given for {sorted(agents)} but KVCHAOS_AGENT_TOKEN "
-                             "is not set (the token the engines were started with)")
-        return cls(Endpoints(**parts), spec, agents, token)
-
-    def start(self, timeout_s: float = 30.0) -> "AttachedCluster":
-        deadline = time.monotonic() + timeout_s
-        pending = {"router": f"{self.endpoints.router}/health", "prefill": f"{self.endpoints.prefill}/health",
-                   "decode": f"{self.endpoints.decode}/health"}
-        while pending and time.monotonic() < deadline:
-            for k in list(pending):
-                if _http_ok(pending[k]):
-                    pending.pop(k)
-            if pending:
-                time.sleep(0.5)
-        if pending:
-            raise ClusterStartError(f"attach: no healthy answer within {timeout_s:.0f}s from {pending}")
-        return self
-
-    def stop(self) -> list[int]:
-        return []
-
-    def describe(self) -> dict:
-        return {"mode": "attached", "endpoints": self.endpoints.as_dict(), "agent_urls": self.agent_urls}
 
 
 def dump_describe(obj, path: Path) -> None:

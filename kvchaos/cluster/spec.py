@@ -18,6 +18,8 @@ import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .layouts import ATTENTION, attention_of_model, of_spec
+
 PROFILE_DIR = Path(__file__).resolve().parent.parent / "profiles"
 TRANSFER_BACKENDS = ("mooncake_tcp", "nixl", "mooncake")
 ROUTERS = ("sglang-router", "mini-lb")
@@ -58,7 +60,7 @@ class ClusterSpec:
     # namespace of its own, reached over a bridge (kvchaos.cluster.netns; the agents over TCP)
     topology: str = "one-host"
     # fault proxy between client and router and between router and each server:
-    # "" = none, "embedded" = faults/proxy.py in the harness, "host:port" = a real toxiproxy-server
+    # "" = none, "embedded" = faults/proxy/ in the harness, "host:port" = a real toxiproxy-server
     network_proxy: str = ""
 
     # ------------------------------------------------------------------ loading
@@ -139,8 +141,6 @@ class ClusterSpec:
             bad(f"pool_tokens={self.pool_tokens} must be a multiple of page_size={self.page_size}")
         if self.startup_timeout_s <= 0 or self.request_timeout_s <= 0:
             bad("timeouts must be > 0")
-        from .layouts import ATTENTION, attention_of_model
-
         probe = attention_of_model(self.model)
         if probe is not None and probe not in ATTENTION:
             bad(f"model={self.model!r}: probe kind {probe!r} is not one of {ATTENTION}")
@@ -164,43 +164,10 @@ class ClusterSpec:
     def python(self) -> str:
         return self.engine_python or sys.executable
 
-    def resolve_model(self) -> str:
-        """Model directory; a ``tiny:<seed>`` model is generated on first use in the engine's
-        interpreter (which has torch), so the harness itself never imports torch."""
-        from .layouts import attention_of_model
-
-        kind = attention_of_model(self.model)
-        if kind is not None:
-            from kvchaos.probe import ensure_probe
-
-            return str(ensure_probe(kind))
-        if self.model.startswith("tiny:"):
-            import subprocess
-
-            from kvchaos.model import is_complete, tiny_model_dir
-
-            seed = int(self.model[5:])
-            path = tiny_model_dir(seed)
-            if not is_complete(path):
-                r = subprocess.run([self.python, "-m", "kvchaos.model", str(seed)], env=_engine_env(self),
-                                   capture_output=True, text=True, timeout=600)
-                if r.returncode != 0 or not is_complete(path):
-                    raise SpecError(f"generating tiny model (seed {seed}) failed:\n{r.stderr[-3000:]}")
-            return str(path)
-        return str(Path(self.model).expanduser().resolve())
-
     @property
     def layout(self) -> str:
         """The KV layout name (``kvchaos.cluster.layouts``): attention kind, page size, dtype."""
-        from .layouts import of_spec
-
         return of_spec(self)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
-
-
-def _engine_env(spec):
-    from .launcher import engine_env
-
-    return engine_env(spec)

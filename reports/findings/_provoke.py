@@ -10,7 +10,7 @@ import time
 
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..")))  # the repo root
 
-from faults import open_network_proxy  # noqa: E402
+from faults import AGENT_MODULE, open_network_proxy  # noqa: E402
 from kvchaos.cluster import Cluster, ClusterSpec  # noqa: E402
 from kvchaos.cluster.layouts import apply, parse  # noqa: E402
 
@@ -38,6 +38,6 @@ def start_cluster(a, source: str) -> Cluster:
     data = apply(base.to_dict(), parse(a.layout)) if a.layout else base.to_dict()
     spec = ClusterSpec.from_dict(data, source=source)
     t0 = time.monotonic()
-    c = Cluster(spec, os.path.join(a.out, "cluster"), proxy_factory=open_network_proxy).start()
+    c = Cluster(spec, os.path.join(a.out, "cluster"), proxy_factory=open_network_proxy, agent_module=AGENT_MODULE).start()
     print(f"cluster up in {time.monotonic() - t0:.0f} s; router {c.endpoints.router}", flush=True)
     return c

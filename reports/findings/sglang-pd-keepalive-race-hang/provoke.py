@@ -23,7 +23,7 @@ import urllib.parse
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", "..")))  # the repo root
 
 import faults.proxy as fproxy  # noqa: E402
-from faults import open_network_proxy  # noqa: E402
+from faults import AGENT_MODULE, open_network_proxy  # noqa: E402
 from kvchaos.cluster import Cluster, ClusterSpec  # noqa: E402
 from kvchaos.cluster.layouts import apply, parse  # noqa: E402
 
@@ -129,7 +129,8 @@ def main():
     shutil.rmtree(outdir, ignore_errors=True)
     os.makedirs(outdir)
     t0 = time.monotonic()
-    c = Cluster(spec, outdir, proxy_factory=None if a.no_proxy else open_network_proxy).start()
+    c = Cluster(spec, outdir, proxy_factory=None if a.no_proxy else open_network_proxy,
+                agent_module=AGENT_MODULE).start()
     print(f"[{a.label}] cluster up in {time.monotonic() - t0:.0f}s router={c.endpoints.router}", flush=True)
     results = {"label": a.label, "layout": a.layout, "proxy": not a.no_proxy, "keepalive": a.keepalive,
                "k": a.k, "trials": []}

@@ -31,7 +31,7 @@ from urllib.parse import urlsplit
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..")))  # reports/findings
 
 from _provoke import check, parser, start_cluster  # noqa: E402  (puts the repo root on sys.path)
-from faults.engine import AgentClient  # noqa: E402
+from faults.client import AgentClient  # noqa: E402
 from kvchaos.cluster import Cluster  # noqa: E402
 from kvchaos.oracles import abort_semantics  # noqa: E402
 from kvchaos.suite import abort_at_stages  # noqa: E402

@@ -26,9 +26,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-from .agent.net import PROTOCOL, AgentAddressError, EventFiles, call_unix, parse_url
-from .agent.scheduler import PARK_STAGES
-from .base import Fault, FaultDidNotFire  # noqa: F401 - FaultDidNotFire is also faults.engine's
+from .base import Fault, FaultDidNotFire  # noqa: F401 - FaultDidNotFire is also faults.client's
+from .wire import PARK_STAGES, PROTOCOL, AgentAddressError, EventFiles, call_unix, parse_url
 
 
 class AgentError(RuntimeError):

@@ -1,0 +1,111 @@
+"""What suites use of a cluster, launched or attached: endpoints, health waits, requests."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import httpx
+
+from kvchaos.canary import Registry
+
+from .procs import ManagedProcess
+from .spec import ClusterSpec
+
+
+class ClusterStartError(RuntimeError):
+    pass
+
+
+class ProxyFactoryMissing(ClusterStartError):
+    """The spec asks for a network proxy, and no proxy factory was given or installed."""
+
+
+class AgentMissing(ClusterStartError):
+    """The spec asks for the in-engine agent, and no agent module was given or installed."""
+
+
+def _http_ok(url: str, timeout: float = 2.0) -> httpx.Response | None:
+    try:
+        r = httpx.get(url, timeout=timeout)
+    except httpx.HTTPError:
+        return None
+    return r if r.status_code == 200 else None
+
+
+def wait_healthy(procs: dict[str, ManagedProcess], urls: dict[str, str], deadline: float,
+                 check=None) -> None:
+    """Wait until every url in ``urls`` answers; raise ProcessDied / ClusterStartError otherwise.
+
+    ``check(role, response) -> bool`` can require more than HTTP 200.
+    """
+    pending = dict(urls)
+    while pending:
+        for role in list(pending):
+            p = procs[role]
+            if not p.alive():
+                raise p.died_error("died during startup")
+            r = _http_ok(pending[role])
+            if r is not None and (check is None or check(role, r)):
+                pending.pop(role)
+        if not pending:
+            return
+        if time.monotonic() > deadline:
+            tails = "\n".join(f"--- {r} ({procs[r].log_path}) ---\n{procs[r].tail(25)}" for r in pending)
+            raise ClusterStartError(f"timed out waiting for {sorted(pending)} to become healthy\n{tails}")
+        time.sleep(0.5)
+
+
+@dataclass
+class Endpoints:
+    router: str
+    prefill: str
+    decode: str
+    bootstrap_port: int | None = None
+    # with a network proxy: the router's own address ("router" is then the client-side proxy)
+    router_direct: str | None = None
+    proxies: dict = field(default_factory=dict)  # proxy name -> {"listen", "upstream"}
+
+    def as_dict(self) -> dict:
+        return {"router": self.router, "prefill": self.prefill, "decode": self.decode,
+                "bootstrap_port": self.bootstrap_port, "router_direct": self.router_direct,
+                "proxies": self.proxies}
+
+
+class ClusterAPI:
+    """What suites use, launched or attached."""
+
+    endpoints: Endpoints
+    spec: ClusterSpec
+
+    @property
+    def canaries(self):
+        """Every canary the harness sent this cluster (``kvchaos.canary.Registry``): its KV pages may
+        hold any of them, so a reply reciting one names its owner. Experiments on this cluster add
+        their plans and hand it to their checkers; :meth:`generate` adds what it sends."""
+        reg = self.__dict__.get("_canaries")
+        if reg is None:
+            reg = self.__dict__["_canaries"] = Registry()
+        return reg
+
+    def server_info(self, role: str = "decode", timeout: float = 10.0) -> dict:
+        url = getattr(self.endpoints, role)
+        r = httpx.get(f"{url}/server_info", timeout=timeout)
+        r.raise_for_status()
+        return r.json()
+
+    def generate(self, text=None, input_ids=None, max_new_tokens=16, timeout=None, via="router", **extra) -> httpx.Response:
+        body = {"sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0.0}, **extra}
+        if input_ids is not None:
+            body["input_ids"] = input_ids
+        else:
+            body["text"] = text
+            self.canaries.add_text(text or "", extra.get("rid"), "cluster.generate")
+        url = getattr(self.endpoints, via) if via in ("router", "prefill", "decode") else via
+        return httpx.post(f"{url}/generate", json=body, timeout=timeout or self.spec.request_timeout_s)
+
+    def check_alive(self) -> None:
+        pass
+
+    def log_paths(self) -> dict:
+        return {}

@@ -1,0 +1,101 @@
+"""How an engine and the router are started: their command lines, their environment (the boot hook on
+``PYTHONPATH``) and the model directory they serve."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+from kvchaos.model import is_complete, tiny_model_dir
+from kvchaos.probe import ensure_probe
+
+from .layouts import attention_of_model
+from .reaper import ENV_KEY
+from .spec import ClusterSpec, SpecError
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+BOOT_DIR = REPO_ROOT / "kvchaos" / "_boot"
+LOOPBACK = "127.0.0.1"
+
+
+def engine_env(spec: ClusterSpec, extra: dict | None = None) -> dict:
+    env = {k: v for k, v in os.environ.items() if k != ENV_KEY}
+    pp = [str(BOOT_DIR), str(REPO_ROOT)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(pp))
+    if spec.cpu_compat:
+        env["KVCHAOS_CPU_COMPAT"] = "1"
+    else:
+        env.pop("KVCHAOS_CPU_COMPAT", None)
+    if spec.transfer_backend == "mooncake_tcp":
+        env.setdefault("MC_FORCE_TCP", "1")
+    env.update(spec.env)
+    env.update(extra or {})
+    return env
+
+
+def server_argv(spec: ClusterSpec, model_path: str, role: str, port: int, bootstrap_port: int | None = None,
+                host: str = LOOPBACK) -> list[str]:
+    """argv for one SGLang server. role: 'prefill' | 'decode' | 'single'; ``host``: the address it
+    serves on (its namespace's, in the two-hosts topology)."""
+    if role not in ("prefill", "decode", "single"):
+        raise ValueError(f"unknown role {role!r}")
+    argv = [
+        spec.python, "-m", "sglang.launch_server",
+        "--model-path", model_path,
+        "--device", spec.device,
+        "--dtype", spec.dtype,
+        "--max-total-tokens", str(spec.pool_tokens),
+        "--context-length", str(spec.context_length),
+        "--page-size", str(spec.page_size),
+        "--host", host, "--port", str(port),
+        "--enable-metrics",
+    ]
+    argv += spec.common_args
+    if role == "single":
+        return argv
+    argv += ["--disaggregation-mode", role, "--disaggregation-transfer-backend", spec.transfer_backend]
+    if spec.transfer_backend == "mooncake" and (spec.ib_device or os.environ.get("KVCHAOS_IB_DEVICE")):
+        argv += ["--disaggregation-ib-device", spec.ib_device or os.environ["KVCHAOS_IB_DEVICE"]]
+    if role == "prefill":
+        if bootstrap_port is None:
+            raise ValueError("prefill needs a bootstrap port")
+        argv += ["--disaggregation-bootstrap-port", str(bootstrap_port)] + spec.prefill_args
+    else:
+        argv += spec.decode_args
+    return argv
+
+
+def router_argv(spec: ClusterSpec, prefill_url: str, bootstrap_port: int, decode_url: str, port: int,
+                metrics_port: int | None = None) -> list[str]:
+    """sglang-router argv. Its Prometheus exporter binds a fixed port (29000) unless told otherwise,
+    so two clusters on one host collide: every router gets a reserved ``metrics_port``."""
+    argv = [
+        spec.python, "-m", "sglang_router.launch_router", "--pd-disaggregation",
+        "--prefill", prefill_url, str(bootstrap_port),
+        "--decode", decode_url,
+        "--host", LOOPBACK, "--port", str(port),
+    ]
+    if spec.router == "mini-lb":
+        argv.append("--mini-lb")
+    elif metrics_port is not None:
+        argv += ["--prometheus-host", LOOPBACK, "--prometheus-port", str(metrics_port)]
+    return argv + spec.router_args
+
+
+def resolve_model(spec: ClusterSpec) -> str:
+    """The model directory ``spec.model`` names; a ``tiny:<seed>`` model is generated on first use in
+    the engine's interpreter (which has torch), so the harness itself never imports torch."""
+    kind = attention_of_model(spec.model)
+    if kind is not None:
+        return str(ensure_probe(kind))
+    if spec.model.startswith("tiny:"):
+        seed = int(spec.model[5:])
+        path = tiny_model_dir(seed)
+        if not is_complete(path):
+            r = subprocess.run([spec.python, "-m", "kvchaos.model", str(seed)], env=engine_env(spec),
+                               capture_output=True, text=True, timeout=600)
+            if r.returncode != 0 or not is_complete(path):
+                raise SpecError(f"generating tiny model (seed {seed}) failed:\n{r.stderr[-3000:]}")
+        return str(path)
+    return str(Path(spec.model).expanduser().resolve())
