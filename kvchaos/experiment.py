@@ -31,6 +31,7 @@ import threading
 import time
 import uuid
 from pathlib import Path
+from typing import Callable
 from urllib.parse import urlsplit
 
 from kvchaos import canary, oracles
@@ -40,7 +41,7 @@ from kvchaos.history import SCHEMA, History, HistoryError
 from kvchaos.oracles import FAIL, PASS, UNKNOWN  # noqa: F401 - re-exported for suites
 from kvchaos.policy import KNOWN, Context, Judgement, Policy
 from kvchaos.workload import EventLog, plans_digest, run_plans
-from kvchaos.workload.probes import server_field, snapshot
+from kvchaos.workload.snapshots import server_field, snapshot
 
 VIAS = ("router", "pd")  # how plans reach the engines: the router, or prefill + decode directly
 SETTLE_S = 45.0  # SGLang holds a failed/aborted transfer's decode pages up to 30 s (deferred release)
@@ -82,7 +83,7 @@ class Experiment:
                  drive=None, path: str | Path | None = None, model_name: str | None = None,
                  policy: Policy | None = None, probe_before: bool = True, via: str = "router",
                  run_seed: int | None = None, dry: bool = False, record: bool = True,
-                 shrink: dict | None = None, canaries: canary.Registry | None = None, attempt: int = 1):
+                 shrink: Callable[["Experiment"], dict] | None = None, canaries: canary.Registry | None = None, attempt: int = 1):
         if not name or any(c in name for c in "/\\"):
             raise ValueError(f"experiment name {name!r}: non-empty, no path separators")
         self.policy = policy or Policy()
@@ -96,7 +97,8 @@ class Experiment:
         self.cluster, self.faults, self.run_dir = cluster, faults, Path(run_dir)
         self.test_id, self.seed, self.run_seed, self.dry = test_id, seed, run_seed, dry
         # record: write the verdicts file and the experiments.jsonl line (a shrink attempt does not);
-        # shrink: {"budget_s", "max_steps"} — once judged, shrink this experiment (kvchaos.shrink)
+        # shrink: once judged, ``shrink(self) -> dict`` shrinks this experiment (the face hands in
+        # kvchaos.shrink.shrink_after with its bounds: the runner never imports the shrinker that runs it)
         self.record, self.shrink = record, shrink
         self.shrunk: dict | None = None
         self.plans_digest = plans_digest(self.plans)
@@ -206,13 +208,7 @@ class Experiment:
         for v in self.verdicts:
             print(v)
         if self.shrink is not None:
-            from kvchaos.shrink import ShrinkError, Shrinker, refused
-
-            out = self.run_dir / "shrink" / self.name
-            try:
-                self.shrunk = Shrinker(self, out, **self.shrink).run()
-            except ShrinkError as e:  # said in minimal.json (kvchaos shrink prints it); the test goes on
-                self.shrunk = refused(self, out, str(e))
+            self.shrunk = self.shrink(self)
         if self._during and self._during.thread.is_alive():
             raise RuntimeError(f"experiment {self.name}: the during action did not finish in {DURING_JOIN_S} s")
         if self._during and self._during.error is not None:

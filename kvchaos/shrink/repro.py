@@ -1,0 +1,64 @@
+"""What a shrink's ``repro.py`` runs: the recorded cluster, faults and minimal plans, judged again."""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from pathlib import Path
+
+import httpx
+
+from faults import FaultKit, install
+from kvchaos import oracles
+from kvchaos.cluster import Cluster, ClusterSpec, SingleServer
+from kvchaos.cluster.reaper import Reaper
+from kvchaos.experiment import Experiment
+from kvchaos.workload import EventLog, RequestPlan
+
+from .scenario import arm
+from .target import still_fails
+
+
+def reproduce(minimal_dir, times: int = 1) -> int:
+    """What a shrink's ``repro.py`` runs: start the cluster recorded in ``minimal_dir/minimal.json``
+    (and a single reference server for a differential target), arm the recorded faults, send the
+    minimal plans ``times`` times, print each run's verdicts; returns how many failed the same way."""
+    res = json.loads((Path(minimal_dir) / "minimal.json").read_text())
+    sc = res["scenario"]
+    spec = ClusterSpec.from_dict(res["cluster"]["spec"])
+    plans = [RequestPlan(**{k: v for k, v in p.items() if k != "prompt_chars"}) for p in sc["plans"]]
+    checks = [oracles.Isolation(), oracles.Sensitivity(), oracles.HttpSemantics(), oracles.KVLifecycle(),
+              oracles.CacheIsolation(), oracles.Liveness(bound_s=sc["timeout_s"])]
+    target = (res["target"]["oracle"], {tuple(k) for k in res["target"]["witness_kinds"]})
+    work = Path(tempfile.mkdtemp(prefix="kvchaos-repro-"))
+    install()  # the cluster's embedded network proxy and its engines' agent
+    reaper = Reaper("kvc-repro")
+    c = Cluster(spec, work, reaper=reaper).start()
+    ref = None
+    hits = 0
+    try:
+        if target[0] == "differential":  # the same prompts served alone by a clean single server
+            ref = SingleServer(spec, work / "reference", reaper=reaper).start()
+            body = lambda p: {"text": p.prompt, "sampling_params": {"max_new_tokens": p.max_new_tokens,  # noqa: E731
+                                                                     "temperature": 0}}
+            checks.append(oracles.Differential(lambda _ev: {
+                p.rid: httpx.post(ref.endpoints.router + "/generate", json=body(p), timeout=120).json() for p in plans}))
+        for i in range(1, times + 1):
+            with EventLog(work / f"faults-{i}.jsonl") as flog:
+                kit = FaultKit(c, flog)
+                ex = Experiment(f"repro-{i}", plans, checks, cluster=c, faults=kit, run_dir=work,
+                                concurrency=sc["concurrency"], timeout_s=sc["timeout_s"], via=sc["via"])
+                with ex:
+                    for f in sc["faults"]:
+                        arm(kit, f)
+            hit = still_fails(ex.verdicts, target)
+            hits += hit
+            print(f"repro {i}: " + ", ".join(f"{v.oracle} {v.status}" for v in ex.verdicts)
+                  + (" — REPRODUCED" if hit else ""))
+    finally:
+        if ref is not None:
+            ref.stop()
+        c.stop()
+        reaper.close()
+    print(f"reproduced {hits}/{times} (logs: {work})")
+    return hits

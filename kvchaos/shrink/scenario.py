@@ -1,0 +1,105 @@
+"""A scenario as data: the plans, the faults as armed, and the steps that make it smaller."""
+
+from __future__ import annotations
+
+import copy
+
+from kvchaos import canary
+from kvchaos.probe import MIN_HEAD, MIN_TAIL, TRIGGER
+
+
+class ShrinkError(RuntimeError):
+    pass
+
+
+def fault_records(ex) -> list[dict]:
+    """The faults this experiment armed, as data (what an attempt re-arms), from its own log's
+    ``fault``/``armed`` records (the injectors have forgotten healed faults by now)."""
+    out, other = [], []
+    for e in ex.events:
+        if e.get("ev") == "fault" and e.get("injector") == "process":  # kills and freezes: not data to re-arm
+            other.append(f"{e.get('kind')} of {e.get('role')}")
+            continue
+        if e.get("ev") != "fault" or e.get("action") != "armed":
+            continue
+        if e.get("injector") == "agent":
+            out.append({"injector": "agent", "role": e["role"], "kind": e["kind"], "target": dict(e.get("target") or {}),
+                        "params": dict(e.get("params") or {}), "count": e.get("count")})
+        elif e.get("injector") == "proxy":
+            out.append({"injector": "proxy", "proxy": e["proxy"], "type": e["kind"], "stream": e["stream"],
+                        "attributes": dict(e.get("attributes") or {}), "toxicity": e["toxicity"]})
+        else:
+            other.append(e.get("fault") or e.get("kind"))
+    if other:
+        raise ShrinkError(f"experiment {ex.name}: faults {sorted(set(other))} are not agent or network faults "
+                          "(process kills and freezes are actions, not data to re-arm): not shrinkable")
+    return out
+
+
+def arm(kit, rec: dict):
+    if rec["injector"] == "agent":
+        return kit.agent.arm(rec["role"], rec["kind"], target=rec["target"], params=rec["params"], count=rec.get("count"))
+    if rec["injector"] == "proxy":
+        return kit.net.toxic(rec["proxy"], rec["type"], stream=rec["stream"], toxicity=rec["toxicity"], **rec["attributes"])
+    raise ShrinkError(f"cannot arm fault record {rec!r}")
+
+
+def subset(plans, keep_rids: set, prompts: dict | None = None) -> list:
+    """The plans whose rid is kept, in order; a kept plan waiting for a dropped one waits for nothing;
+    ``prompts`` (rid -> text) replaces the prompts of a shrink's shortened plans."""
+    out = []
+    for p in plans:
+        if p.rid in keep_rids:
+            q = copy.copy(p)
+            if q.after is not None and q.after not in keep_rids:
+                q.after = None
+            if prompts and p.rid in prompts:
+                q.prompt = prompts[p.rid]
+                q.n_tokens = len(q.prompt)
+            out.append(q)
+    return out
+
+
+def shortenable(p) -> bool:
+    """A probe prompt whose length is not what the plan is about: not oversized, not a timing arm, not
+    one a later turn resends (conversation) or another tenant sends verbatim (identical)."""
+    return (not p.oversized and p.timing is None and p.expect_echo and p.sharing not in ("conversation", "identical")
+            and p.prompt.endswith(TRIGGER))
+
+
+def shorten(text: str, keep: int = 0) -> str | None:
+    """``text`` with each run of filler after its first ``keep`` characters cut to half (the first
+    half kept), never below the probe's head before the first canary or its tail before the
+    trigger; every canary, the space on either side of it, and the trigger stay. ``None`` when
+    nothing is left to cut. The canaries come out the same, in the same order."""
+    if not text.endswith(TRIGGER):
+        return None
+    body_end = len(text) - len(TRIGGER)
+    found = canary.find(text)
+    for o, c in found:  # a shared prefix that ends inside a canary (a diverging pair) keeps that canary whole
+        if o < keep < o + len(c):
+            keep = o + len(c)
+    guard = [(0, keep)] + [(max(0, o - 1), min(body_end, o + len(c) + 1)) for o, c in found] + [(body_end, len(text))]
+    guard.sort()
+    merged = [list(guard[0])]
+    for a, b in guard[1:]:
+        if a <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], b)
+        else:
+            merged.append([a, b])
+    first_canary = found[0][0] if found else body_end
+    out = [text[merged[0][0]:merged[0][1]]]
+    for (_, a), (b, e) in zip(merged, merged[1:]):
+        gap = text[a:b]
+        floor = 1
+        if b == body_end:
+            floor = MIN_TAIL
+        if a < first_canary:
+            floor = max(floor, MIN_HEAD - a)
+        out.append(gap[:max(floor, len(gap) // 2)])  # a gap at or under its floor stays whole
+        out.append(text[b:e])
+    new = "".join(out)
+    if len(new) >= len(text):
+        return None
+    assert [c for _, c in canary.find(new)] == [c for _, c in found], "shorten lost or split a canary"
+    return new
