@@ -54,16 +54,11 @@ def _engine_salts(events: list[dict]) -> dict[str, list]:
     return out
 
 
-def cache_isolation(events, min_hits: int = 5, min_cross: int = 3) -> Verdict:
-    run = Run(events)
-    events = run.records
-    page = kv_page_size(events)
-    # unsalted requests are judged only when sent after the prefix cache was flushed (before that,
-    # the unsalted namespace holds traffic from outside this log)
-    flushes = [e["t"] for e in run.by_ev.get("cache_flushed", [])]
-    flushed = bool(flushes)
-    seen_salts = _engine_salts(events)
-    reqs = []  # (rid, plan, send t, end t, cached, prompt + reply text)
+def _cache_requests(run) -> tuple[list, list, list, list]:
+    """Each request the checker may judge as (rid, plan, send t, end t, cached, prompt + reply text),
+    then the rids whose plan carries no prompt, the completed replies that report no cached_tokens,
+    and (rid, prompt tokens, characters) where characters are not tokens."""
+    reqs = []
     no_prompt, no_report, untokenized = [], [], []
     for rid, p in run.plans.items():
         end, send = run.ends.get(rid), run.sends.get(rid)
@@ -83,23 +78,54 @@ def cache_isolation(events, min_hits: int = 5, min_cross: int = 3) -> Verdict:
         # what the tree can hold for it afterwards: the prompt and the reply's tokens
         reqs.append((rid, p, send["t"], (end or {}).get("t", float("inf")), cached,
                      p["prompt"] + ((body.get("text") or "") if ok else "")))
-    stats = {"requests": len(reqs), "page_size": page, "cache_flushed": flushed}
-    if no_prompt:
-        return Verdict("cache_isolation", UNKNOWN, f"{len(no_prompt)} plans carry no prompt text (a log older than "
-                       "prompt recording): common prefixes cannot be computed", [], stats)
-    if untokenized:
-        rid, pt, n = untokenized[0]
-        return Verdict("cache_isolation", UNKNOWN, f"characters are not tokens for this model ({rid}: {pt} prompt "
-                       f"tokens for {n} characters): cached_tokens cannot be compared with common prefixes", [], stats)
-    reported = [r for r in reqs if r[4] is not None]
-    if not reported:
-        why = (f"none of {len(no_report)} completed replies reports cached_tokens (OpenAI endpoints report it "
-               "only with --enable-cache-report)") if no_report else "no request completed"
-        return Verdict("cache_isolation", UNKNOWN, why, [], stats)
+    return reqs, no_prompt, no_report, untokenized
 
-    witnesses, judged, skipped = [], 0, 0
-    hit_chances = hits = cross_chances = 0
-    lost_salts = []  # sent with a salt, looked up by the engine without it
+
+def _prefixes(rid: str, prompt: str, salt, t_send: float, t_end: float, reqs: list) -> tuple[int, int, list]:
+    """What the cache could hold for this request: the longest prefix its own salt had sent
+    (``same``), that of same-salt requests done before it was sent (``done_same``), and every other
+    salt's request as (common prefix, rid, plan, done before it was sent)."""
+    limit = len(prompt) - 1  # the engine always computes at least the last token
+    same, other, done_same = 0, [], 0
+    for rid2, p2, s2, e2, _c2, held2 in reqs:
+        if rid2 == rid or s2 >= t_end:
+            continue  # a request sent after this one ended cannot have cached anything for it
+        lcp = min(_lcp(prompt, held2), limit)
+        if p2.get("cache_salt") == salt:
+            same = max(same, lcp)
+            if e2 < t_send:
+                done_same = max(done_same, min(_lcp(prompt, p2["prompt"]), limit))
+        else:
+            other.append((lcp, rid2, p2, e2 < t_send))
+    return same, done_same, other
+
+
+def _witness(rid: str, p: dict, got: list | None, cached: int, same: int, other: list) -> dict:
+    """A request that reported more cached tokens than its own salt explains: whose prefix it was."""
+    salt = p.get("cache_salt")
+    owners = sorted((o for o in other if o[0] >= cached), key=lambda o: -o[0])
+    w = {"victim_rid": rid, "victim_tenant": p.get("tenant"), "victim_salt": salt, "cached_tokens": cached,
+         "same_salt_prefix": same, "prompt_tokens": len(p["prompt"]),
+         "engine_salt": (got or [None])[0] if got else "(no agent evidence)"}
+    if owners:
+        lcp, orid, op, _done = owners[0]
+        w.update(owner_rid=orid, owner_tenant=op.get("tenant"), owner_salt=op.get("cache_salt"),
+                 common_prefix=lcp, problem="cached tokens of another salt's prefix: the salt did not "
+                                            "isolate this request")
+    else:
+        w.update(owner_rid=None, owner_tenant=None, owner_salt=None,
+                 common_prefix=max([o[0] for o in other], default=0),
+                 problem="cached tokens beyond every prefix sent before it: the cache matched a "
+                         "different token sequence (collision), or a prefix from outside this log")
+    return w
+
+
+def _scan(reqs: list, seen_salts: dict, flushes: list, page: int) -> tuple[list, dict, list]:
+    """Every judged request against the prefixes its salt explains: the witnesses, the counts
+    (judged, unsalted_skipped, hit_chances, hits, cross_salt_chances) and the salts lost on the way
+    to the engine as (rid, salt sent, salt the engine used)."""
+    witnesses, lost_salts = [], []  # lost: sent with a salt, looked up by the engine without it
+    n = {"judged": 0, "unsalted_skipped": 0, "hit_chances": 0, "hits": 0, "cross_salt_chances": 0}
     for rid, p, t_send, t_end, cached, _held in reqs:
         salt = p.get("cache_salt")
         got = seen_salts.get(rid)
@@ -108,46 +134,24 @@ def cache_isolation(events, min_hits: int = 5, min_cross: int = 3) -> Verdict:
         if cached is None:
             continue
         if salt is None and not (flushes and min(flushes) < t_send):
-            skipped += 1  # the unsalted namespace holds traffic from outside this log: no bound
+            n["unsalted_skipped"] += 1  # the unsalted namespace holds traffic from outside this log: no bound
             continue
-        judged += 1
-        prompt = p["prompt"]
-        limit = len(prompt) - 1  # the engine always computes at least the last token
-        same, other, done_same = 0, [], 0
-        for rid2, p2, s2, e2, _c2, held2 in reqs:
-            if rid2 == rid or s2 >= t_end:
-                continue  # a request sent after this one ended cannot have cached anything for it
-            lcp = min(_lcp(prompt, held2), limit)
-            if p2.get("cache_salt") == salt:
-                same = max(same, lcp)
-                if e2 < t_send:
-                    done_same = max(done_same, min(_lcp(prompt, p2["prompt"]), limit))
-            else:
-                other.append((lcp, rid2, p2, e2 < t_send))
+        n["judged"] += 1
+        same, done_same, other = _prefixes(rid, p["prompt"], salt, t_send, t_end, reqs)
         if done_same >= max(page, 16):
-            hit_chances += 1
-            hits += cached > 0
+            n["hit_chances"] += 1
+            n["hits"] += cached > 0
         if any(done and lcp >= same + max(page, 16) for lcp, _r, _p, done in other):
-            cross_chances += 1
-        if cached <= same:
-            continue
-        owners = sorted((o for o in other if o[0] >= cached), key=lambda o: -o[0])
-        w = {"victim_rid": rid, "victim_tenant": p.get("tenant"), "victim_salt": salt, "cached_tokens": cached,
-             "same_salt_prefix": same, "prompt_tokens": len(prompt),
-             "engine_salt": (got or [None])[0] if got else "(no agent evidence)"}
-        if owners:
-            lcp, orid, op, _done = owners[0]
-            w.update(owner_rid=orid, owner_tenant=op.get("tenant"), owner_salt=op.get("cache_salt"),
-                     common_prefix=lcp, problem="cached tokens of another salt's prefix: the salt did not "
-                                                "isolate this request")
-        else:
-            w.update(owner_rid=None, owner_tenant=None, owner_salt=None,
-                     common_prefix=max([o[0] for o in other], default=0),
-                     problem="cached tokens beyond every prefix sent before it: the cache matched a "
-                             "different token sequence (collision), or a prefix from outside this log")
-        witnesses.append(w)
-    stats.update(judged=judged, unsalted_skipped=skipped, hit_chances=hit_chances, hits=hits,
-                 cross_salt_chances=cross_chances, salts_lost=len(lost_salts))
+            n["cross_salt_chances"] += 1
+        if cached > same:
+            witnesses.append(_witness(rid, p, got, cached, same, other))
+    return witnesses, n, lost_salts
+
+
+def _cache_verdict(witnesses: list, n: dict, lost_salts: list, stats: dict, min_hits: int,
+                   min_cross: int) -> Verdict:
+    judged, skipped, hits, hit_chances = n["judged"], n["unsalted_skipped"], n["hits"], n["hit_chances"]
+    cross_chances = n["cross_salt_chances"]
     lost_note = ""
     if lost_salts:
         rid, s, g = lost_salts[0]
@@ -180,8 +184,35 @@ def cache_isolation(events, min_hits: int = 5, min_cross: int = 3) -> Verdict:
                    f"salt's longer prefix cached and did not take it", [], stats)
 
 
+def cache_isolation(events, min_hits: int = 5, min_cross: int = 3) -> Verdict:
+    run = Run(events)
+    events = run.records
+    page = kv_page_size(events)
+    # unsalted requests are judged only when sent after the prefix cache was flushed (before that,
+    # the unsalted namespace holds traffic from outside this log)
+    flushes = [e["t"] for e in run.by_ev.get("cache_flushed", [])]
+    reqs, no_prompt, no_report, untokenized = _cache_requests(run)
+    stats = {"requests": len(reqs), "page_size": page, "cache_flushed": bool(flushes)}
+    if no_prompt:
+        return Verdict("cache_isolation", UNKNOWN, f"{len(no_prompt)} plans carry no prompt text (a log older than "
+                       "prompt recording): common prefixes cannot be computed", [], stats)
+    if untokenized:
+        rid, pt, n = untokenized[0]
+        return Verdict("cache_isolation", UNKNOWN, f"characters are not tokens for this model ({rid}: {pt} prompt "
+                       f"tokens for {n} characters): cached_tokens cannot be compared with common prefixes", [], stats)
+    if not any(r[4] is not None for r in reqs):
+        why = (f"none of {len(no_report)} completed replies reports cached_tokens (OpenAI endpoints report it "
+               "only with --enable-cache-report)") if no_report else "no request completed"
+        return Verdict("cache_isolation", UNKNOWN, why, [], stats)
+    witnesses, n, lost_salts = _scan(reqs, _engine_salts(events), flushes, page)
+    stats.update(n, salts_lost=len(lost_salts))
+    return _cache_verdict(witnesses, n, lost_salts, stats, min_hits, min_cross)
+
+
 def ks_2samp(a: list[float], b: list[float]) -> tuple[float, float]:
     """Two-sample Kolmogorov-Smirnov statistic and two-sided p-value (scipy's exact/asymptotic)."""
+    # here, not at the top: scipy is heavy and only the timing probe needs it (kvchaos.oracles is
+    # imported by every checker user)
     from scipy.stats import ks_2samp as _ks
 
     r = _ks(a, b)

@@ -21,8 +21,8 @@ from __future__ import annotations
 
 from collections import Counter
 
+from kvchaos import canary
 from kvchaos.history import History, as_history
-
 
 MAX_CHAIN = 16  # holders followed back through pages a holder's own transfer left unwritten
 
@@ -183,8 +183,6 @@ def explains(h, witness: dict, registry=None) -> tuple[bool, str, dict | None]:
 
 
 def _explains_chimera(h: History, witness: dict, registry=None) -> tuple[bool, str, dict | None]:
-    from kvchaos import canary
-
     victim, piece = witness.get("victim_rid"), witness.get("matched") or ""
     sp = stale_pages(h, victim)
     if sp is None:

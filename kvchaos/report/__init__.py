@@ -13,7 +13,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from .collect import ReportError, RunModel, collect, judge, run_verdicts, run_verdicts_name  # noqa: F401
+from .collect import collect
+from .model import ReportError, RunModel, run_verdicts_name  # noqa: F401 - part of this package's API
+from .verdicts import judge, run_verdicts  # noqa: F401 - part of this package's API
 
 LABEL = {"fail": "FAIL", "unknown": "UNKNOWN", "known": "KNOWN-only", "pass": "PASS", "none": "NO CHAOS VERDICT"}
 
@@ -22,6 +24,8 @@ def build(run_dir: str | Path) -> dict:
     """Write ``verdicts.json`` (or ``run-verdicts.json`` in a directory that is one scenario) and
     ``report.html``; return {"html": path, "verdicts": path, "overall": ..., "chaos": ..., "label": ...,
     "reason": ..., "lines": terminal summary lines, "model": RunModel}."""
+    # here, not at the top: .html pulls in matplotlib (.plots), which readers of summary_lines and
+    # ReportError (kvchaos.cli, kvchaos.plugin) must not pay for at import
     from .html import render
 
     run_dir = Path(run_dir)

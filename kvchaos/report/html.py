@@ -29,13 +29,13 @@ import json
 import time
 
 from kvchaos import canary
-
-from . import plots
 from kvchaos.history import render_witness
 from kvchaos.policy import leak_verdict
 
-from .collect import FAILED_TESTS, known_findings
-from .collect import leaks as run_leaks
+from . import plots
+from .model import FAILED_TESTS
+from .verdicts import known_findings
+from .verdicts import leaks as run_leaks
 
 CSS = """
 body{font:13px/1.45 system-ui,-apple-system,Segoe UI,Roboto,sans-serif;margin:24px auto;max-width:1180px;color:#222}

@@ -1,0 +1,193 @@
+"""Mechanism signatures and power gating: how a non-PASS verdict is shown to be a registered engine
+finding. Each predicate: (verdict, context, argument) -> (holds, why not). A finding's signature is a
+table of them (``kvchaos/findings.toml``); every one must hold for the verdict to be KNOWN. The
+stale-page findings are matched by their mechanism in the engines' own events
+(:mod:`kvchaos.oracles.provenance`), never by who the victim was. A leak is KNOWN only where the run
+had the power to see it (:func:`power_met`)."""
+
+from __future__ import annotations
+
+from kvchaos.oracles import Verdict, kv_page_size, kv_pages_written, pages_for, provenance
+from kvchaos.oracles.isolation import power_line
+
+from .context import Context
+from .core import PolicyError
+
+
+def _rid_witnesses(v: Verdict) -> list[dict]:
+    return [w for w in v.witnesses if w.get("rid") or w.get("victim_rid")]
+
+
+def _sig_owners_minted(v, ctx, want):
+    bad = [w.get("matched") for w in v.witnesses if w.get("origin") == "unknown"]
+    return (not bad) == bool(want), f"canaries of unknown origin: {bad[:5]}"
+
+
+def _sig_stale_pages_of_owner(v, ctx, want):
+    """Every witness is a victim that read decode pages its transfer never wrote, holding the bytes of
+    a request that carried the canary — decode's ``kv_prealloc`` (who held each page before) and
+    prefill's ``write_end`` (what each transfer wrote) say so."""
+    if not want:
+        raise PolicyError("stale_pages_of_owner takes true")
+    bad = []
+    for w in v.witnesses:
+        ok, why, _sp = provenance.explains(ctx.history, w, ctx.registry)
+        if not ok:
+            bad.append(f"{w.get('victim_rid')} <- {w.get('owner_rid')}: {why}")
+    return bool(v.witnesses) and not bad, "; ".join(bad[:3]) or "no witness"
+
+
+def _sig_victims_shorted(v, ctx, want):
+    """Every victim's transfer was cut by a ``short`` fault that sent fewer pages than were reserved."""
+    if not want:
+        raise PolicyError("victims_shorted takes true")
+    bad = sorted({w.get("victim_rid") for w in v.witnesses if not provenance.shorted(ctx.history, w.get("victim_rid"))})
+    return bool(v.witnesses) and not bad, f"victims whose transfer no short fault cut short: {bad[:5]}"
+
+
+def _sig_witnesses_are_timeouts(v, ctx, want):
+    bad = [w for w in v.witnesses
+           if not w.get("rid") or not (w.get("outcome") == "timeout" or "never ended" in (w.get("problem") or ""))]
+    ok = bool(v.witnesses) and not bad
+    return ok == bool(want), f"witnesses that are not a request's timeout: {[w.get('problem') for w in bad[:3]]}"
+
+
+def _tagged(ctx: Context, tag: str) -> set:
+    return {rid for rid, p in ctx.plans().items() if (p.get("extra") or {}).get("probe") == tag}
+
+
+def _culprits(ctx: Context, what: str) -> set:
+    """``what``: a plan tag, or "oversized" for the oversized requests."""
+    if what == "oversized":
+        return {rid for rid, p in ctx.plans().items() if p.get("oversized")}
+    return _tagged(ctx, what)
+
+
+def _sig_hung_behind(v, ctx, what):
+    """Every hung request is one of the culprits or was sent after the first of them (queued behind
+    a request that hangs the engine) — never one that was in flight before the culprits came."""
+    culprits = _culprits(ctx, what)
+    sends = {rid: e.get("wall", 0) for rid, e in ctx.history.sends.items()}
+    first = min((sends[r] for r in culprits if r in sends), default=None)
+    bad = [w["rid"] for w in _rid_witnesses(v)
+           if w["rid"] not in culprits and (first is None or sends.get(w["rid"], 0) < first)]
+    return bool(culprits) and first is not None and not bad, \
+        f"hung requests neither {what!r} nor sent after the first of them: {bad[:5]}"
+
+
+def _sig_all_tagged_hung(v, ctx, tag):
+    tagged = _tagged(ctx, tag)
+    hung = {w["rid"] for w in _rid_witnesses(v)}
+    miss = sorted(tagged - hung)
+    return bool(tagged) and not miss, f"requests tagged {tag!r} that did not hang: {miss[:5]}"
+
+
+def _sig_oversized_all_hung(v, ctx, want):
+    big = {rid for rid, p in ctx.plans().items() if p.get("oversized")}
+    miss = sorted(r for r in big if ctx.history.outcome(r) not in (None, "timeout"))
+    ok = bool(big) and not miss
+    return ok == bool(want), f"oversized requests that did not hang: {miss[:5]}"
+
+
+def _sig_victims_truncated(v, ctx, want):
+    """Every victim is an oversized request whose KV prefill wrote, by its own transfer events (the
+    pages of every chunk), was short of the prompt but more than the one-page placeholder of the
+    reject path (truncated on prefill by ``--allow-auto-truncate``, not rejected), while decode
+    reserved pages for more than was written (its own ``kv_prealloc``)."""
+    if not want:
+        raise PolicyError("victims_truncated takes true")
+    plans = ctx.plans()
+    sent = kv_pages_written(ctx.history)
+    ps = kv_page_size(ctx.history)
+    bad = []
+    for w in v.witnesses:
+        rid = w.get("victim_rid")
+        p = plans.get(rid, {})
+        n = sent.get(rid)
+        sp = provenance.stale_pages(ctx.history, rid)
+        if not (p.get("oversized") and isinstance(n, int) and 1 < n < pages_for(p.get("n_tokens") or 0, ps)):
+            bad.append(f"{rid}: prefill's writes ({n} pages) are not a truncated prompt")
+        elif sp is None or not sp["unwritten"]:
+            bad.append(f"{rid}: decode's own evidence shows no page reserved beyond what prefill wrote")
+    return bool(v.witnesses) and not bad, f"victims not decoded over a truncated prompt's unwritten pages: {bad[:3]}"
+
+
+def _sig_fault_armed(v, ctx, kind):
+    ok = any(e.get("kind") == kind for e in ctx.fault_events("armed"))
+    return ok, f"no {kind!r} fault armed in this experiment"
+
+
+def _sig_process_fault_fired(v, ctx, what):
+    kind, _, role = str(what).partition(":")
+    ok = any(e.get("injector") == "process" and e.get("kind") == kind and (not role or e.get("role") == role)
+             for e in ctx.fault_events("fired"))
+    return ok, f"no {kind} of {role or 'any role'} fired in this experiment"
+
+
+def _sig_salts_lost_before_engine(v, ctx, want):
+    """Every witness is a request whose cache_salt the engine never received (the agent's
+    ``prefix_match``): cache_isolation witnesses carry ``engine_salt``; timing_isolation counts the
+    timed requests whose salt was lost (``salts_lost`` of ``salted``)."""
+    if v.oracle == "timing_isolation":
+        lost, salted = v.stats.get("salts_lost"), v.stats.get("salted")
+        ok = bool(salted) and lost == salted
+        return ok == bool(want), f"{lost} of {salted} timed salted requests reached the engine without their salt"
+    bad = [w.get("victim_rid") for w in v.witnesses
+           if not (w.get("victim_salt") and "engine_salt" in w and w["engine_salt"] is None)]
+    ok = bool(v.witnesses) and not bad
+    return ok == bool(want), f"witnesses whose salt the engine did receive (or no agent evidence): {bad[:5]}"
+
+
+def _sig_released_on_timeout(v, ctx, want):
+    """Every kv_lifecycle witness is a write that landed after a release SGLang itself made because
+    its deferred-release timeout passed (the outcome of *that* release, paired with the write by
+    ``kv_lifecycle``), not after an early release or a drain ack."""
+    bad = [w.get("room") for w in v.witnesses if w.get("release_outcome") != "timeout"]
+    ok = bool(v.witnesses) and not bad
+    return ok == bool(want), f"late writes that followed a release not made on timeout: {bad[:5]}"
+
+
+def _sig_retried_after_abort(v, ctx, want):
+    """Every abort_semantics witness is an aborted request answered 200 as a success that prefill saw
+    again under a new bootstrap room after its abort (``attempts`` >= 2: a load balancer re-sent it)."""
+    bad = [w.get("rid") for w in v.witnesses
+           if not (w.get("status") == 200 and w.get("finish_reason") != "abort" and (w.get("attempts") or 0) >= 2)]
+    ok = bool(v.witnesses) and not bad
+    return ok == bool(want), f"aborted requests not answered by a second attempt: {bad[:5]}"
+
+
+def _sig_engine_error(v, ctx, sig):
+    ok = any(e.get("signature") == sig for e in ctx.engine_errors)
+    return ok, f"no {sig!r} engine error in the servers' logs during this experiment"
+
+
+SIGNATURES = {
+    "owners_minted": _sig_owners_minted,
+    "stale_pages_of_owner": _sig_stale_pages_of_owner,
+    "victims_shorted": _sig_victims_shorted,
+    "witnesses_are_timeouts": _sig_witnesses_are_timeouts,
+    "hung_behind": _sig_hung_behind,
+    "all_tagged_hung": _sig_all_tagged_hung,
+    "oversized_all_hung": _sig_oversized_all_hung,
+    "fault_armed": _sig_fault_armed,
+    "victims_truncated": _sig_victims_truncated,
+    "process_fault_fired": _sig_process_fault_fired,
+    "engine_error": _sig_engine_error,
+    "salts_lost_before_engine": _sig_salts_lost_before_engine,
+    "released_on_timeout": _sig_released_on_timeout,
+    "retried_after_abort": _sig_retried_after_abort,
+}
+
+
+def power_met(v: Verdict) -> tuple[bool, str]:
+    """Whether a verdict was reached with the power to see what it judges: a leak checker's verdict
+    that reports power must have it met, and an isolation verdict must report it."""
+    pw = v.stats.get("power") if isinstance(v.stats, dict) else None
+    if pw is None:
+        return v.oracle != "isolation", "the verdict reports no power figures"
+    if not isinstance(pw, dict) or not pw.get("met"):
+        try:
+            return False, f"power not met: {power_line(pw)}"
+        except Exception:  # noqa: BLE001 - malformed figures are not power
+            return False, "power not met"
+    return True, ""
