@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Build (or reuse) the kvchaos environment: SGLang 0.5.23 without its CUDA stack, CPU torch,
-# sglang-router 0.3.2, Mooncake (non-CUDA), the harness deps, and kvchaos itself (editable).
+# sglang-router 0.3.2, Mooncake (non-CUDA), the harness deps (env/requirements-harness.txt: pytest, mkdocs
+# for the docs build, ...), and kvchaos itself (editable).
 #
 # Idempotent and fast when done: the venv carries a stamp (hash of RECIPE below, the requirement
 # files and the Python version); a matching stamp skips straight to the editable install check.
@@ -76,8 +77,12 @@ fi
 
 # --- kvchaos itself, editable, pointing at this checkout (CI clones elsewhere: re-point cheaply)
 HERE=$(cd / && "$VENV/bin/python" -c 'import kvchaos, os; print(os.path.dirname(os.path.dirname(os.path.abspath(kvchaos.__file__))))' 2>/dev/null || true)
-if [ "$HERE" != "$REPO" ]; then
+# pyproject.toml's entry points (the pytest plugin, the kvchaos command) are baked in at install: re-install
+# when they change too
+SSTAMP=$(sha256sum pyproject.toml | cut -c1-16)
+if [ "$HERE" != "$REPO" ] || [ "$(cat "$VENV/.kvchaos-self-stamp" 2>/dev/null)" != "$SSTAMP" ]; then
   log "installing kvchaos (editable) from $REPO"
   (cd /tmp && "$VENV/bin/python" -m pip install -q --disable-pip-version-check --no-deps --no-build-isolation -e "$REPO") >&2
+  echo "$SSTAMP" > "$VENV/.kvchaos-self-stamp"
 fi
 echo "$VENV"

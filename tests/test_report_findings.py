@@ -17,7 +17,7 @@ import pytest
 
 from kvchaos import oracles
 from kvchaos.policy import Policy, Registry
-from kvchaos.pytest_plugin import findings_summary
+from kvchaos.plugin.known import findings_summary
 from kvchaos.report import build
 from kvchaos.report.collect import SELFTEST_TEST
 from kvchaos.workload import Workload, run_plans
