@@ -1,0 +1,37 @@
+"""``kvchaos replay RUN_DIR [SCENARIO]``: re-run a recorded scenario with its run's seed; reproduced?
+Exit status: 0 every repetition reproduced, 1 not, 2 bad input."""
+
+from __future__ import annotations
+
+from kvchaos.commands._common import UsageError, subparser
+from kvchaos.replay import ReplayError, replay
+
+NAME = "replay"
+HELP = "re-run a recorded scenario with its run's seed and say if it reproduced"
+DESCRIPTION = ("Re-runs the scenario's test with the run's seed, profile and layouts (run.json), "
+               "each repetition a pytest session of its own (a fresh cluster, or --attach), "
+               "under RUN_DIR/replays/. A repetition reproduced when the plans are the same "
+               "(digest) and every verdict that was not PASS has its original status again. "
+               "Exit 0 all reproduced, 1 not, 2 bad input.")
+
+
+def add_parser(sub, cfg: dict):
+    sp = subparser(sub, NAME, help=HELP, description=DESCRIPTION)
+    sp.add_argument("run_dir", help="a run directory (reports/<run-id>)")
+    sp.add_argument("scenario", nargs="?", help="experiment name, id or test id (default: every experiment not PASS)")
+    sp.add_argument("--times", type=int, default=1, help="repetitions (a reproduction rate)")
+    sp.add_argument("--attach", help="router=URL,prefill=URL,decode=URL: replay against running servers")
+    sp.add_argument("--timeout", type=float, default=1800.0, help="per repetition, seconds (default 1800)")
+    return sp
+
+
+def run(args) -> int:
+    try:
+        res = replay(args.run_dir, args.scenario, times=args.times, attach=args.attach, timeout_s=args.timeout)
+    except ReplayError as e:
+        raise UsageError(f"replay: {e}") from None
+    for sc in res["scenarios"]:
+        print(f"{sc['test']}: reproduced {sc['reproduced']}/{sc['of']} (seed {res['seed']}); original "
+              + ", ".join(f"{o['name']} {o['status']} {o['verdicts']}" for o in sc["original"]))
+    print(f"kvchaos replay: {res['file']}")
+    return 0 if all(sc["reproduced"] == sc["of"] for sc in res["scenarios"]) else 1
