@@ -5,7 +5,7 @@ The cluster launcher (``network_proxy`` in the profile) places three proxies:
 - ``client``: client → router (the address suites get as ``endpoints.router``),
 - ``prefill`` and ``decode``: router → each server (the router is launched with these URLs).
 
-The same code drives the embedded proxy (``faults/proxy.py``, ``network_proxy = "embedded"``) and a
+The same code drives the embedded proxy (``faults/proxy/``, ``network_proxy = "embedded"``) and a
 real ``toxiproxy-server`` (``network_proxy = "host:port"``, or ``KVCHAOS_TOXIPROXY``), always through
 the official ``toxiproxy-python`` client. With the embedded proxy each toxic also reports what it
 touched (``fired`` counters), so :meth:`NetFault.verify` proves it acted; against a real

@@ -1,4 +1,4 @@
-"""faults/proxy.py driven by the official toxiproxy-python client, over loopback.
+"""faults/proxy/ driven by the official toxiproxy-python client, over loopback.
 
 Each toxic is checked by its measured effect on real TCP traffic (a loopback echo / HTTP server),
 not by the API echoing what we posted, and by its ``fired`` counters."""

@@ -47,7 +47,7 @@ def _hook_allocator(mod):
                 if prev is not None and len(prev) >= n:
                     f = AGENT.match("double_alloc")
                 if f is not None:
-                    import torch
+                    import torch  # on use: this module loads in the engine before torch and sglang are imported
 
                     shared = prev[:n].clone()
                     displaced = out[:n].clone()
@@ -85,7 +85,7 @@ def _hook_allocator(mod):
                         else:
                             keep.append(p)
                 if len(keep) != len(idx):
-                    import torch
+                    import torch  # on use: this module loads in the engine before torch and sglang are imported
 
                     free_index = torch.tensor(keep, dtype=free_index.dtype, device=free_index.device)
             return orig(self, free_index)
@@ -108,7 +108,7 @@ def _shared(alloc, create: bool = False) -> dict | None:
 def _whole_pages(out, ps: int):
     """(positions in ``out``, page ids) of the pages ``out`` covers entirely, in order (the partial
     page after a cached prefix, and a partial last page, are not whole)."""
-    import torch
+    import torch  # on use: this module loads in the engine before torch and sglang are imported
 
     n = len(out)
     if n < ps:
@@ -126,72 +126,14 @@ def _hook_paged_allocator(mod):
 
     def make_extend(orig):
         def alloc_extend(self, *a, **k):
-            out = orig(self, *a, **k)
-            if out is None or _ctl.ROLE != "decode":
-                return out
-            AGENT = _ctl.AGENT
-            armed = AGENT.switched_on("double_alloc")
-            if not armed:
-                self.__dict__.pop("_kvchaos_double_alloc", None)
-                return out
-            # per allocator instance: the last prefill-sized allocation made while this fault is armed,
-            # as page ids; forgotten when any of its pages is released (only live allocations are shared)
-            st = self.__dict__.setdefault("_kvchaos_double_alloc", {})
-            if st.get("fid") != armed["id"]:  # a newly armed fault starts fresh
-                st["fid"], st["last"] = armed["id"], None
-            ps = int(self.page_size)
-            tokens = int(armed["params"].get("pages", 8))
-            n = max(1, tokens // ps)
-            pos, pages = _whole_pages(out, ps)
-            if len(pages) < n:  # not a prefill-sized allocation
-                return out
-            prev = st.get("last")
-            f = AGENT.match("double_alloc") if prev is not None and len(prev) >= n else None
-            if f is not None:
-                import torch
-
-                shared = prev[:n].clone()
-                displaced = pages[:n].clone()
-                out = out.clone()
-                offs = torch.arange(ps, dtype=out.dtype, device=out.device)
-                rows = pos[:n].to(out.device)[:, None] + offs.to(torch.int64)
-                out[rows.reshape(-1)] = (shared.to(out.device)[:, None] * ps + offs).reshape(-1).to(out.dtype)
-                # the pages handed out in their place go back: nothing leaks, only the sharing is wrong
-                self.free((displaced.to(out.device)[:, None] * ps + offs).reshape(-1).to(out.dtype))
-                with AGENT.lock:
-                    sh = _shared(self, create=True)
-                    for p in shared.tolist():
-                        sh[p] = sh.get(p, 0) + 1
-                AGENT.emit("fault_fired", fault=f["id"], kind="double_alloc", pages=n, page_size=ps,
-                           tokens=n * ps, shared=shared.tolist()[:64], need_size=int(len(out)),
-                           note="shared = page ids (page_size tokens each)")
-                pages = torch.cat([shared, pages[n:]])
-            st["last"] = pages
-            return out
+            return _paged_double_alloc(self, orig(self, *a, **k))
         return alloc_extend
 
     _wrap(cls, "alloc_extend", make_extend)
 
     def make_free(orig):
         def free(self, free_index):
-            # free() dedups pages (torch.unique(index // page_size)) before _release_page_ids: when
-            # k owners of a shared page are freed in one call (a free group ended), k - 1 of those
-            # frees are folded away here, so count them as swallowed now
-            sh = _shared(self)
-            if sh and getattr(self, "free_group", None) is None and free_index is not None and free_index.numel():
-                import torch
-
-                tok, cnt = torch.unique(free_index, return_counts=True)
-                page = (tok // int(self.page_size)).tolist()
-                with _ctl.AGENT.lock:
-                    k = {}
-                    for p, c in zip(page, cnt.tolist()):
-                        if p in sh:
-                            k[p] = max(k.get(p, 0), c)
-                    for p, owners in k.items():
-                        folded = min(owners - 1, sh.get(p, 0))
-                        if folded > 0:
-                            _swallow(sh, p, folded)
+            _fold_group_frees(self, free_index)
             return orig(self, free_index)
         return free
 
@@ -200,28 +142,110 @@ def _hook_paged_allocator(mod):
     if hasattr(cls, "_release_page_ids"):
         def make_release(orig):
             def _release_page_ids(self, *page_ids):
-                sh = _shared(self)
-                st = self.__dict__.get("_kvchaos_double_alloc")
-                last = st.get("last") if st else None
-                if sh or last is not None:
-                    import torch
-
-                    kept = []
-                    with _ctl.AGENT.lock:
-                        for ids in page_ids:
-                            if sh:
-                                lst = ids.tolist()
-                                keep = [p for p in lst if not _swallow(sh, p)]
-                                if len(keep) != len(lst):
-                                    ids = torch.tensor(keep, dtype=ids.dtype, device=ids.device)
-                            kept.append(ids)
-                            if last is not None and ids.numel() and bool(torch.isin(ids, last.to(ids.device)).any()):
-                                st["last"] = last = None  # its owner gave it back: no longer a live allocation
-                    page_ids = tuple(kept)
-                return orig(self, *page_ids)
+                return orig(self, *_swallow_releases(self, page_ids))
             return _release_page_ids
 
         _wrap(cls, "_release_page_ids", make_release)
+
+
+def _paged_double_alloc(alloc, out):
+    """``alloc_extend``'s result ``out`` (token slots), with the first N whole pages swapped for pages
+    of the last prefill-sized allocation when ``double_alloc`` fires on it; remembers this one."""
+    if out is None or _ctl.ROLE != "decode":
+        return out
+    AGENT = _ctl.AGENT
+    armed = AGENT.switched_on("double_alloc")
+    if not armed:
+        alloc.__dict__.pop("_kvchaos_double_alloc", None)
+        return out
+    # per allocator instance: the last prefill-sized allocation made while this fault is armed,
+    # as page ids; forgotten when any of its pages is released (only live allocations are shared)
+    st = alloc.__dict__.setdefault("_kvchaos_double_alloc", {})
+    if st.get("fid") != armed["id"]:  # a newly armed fault starts fresh
+        st["fid"], st["last"] = armed["id"], None
+    ps = int(alloc.page_size)
+    tokens = int(armed["params"].get("pages", 8))
+    n = max(1, tokens // ps)
+    pos, pages = _whole_pages(out, ps)
+    if len(pages) < n:  # not a prefill-sized allocation
+        return out
+    prev = st.get("last")
+    f = AGENT.match("double_alloc") if prev is not None and len(prev) >= n else None
+    if f is not None:
+        out, pages = _alias_pages(alloc, out, pos, pages, prev[:n].clone(), f)
+    st["last"] = pages
+    return out
+
+
+def _alias_pages(alloc, out, pos, pages, shared, f):
+    """Write the ``shared`` page ids over the first ``len(shared)`` whole pages of ``out`` (at
+    positions ``pos``), give the displaced pages back, and count the extra owner of each shared page.
+    Returns (new ``out``, its page ids)."""
+    import torch  # on use: this module loads in the engine before torch and sglang are imported
+
+    AGENT = _ctl.AGENT
+    ps, n = int(alloc.page_size), len(shared)
+    displaced = pages[:n].clone()
+    out = out.clone()
+    offs = torch.arange(ps, dtype=out.dtype, device=out.device)
+    rows = pos[:n].to(out.device)[:, None] + offs.to(torch.int64)
+    out[rows.reshape(-1)] = (shared.to(out.device)[:, None] * ps + offs).reshape(-1).to(out.dtype)
+    # the pages handed out in their place go back: nothing leaks, only the sharing is wrong
+    alloc.free((displaced.to(out.device)[:, None] * ps + offs).reshape(-1).to(out.dtype))
+    with AGENT.lock:
+        sh = _shared(alloc, create=True)
+        for p in shared.tolist():
+            sh[p] = sh.get(p, 0) + 1
+    AGENT.emit("fault_fired", fault=f["id"], kind="double_alloc", pages=n, page_size=ps,
+               tokens=n * ps, shared=shared.tolist()[:64], need_size=int(len(out)),
+               note="shared = page ids (page_size tokens each)")
+    return out, torch.cat([shared, pages[n:]])
+
+
+def _fold_group_frees(alloc, free_index) -> None:
+    """Before ``free``: it dedups pages (torch.unique(index // page_size)) before _release_page_ids;
+    when k owners of a shared page are freed in one call (a free group ended), k - 1 of those frees
+    are folded away there, so count them as swallowed now."""
+    sh = _shared(alloc)
+    if not (sh and getattr(alloc, "free_group", None) is None and free_index is not None and free_index.numel()):
+        return
+    import torch  # on use: this module loads in the engine before torch and sglang are imported
+
+    tok, cnt = torch.unique(free_index, return_counts=True)
+    page = (tok // int(alloc.page_size)).tolist()
+    with _ctl.AGENT.lock:
+        k = {}
+        for p, c in zip(page, cnt.tolist()):
+            if p in sh:
+                k[p] = max(k.get(p, 0), c)
+        for p, owners in k.items():
+            folded = min(owners - 1, sh.get(p, 0))
+            if folded > 0:
+                _swallow(sh, p, folded)
+
+
+def _swallow_releases(alloc, page_ids: tuple) -> tuple:
+    """``_release_page_ids``' arguments less the releases of shared pages still owed a swallowed free;
+    forgets the last allocation once any of its pages is released (it is no longer live)."""
+    sh = _shared(alloc)
+    st = alloc.__dict__.get("_kvchaos_double_alloc")
+    last = st.get("last") if st else None
+    if not sh and last is None:
+        return page_ids
+    import torch  # on use: this module loads in the engine before torch and sglang are imported
+
+    kept = []
+    with _ctl.AGENT.lock:
+        for ids in page_ids:
+            if sh:
+                lst = ids.tolist()
+                keep = [p for p in lst if not _swallow(sh, p)]
+                if len(keep) != len(lst):
+                    ids = torch.tensor(keep, dtype=ids.dtype, device=ids.device)
+            kept.append(ids)
+            if last is not None and ids.numel() and bool(torch.isin(ids, last.to(ids.device)).any()):
+                st["last"] = last = None  # its owner gave it back: no longer a live allocation
+    return tuple(kept)
 
 
 def _swallow(sh: dict, p: int, n: int = 1) -> bool:
