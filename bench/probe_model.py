@@ -37,8 +37,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from faults import open_network_proxy  # noqa: E402 - the fault layer's network proxy
-from faults.engine import AgentClient  # noqa: E402
+from faults import AGENT_MODULE, open_network_proxy  # noqa: E402 - the fault layer's proxy and agent
+from faults.client import AgentClient  # noqa: E402
 from kvchaos.cluster import Cluster, ClusterSpec, SingleServer  # noqa: E402
 from kvchaos.cluster.layouts import LayoutError, apply, parse  # noqa: E402
 from kvchaos.cluster.spec import TRANSFER_BACKENDS, SpecError  # noqa: E402
@@ -131,74 +131,73 @@ def versions(spec: ClusterSpec) -> dict:
     return out
 
 
-def main(argv=None) -> int:
-    args = parse_args(argv)
-    spec = args.spec
-    t_all = time.monotonic()
-    ctx = spec.context_length
-    lengths = sorted({min(n, ctx * 9 // 10) for n in (32, 48, 64, 128, 256, 512, 1024, 2048, 3072)} | {ctx * 9 // 10})
+def _lengths(ctx: int) -> list[int]:
+    """Prompt lengths of the echo and foreign trials: 32 tokens .. 90 % of the context."""
+    return sorted({min(n, ctx * 9 // 10) for n in (32, 48, 64, 128, 256, 512, 1024, 2048, 3072)} | {ctx * 9 // 10})
+
+
+def _info(args: argparse.Namespace, spec: ClusterSpec) -> dict:
+    """What the figures were measured on: layout, profile, backend, pool, model, recipe, versions, counts."""
     kind = spec.model.partition(":")[2] or "mha"
-    info = {"layout": args.layout, "profile": args.profile, "backend": spec.transfer_backend,
-            "pool_tokens": spec.pool_tokens, "context_length": ctx, "page_size": spec.page_size,
+    return {"layout": args.layout, "profile": args.profile, "backend": spec.transfer_backend,
+            "pool_tokens": spec.pool_tokens, "context_length": spec.context_length, "page_size": spec.page_size,
             "dtype": spec.dtype, "model": spec.model, "probe_recipe": recipe_digest(kind),
             "versions": versions(spec), "counts": {k: getattr(args, k) for k in ("echo", "contamination", "stale",
                                                                                    "determinism")}}
-    log = lambda msg: print(f"[{time.monotonic() - t_all:7.1f} s] {msg}", flush=True)  # noqa: E731
-    log(f"layout {args.layout}: starting PD cluster ({spec.transfer_backend}, pool {spec.pool_tokens}, "
-        f"context {ctx}, model {spec.model})")
-    rows, timings = {}, {}
-    d = tempfile.mkdtemp(prefix="kvc-probe-bench-")  # kept (with the engines' logs) when the run fails
-    ok_run = False
+
+
+def _measure_pd(args, spec: ClusterSpec, d: str, lengths: list[int], log, rows: dict, timings: dict) -> None:
+    """Echo, foreign, determinism and stale-KV through the PD cluster (into ``rows`` / ``timings``); the
+    agent's faults are healed and the cluster stopped whatever happens."""
+    ctx = spec.context_length
+    t0 = time.monotonic()
+    c = Cluster(spec, d, proxy_factory=open_network_proxy, agent_module=AGENT_MODULE).start()
+    timings["cluster_start_s"] = round(time.monotonic() - t0, 1)
+    agent = AgentClient(c.agent_dir)
     try:
-        t0 = time.monotonic()
-        c = Cluster(spec, d, proxy_factory=open_network_proxy).start()
-        timings["cluster_start_s"] = round(time.monotonic() - t0, 1)
-        agent = AgentClient(c.agent_dir)
-        try:
-            url = c.endpoints.router
-            steps = [("own_echo", lambda: measure_echo(url, args.echo, lengths, seed=args.seed)),
-                     ("foreign", lambda: measure_contamination(url, args.contamination, lengths[3:], seed=args.seed + 1)),
-                     ("determinism", lambda: measure_determinism(url, args.determinism, seed=args.seed + 2)),
-                     ("stale_kv", lambda: measure_stale_kv(url, agent, args.stale, spec.pool_tokens, spec.page_size,
-                                                           ctx, seed=args.seed + 3, progress=log))]
-            for name, fn in steps:
-                t0 = time.monotonic()
-                rows[name] = fn()
-                timings[f"{name}_s"] = round(time.monotonic() - t0, 1)
-                log(f"{rows[name]}   ({timings[f'{name}_s']:.0f} s)")
-        finally:
-            try:
-                still = agent.armed()
-                agent.heal_all()
-                if still:
-                    log(f"healed faults still armed: {still}")
-            finally:
-                t0 = time.monotonic()
-                c.stop()
-                timings["cluster_stop_s"] = round(time.monotonic() - t0, 1)
-        tiny_spec = ClusterSpec.from_dict({**spec.to_dict(), "model": "tiny:0", "name": f"{spec.name}-tiny"})
-        log(f"random tiny model (single server, page size {spec.page_size}, {spec.dtype}): the blind baseline")
-        t0 = time.monotonic()
-        tiny = SingleServer(tiny_spec, d).start()
-        try:
-            rows["tiny_echo"] = measure_echo(tiny.url, 50, lengths[:8], seed=args.seed)
-            rows["tiny_foreign"] = measure_contamination(tiny.url, 50, lengths[3:8], seed=args.seed + 1)
-        finally:
-            tiny.stop()
-        timings["baseline_s"] = round(time.monotonic() - t0, 1)
-        ok_run = True
+        url = c.endpoints.router
+        steps = [("own_echo", lambda: measure_echo(url, args.echo, lengths, seed=args.seed)),
+                 ("foreign", lambda: measure_contamination(url, args.contamination, lengths[3:], seed=args.seed + 1)),
+                 ("determinism", lambda: measure_determinism(url, args.determinism, seed=args.seed + 2)),
+                 ("stale_kv", lambda: measure_stale_kv(url, agent, args.stale, spec.pool_tokens, spec.page_size,
+                                                       ctx, seed=args.seed + 3, progress=log))]
+        for name, fn in steps:
+            t0 = time.monotonic()
+            rows[name] = fn()
+            timings[f"{name}_s"] = round(time.monotonic() - t0, 1)
+            log(f"{rows[name]}   ({timings[f'{name}_s']:.0f} s)")
     finally:
-        if ok_run:
-            shutil.rmtree(d, ignore_errors=True)
-        else:
-            print(f"run failed: the cluster's logs are kept in {d}/logs", file=sys.stderr, flush=True)
-    for k in ("tiny_echo", "tiny_foreign"):
-        rows[k].name = f"random tiny model: {rows[k].name}"
-    wall = time.monotonic() - t_all
-    echo, cont, stale = rows["own_echo"], rows["foreign"], rows["stale_kv"]
+        try:
+            still = agent.armed()
+            agent.heal_all()
+            if still:
+                log(f"healed faults still armed: {still}")
+        finally:
+            t0 = time.monotonic()
+            c.stop()
+            timings["cluster_stop_s"] = round(time.monotonic() - t0, 1)
+
+
+def _measure_baseline(args, spec: ClusterSpec, d: str, lengths: list[int], log, rows: dict, timings: dict) -> None:
+    """The random tiny model on a single server (the layout's page size and dtype): the blind baseline."""
+    tiny_spec = ClusterSpec.from_dict({**spec.to_dict(), "model": "tiny:0", "name": f"{spec.name}-tiny"})
+    log(f"random tiny model (single server, page size {spec.page_size}, {spec.dtype}): the blind baseline")
+    t0 = time.monotonic()
+    tiny = SingleServer(tiny_spec, d).start()
+    try:
+        rows["tiny_echo"] = measure_echo(tiny.url, 50, lengths[:8], seed=args.seed)
+        rows["tiny_foreign"] = measure_contamination(tiny.url, 50, lengths[3:8], seed=args.seed + 1)
+    finally:
+        tiny.stop()
+    timings["baseline_s"] = round(time.monotonic() - t0, 1)
+
+
+def _print_rates(args, spec: ClusterSpec, info: dict, rows: dict, timings: dict, wall: float) -> None:
+    """The figures: every rate (with its first failures), the stale-KV trial's breakdown, the wall times."""
+    stale = rows["stale_kv"]
     n = stale.notes
     print(f"\nprobe model, layout {args.layout}, through SGLang PD (prefill+decode+router, {spec.transfer_backend}, "
-          f"pool {spec.pool_tokens}, context {ctx}); {info['versions'].get('sglang', '?')}:")
+          f"pool {spec.pool_tokens}, context {spec.context_length}); {info['versions'].get('sglang', '?')}:")
     for k in ("own_echo", "foreign", "stale_kv", "determinism", "tiny_echo", "tiny_foreign"):
         r = rows[k]
         fails = [{k2: (v[:60] if isinstance(v, str) else v) for k2, v in f.items()} for f in r.failures[:2]]
@@ -215,6 +214,11 @@ def main(argv=None) -> int:
           f"without {n['hits_without_tail_collision']}/{n['without_tail_collision']}; own canary recited intact "
           f"in {n['own_recital_intact']}/{stale.trials} (hits among them {n['hits_with_own_recital_intact']})")
     print(f"  wall time {wall:.0f} s ({', '.join(f'{k} {v}' for k, v in timings.items())})")
+
+
+def _unmet(args, rows: dict) -> list[str]:
+    """Why the targets are not met (empty: they are)."""
+    echo, cont, stale = rows["own_echo"], rows["foreign"], rows["stale_kv"]
     why = []
     if echo.rate < ECHO_THRESHOLD:
         why.append(f"own echo {100 * echo.rate:.1f} % < {100 * ECHO_THRESHOLD:.0f} %")
@@ -226,6 +230,35 @@ def main(argv=None) -> int:
         why.append("stale-KV not measured: no trial had a whole donor canary in the stale pages")
     if rows["determinism"].rate < 1.0:
         why.append("not deterministic")
+    return why
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    spec = args.spec
+    t_all = time.monotonic()
+    lengths = _lengths(spec.context_length)
+    info = _info(args, spec)
+    log = lambda msg: print(f"[{time.monotonic() - t_all:7.1f} s] {msg}", flush=True)  # noqa: E731
+    log(f"layout {args.layout}: starting PD cluster ({spec.transfer_backend}, pool {spec.pool_tokens}, "
+        f"context {spec.context_length}, model {spec.model})")
+    rows, timings = {}, {}
+    d = tempfile.mkdtemp(prefix="kvc-probe-bench-")  # kept (with the engines' logs) when the run fails
+    ok_run = False
+    try:
+        _measure_pd(args, spec, d, lengths, log, rows, timings)
+        _measure_baseline(args, spec, d, lengths, log, rows, timings)
+        ok_run = True
+    finally:
+        if ok_run:
+            shutil.rmtree(d, ignore_errors=True)
+        else:
+            print(f"run failed: the cluster's logs are kept in {d}/logs", file=sys.stderr, flush=True)
+    for k in ("tiny_echo", "tiny_foreign"):
+        rows[k].name = f"random tiny model: {rows[k].name}"
+    wall = time.monotonic() - t_all
+    _print_rates(args, spec, info, rows, timings, wall)
+    why = _unmet(args, rows)
     print("  " + ("targets met" if not why else "NOT MET: " + "; ".join(why)))
     if args.json_out:
         out = {**info, "rates": {k: r.to_dict() for k, r in rows.items()}, "timings_s": timings,

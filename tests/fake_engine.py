@@ -39,6 +39,99 @@ class _Server(ThreadingHTTPServer):
             super().handle_error(request, client_address)
 
 
+class _Handler(BaseHTTPRequestHandler):
+    """One request to a :class:`FakeEngine`; ``engine`` (set on a per-engine subclass) is read at
+    request time, so a test may change its behaviour, ``leak_text`` or ``leak_min_chars`` while it runs."""
+
+    protocol_version = "HTTP/1.1"
+    engine: "FakeEngine"
+
+    def log_message(self, *a):
+        pass
+
+    def do_POST(self):
+        eng = self.engine
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        eng.requests.append((self.path, body))
+        if self.path == "/abort_request":
+            return self._json(200, {"ok": True})
+        text = body.get("text") or body.get("prompt") or "".join(m["content"] for m in body.get("messages", []))
+        if eng.behaviour == "reject":
+            return self._json(400, {"error": {"message": "Input length exceeds the maximum allowed length"}})
+        if eng.behaviour == "hang":
+            time.sleep(30)
+        time.sleep(eng.delay_s)
+        reply = "".join(canary.payload(c) + "][" for _, c in canary.find(text))
+        if len(text) >= eng.leak_min_chars:
+            reply += eng.leak_text
+        if eng.behaviour == "error500":
+            return self._json(500, {"error": {"message": f"engine failed after: {reply}"}})
+        if body.get("stream"):
+            return self._stream(reply, self.path)
+        if self.path == "/generate":
+            return self._json(200, {"text": reply, "output_ids": [ord(ch) for ch in reply],
+                                    "meta_info": {"finish_reason": {"type": "stop"}}})
+        if self.path == "/v1/completions":
+            return self._json(200, {"choices": [{"text": reply}]})
+        return self._json(200, {"choices": [{"message": {"content": reply}}]})
+
+    def _json(self, code, obj):
+        data = json.dumps(obj).encode()
+        self.send_response(code)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        if self.engine.behaviour == "cut":
+            self.wfile.write(data[:len(data) // 2])
+            return self._hang_up()
+        self.wfile.write(data)
+
+    def _events(self, reply, path):
+        eng = self.engine
+        n = eng.chunk_chars
+        ends = list(range(n, len(reply), n)) + [len(reply)]
+        out = []
+        for a, b in zip([0] + ends, ends):
+            obj = {"text": reply[:b]} if path == "/generate" else {"choices": [{"text": reply[a:b]}]}
+            out.append(f"data: {json.dumps(obj)}\n\n".encode())
+        if eng.behaviour == "malformed":
+            out.insert(1, f"data: {{not json {reply}\n\n".encode())
+        return out
+
+    def _stream(self, reply, path):
+        eng = self.engine
+        events = self._events(reply, path)
+        cut, chunked = eng.behaviour in ("cut", "cut_eof"), eng.behaviour != "cut_eof"
+        frame = self._frame if chunked else (lambda data: data)
+        writes = [frame(e) for e in events]
+        if cut:  # the last line stops 4 bytes short ('"}\n\n' for /generate); a chunk header announces it whole
+            writes[-1] = (f"{len(events[-1]):x}\r\n".encode() if chunked else b"") + events[-1][:-4]
+        head = ("HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+                + ("Transfer-Encoding: chunked\r\n" if chunked else "Connection: close\r\n") + "\r\n").encode()
+        if eng.eager_first_chunk:
+            head += writes.pop(0)
+        try:
+            self.wfile.write(head)
+            for data in writes:
+                time.sleep(eng.chunk_delay_s)
+                self.wfile.write(data)
+            if cut:
+                return self._hang_up()
+            if eng.behaviour == "stall":
+                eng.stopped.wait(30)
+            self.wfile.write(self._frame(b"data: [DONE]\n\n") + self._frame(b""))
+        except (BrokenPipeError, ConnectionResetError):
+            pass
+
+    def _frame(self, data):
+        return f"{len(data):x}\r\n".encode() + data + b"\r\n"
+
+    def _hang_up(self):
+        """Close the connection (a FIN: what was sent arrives, then EOF)."""
+        self.close_connection = True
+        self.connection.shutdown(socket.SHUT_RDWR)
+
+
 class FakeEngine:
     def __init__(self, behaviour="echo", delay_s=0.0, chunk_delay_s=0.0, leak_text="", chunk_chars=1,
                  eager_first_chunk=False):
@@ -47,94 +140,8 @@ class FakeEngine:
         self.leak_min_chars = 0  # leak only into replies to prompts at least this long
         self.requests = []
         self.stopped = threading.Event()
-        eng = self
-
-        class H(BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-
-            def log_message(self, *a):
-                pass
-
-            def do_POST(self):
-                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-                eng.requests.append((self.path, body))
-                if self.path == "/abort_request":
-                    return self._json(200, {"ok": True})
-                text = body.get("text") or body.get("prompt") or "".join(m["content"] for m in body.get("messages", []))
-                if eng.behaviour == "reject":
-                    return self._json(400, {"error": {"message": "Input length exceeds the maximum allowed length"}})
-                if eng.behaviour == "hang":
-                    time.sleep(30)
-                time.sleep(eng.delay_s)
-                reply = "".join(canary.payload(c) + "][" for _, c in canary.find(text))
-                if len(text) >= eng.leak_min_chars:
-                    reply += eng.leak_text
-                if eng.behaviour == "error500":
-                    return self._json(500, {"error": {"message": f"engine failed after: {reply}"}})
-                if body.get("stream"):
-                    return self._stream(reply, self.path)
-                if self.path == "/generate":
-                    return self._json(200, {"text": reply, "output_ids": [ord(ch) for ch in reply],
-                                            "meta_info": {"finish_reason": {"type": "stop"}}})
-                if self.path == "/v1/completions":
-                    return self._json(200, {"choices": [{"text": reply}]})
-                return self._json(200, {"choices": [{"message": {"content": reply}}]})
-
-            def _json(self, code, obj):
-                data = json.dumps(obj).encode()
-                self.send_response(code)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                if eng.behaviour == "cut":
-                    self.wfile.write(data[:len(data) // 2])
-                    return self._hang_up()
-                self.wfile.write(data)
-
-            def _events(self, reply, path):
-                n = eng.chunk_chars
-                ends = list(range(n, len(reply), n)) + [len(reply)]
-                out = []
-                for a, b in zip([0] + ends, ends):
-                    obj = {"text": reply[:b]} if path == "/generate" else {"choices": [{"text": reply[a:b]}]}
-                    out.append(f"data: {json.dumps(obj)}\n\n".encode())
-                if eng.behaviour == "malformed":
-                    out.insert(1, f"data: {{not json {reply}\n\n".encode())
-                return out
-
-            def _stream(self, reply, path):
-                events = self._events(reply, path)
-                cut, chunked = eng.behaviour in ("cut", "cut_eof"), eng.behaviour != "cut_eof"
-                frame = self._frame if chunked else (lambda data: data)
-                writes = [frame(e) for e in events]
-                if cut:  # the last line stops 4 bytes short ('"}\n\n' for /generate); a chunk header announces it whole
-                    writes[-1] = (f"{len(events[-1]):x}\r\n".encode() if chunked else b"") + events[-1][:-4]
-                head = ("HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
-                        + ("Transfer-Encoding: chunked\r\n" if chunked else "Connection: close\r\n") + "\r\n").encode()
-                if eng.eager_first_chunk:
-                    head += writes.pop(0)
-                try:
-                    self.wfile.write(head)
-                    for data in writes:
-                        time.sleep(eng.chunk_delay_s)
-                        self.wfile.write(data)
-                    if cut:
-                        return self._hang_up()
-                    if eng.behaviour == "stall":
-                        eng.stopped.wait(30)
-                    self.wfile.write(self._frame(b"data: [DONE]\n\n") + self._frame(b""))
-                except (BrokenPipeError, ConnectionResetError):
-                    pass
-
-            def _frame(self, data):
-                return f"{len(data):x}\r\n".encode() + data + b"\r\n"
-
-            def _hang_up(self):
-                """Close the connection (a FIN: what was sent arrives, then EOF)."""
-                self.close_connection = True
-                self.connection.shutdown(socket.SHUT_RDWR)
-
-        self.server = _Server(("127.0.0.1", 0), H)
+        handler = type("H", (_Handler,), {"engine": self})
+        self.server = _Server(("127.0.0.1", 0), handler)
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
         self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
 

@@ -13,7 +13,7 @@ import pytest
 
 import faults.agent as agent_mod
 from faults.agent import cache as cache_mod
-from faults.engine import AgentClient
+from faults.client import AgentClient
 from tests.test_agent_unit import agent, decode_agent  # noqa: F401 - fixtures
 
 
