@@ -45,6 +45,10 @@ from urllib.parse import urlparse
 
 import httpx
 
+from kvchaos import releases as R
+from kvchaos.cluster.metrics import Metrics
+from kvchaos.workload.snapshots import server_field
+
 PASS, FAIL, UNKNOWN = "pass", "fail", "unknown"
 FIXES = (("#36988", "prefill retires an aborted request's result before sending KV: _retire_aborted_prefill_result"),
          ("#38935", "a request rejected at intake is not admitted to the PD handoff: is_unadmitted_reject"))
@@ -75,8 +79,6 @@ class Check:
 
 def field_of(info, key):
     """First value of ``key`` anywhere in a nested ``/server_info`` answer."""
-    from kvchaos.workload.probes import server_field
-
     return server_field(info, key)
 
 
@@ -109,8 +111,6 @@ def check_versions(infos: dict, table: dict | None = None, reading: dict | None 
     """Each role's release judged by what it was *measured* to do (``kvchaos bisect``'s committed table,
     :func:`kvchaos.releases.assess`), not by PR numbers: FAIL when a role runs a release measured to
     leak (or older than one), PASS only when every role's release was measured clean, else UNKNOWN."""
-    from kvchaos import releases as R
-
     vers = {r: field_of(i, "version") for r, i in infos.items()}
     title = "engine release vs the measured release table"
     prs = {pr: (reading or {}).get("prs", {}).get(pr, {}).get("first_release") for pr, _ in FIXES}
@@ -251,7 +251,7 @@ LB_MODES = ("stream", "nonstream")
 
 def check_lb_first_token(probes: list[dict]) -> Check:
     """Checklist item 5: the load balancer must let a request run at least to its first token (or
-    never abort mid-transfer). Judged from :func:`lb_probe` results: a client that left before the
+    never abort mid-transfer). Judged from :func:`lb_trial` results: a client that left before the
     first token must not have turned into an abort on prefill or decode."""
     title = "load balancer lets a request run to its first token"
     nums = {"probes": probes}
@@ -278,7 +278,7 @@ def check_lb_first_token(probes: list[dict]) -> Check:
                  "and neither prefill nor decode counted an abort; the request ran on")
 
 
-def lb_probe(router: str, prefill: str, decode: str, mode: str = "stream", *, prompt_tokens: int = 1000,
+def lb_trial(router: str, prefill: str, decode: str, mode: str = "stream", *, prompt_tokens: int = 1000,
              disconnect_ms: float = 50.0, settle_s: float = 6.0, before_send=None, timeout: float = 15.0) -> dict:
     """Send one ``/generate`` through the router with a unique rid and close the connection
     ``disconnect_ms`` after sending (before the first token), then read whether prefill and decode
@@ -288,10 +288,8 @@ def lb_probe(router: str, prefill: str, decode: str, mode: str = "stream", *, pr
     import socket
     import uuid
 
-    from kvchaos.cluster.metrics import Metrics
-
     if mode not in LB_MODES:
-        raise AuditError(f"lb probe mode {mode!r}: one of {', '.join(LB_MODES)}")
+        raise AuditError(f"lb trial mode {mode!r}: one of {', '.join(LB_MODES)}")
     rid = f"kvchaos-audit-lb-{mode}-{uuid.uuid4().hex[:8]}"
     out = {"rid": rid, "mode": mode, "disconnect_ms": disconnect_ms, "prompt_tokens": prompt_tokens}
     before = {}
@@ -396,8 +394,6 @@ def release_evidence(path=None, deployment: str = "incident") -> tuple[dict | No
     """The measured release table (``kvchaos bisect``; ``path``, or the committed one of the
     deployment the servers run) and the code reading of each release
     (reports/releases/code-reading.json), each None when absent."""
-    from kvchaos import releases as R
-
     if path is not None and not Path(path).exists():
         raise AuditError(f"--release-table {path}: no such file")
     try:
@@ -437,7 +433,7 @@ def audit(prefill: str, decode: str, router: str | None = None, timeout: float =
             checks.append(check_router(None, prefill, decode, f"router {router}: {e!r}"))
         if lb_modes:
             n = max(16, min(1000, (field_of(infos["prefill"], "max_req_input_len") or 1000) - 16))
-            checks.append(check_lb_first_token([lb_probe(router, prefill, decode, m, prompt_tokens=n,
+            checks.append(check_lb_first_token([lb_trial(router, prefill, decode, m, prompt_tokens=n,
                                                          disconnect_ms=lb_disconnect_ms, timeout=timeout)
                                                 for m in lb_modes]))
     counts = {s: sum(c.status == s for c in checks) for s in (PASS, FAIL, UNKNOWN)}

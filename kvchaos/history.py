@@ -43,6 +43,9 @@ from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvchaos import canary
+from kvchaos.model import char_vocab
+
 SCHEMA = 2
 ONCE_PER_RID = ("plan", "send", "body", "end")
 # records that are not something the client received (the prompt is the harness's own text; faults
@@ -381,8 +384,6 @@ def decode_probe_ids(ids: list) -> str:
     not one character)."""
     global _PROBE_IDS
     if _PROBE_IDS is None:
-        from kvchaos.model import char_vocab
-
         _PROBE_IDS = {i: t for t, i in char_vocab().items() if len(t) == 1}
     return "".join(_PROBE_IDS.get(i, "?") if isinstance(i, int) else "?" for i in ids)
 
@@ -409,8 +410,6 @@ def _num(x) -> bool:
 
 def _check_types(e: dict, where: str) -> None:
     """The fields the checkers read, with the types they need (a clear message, never a traceback)."""
-    from kvchaos import canary
-
     ev = e["ev"]
     rid = e.get("rid")
     if rid is not None and (not isinstance(rid, str) or not rid):

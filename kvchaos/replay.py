@@ -25,6 +25,8 @@ import sys
 import time
 from pathlib import Path
 
+from kvchaos.report.collect import ReportError, experiment_records
+
 REPO = Path(__file__).resolve().parent.parent
 
 
@@ -52,8 +54,6 @@ def load_run(run_dir) -> dict:
 def scenarios(run_dir) -> list[dict]:
     """The run's experiments (``kvchaos.report.collect.experiment_records``: the last record per id
     stands), or its dry-run plan records."""
-    from kvchaos.report.collect import ReportError, experiment_records
-
     d = Path(run_dir)
     try:
         out = experiment_records(d)

@@ -21,7 +21,9 @@ import time
 
 import httpx
 
-from kvchaos.workload.probes import server_field  # noqa: F401 - suites import it from here
+from kvchaos.cluster import Cluster
+from kvchaos.selftest import planted_leak_selftest
+from kvchaos.workload.snapshots import server_field  # noqa: F401 - suites import it from here
 
 
 @contextlib.contextmanager
@@ -32,9 +34,6 @@ def own_cluster(spec, workdir, reaper, policy=None):
     import copy
     import json
     import os
-
-    from kvchaos.cluster import Cluster
-    from kvchaos.selftest import planted_leak_selftest
 
     if os.environ.get("KVCHAOS_DRY") == "1":  # a dry run (--kvchaos-dry) starts no engine
         from kvchaos.cluster.dry import DryCluster

@@ -50,7 +50,7 @@ from kvchaos.oracles import HttpSemantics, Isolation, Liveness, Sensitivity, kv_
 from kvchaos.suite import own_cluster, server_field
 from kvchaos.workload import EventLog
 from kvchaos.workload import Workload
-from kvchaos.workload.probes import wait_quiet
+from kvchaos.workload.snapshots import wait_quiet
 
 pytestmark = pytest.mark.cluster
 BOUND_S = 30

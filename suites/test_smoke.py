@@ -29,7 +29,7 @@ import pytest
 from kvchaos import canary
 from kvchaos.cluster.metrics import Metrics
 from kvchaos.probe import prompt
-from kvchaos.workload.probes import wait_quiet
+from kvchaos.workload.snapshots import wait_quiet
 
 N_PROMPTS = 12
 HEALTH_INTERVAL_S = 60.0  # sglang-router 0.3.2 RouterArgs.health_check_interval_secs

@@ -186,9 +186,9 @@ def test_lb_first_token_passes_only_with_conclusive_probes():
 
 
 def test_lb_probe_bad_mode_is_bad_input():
-    with pytest.raises(A.AuditError, match="lb probe mode 'sse'"):
-        A.lb_probe("http://127.0.0.1:9", "http://127.0.0.1:9", "http://127.0.0.1:9", "sse")
-    r = A.lb_probe("http://127.0.0.1:9", "http://127.0.0.1:9", "http://127.0.0.1:9", "stream", timeout=2)
+    with pytest.raises(A.AuditError, match="lb trial mode 'sse'"):
+        A.lb_trial("http://127.0.0.1:9", "http://127.0.0.1:9", "http://127.0.0.1:9", "sse")
+    r = A.lb_trial("http://127.0.0.1:9", "http://127.0.0.1:9", "http://127.0.0.1:9", "stream", timeout=2)
     assert r["aborts"] is None and "/metrics unreadable" in r["why"]
 
 

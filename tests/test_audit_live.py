@@ -107,7 +107,7 @@ def delayed_nonstream_probe(c, kit):
         armed.append(kit.agent.arm("prefill", "delay", target={"rid": rid}, params={"ms": 10000}, count=1))
 
     e = c.endpoints
-    p = A.lb_probe(e.router_direct or e.router, e.prefill, e.decode, "nonstream", prompt_tokens=800,
+    p = A.lb_trial(e.router_direct or e.router, e.prefill, e.decode, "nonstream", prompt_tokens=800,
                    before_send=arm, settle_s=13)
     assert armed and armed[0].fired_events(), "the delay never fired: the probe was not mid-transfer"
     return p, A.check_lb_first_token([p])

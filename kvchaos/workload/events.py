@@ -15,6 +15,8 @@ import threading
 import time
 from pathlib import Path
 
+from kvchaos.history import read_records
+
 
 class EventLog:
     def __init__(self, path: str | Path | None = None):
@@ -49,6 +51,4 @@ class EventLog:
 def load_events(path: str | Path) -> list[dict]:
     """Read an event log: the one loader (:func:`kvchaos.history.read_records`): every line a JSON
     object with an ``ev``, no key twice; a cut last line is kept as a ``truncated`` record."""
-    from kvchaos.history import read_records
-
     return read_records(path)

@@ -36,7 +36,7 @@ from itertools import count
 from kvchaos import canary
 from kvchaos.probe import MIN_HEAD, MIN_TAIL, TRIGGER, max_new_tokens, prompt
 
-KINDS = ("plain", "stream", "oversized", "abort_after", "disconnect_before_first_token")
+REQUEST_KINDS = ("plain", "stream", "oversized", "abort_after", "disconnect_before_first_token")
 ENDPOINTS = ("generate", "completions", "chat")
 SHARING = ("none", "public", "tenant", "conversation", "diverge", "identical")
 PUBLIC_LEN = 128  # the public system prompt (characters = probe tokens)
@@ -246,8 +246,8 @@ class Workload:
 
     # ------------------------------------------------------------------ helpers
     def _check(self, kind, endpoint):
-        if kind not in KINDS:
-            raise ValueError(f"unknown request kind {kind!r}; one of {KINDS}")
+        if kind not in REQUEST_KINDS:
+            raise ValueError(f"unknown request kind {kind!r}; one of {REQUEST_KINDS}")
         if endpoint not in ENDPOINTS:
             raise ValueError(f"unknown endpoint {endpoint!r}; one of {ENDPOINTS}")
 
@@ -281,9 +281,9 @@ class Workload:
         conversation adds 2 turns, a diverging pair 2 plans, identical prompts 2; the mix stops at
         ``n`` plans."""
         weights = weights or {"plain": 1.0}
-        bad = set(weights) - set(KINDS)
+        bad = set(weights) - set(REQUEST_KINDS)
         if bad:
-            raise ValueError(f"unknown request kinds {sorted(bad)}; one of {KINDS}")
+            raise ValueError(f"unknown request kinds {sorted(bad)}; one of {REQUEST_KINDS}")
         sharing = DEFAULT_SHARING if sharing is None else sharing
         bad = set(sharing) - set(SHARING)
         if bad or not sharing or any(v < 0 for v in sharing.values()) or not sum(sharing.values()):

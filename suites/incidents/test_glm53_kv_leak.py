@@ -43,7 +43,7 @@ from kvchaos.experiment import FAIL, PASS
 from kvchaos.oracles import HttpSemantics, Isolation, Liveness, kv_pages_written
 from kvchaos.suite import own_cluster, server_field
 from kvchaos.workload import EventLog
-from kvchaos.workload.probes import wait_quiet
+from kvchaos.workload.snapshots import wait_quiet
 
 # a default run (CI) puts it on the profile's other layouts — MLA, paged, bf16 — and not again on the
 # profile's own (committed results: reports/); --kvchaos-layouts / make test-layouts run it on any layout
