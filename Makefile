@@ -1,6 +1,7 @@
 # Two commands on a fresh machine:
 #   make run    the main job: chaos suites against the embedded CPU cluster, report under reports/
-#   make test   the harness's own tests and the default (non-slow) suites
+#   make test   the harness's own tests, the default (non-slow) suites and the strict docs build
+#   make docs   the documentation (docs/, mkdocs.yml) into site/
 VENV ?= $(HOME)/.cache/kvchaos/venv
 export KVCHAOS_VENV := $(VENV)
 PY := $(VENV)/bin/python
@@ -8,13 +9,17 @@ PYTEST_ARGS ?=
 
 LAYOUTS ?= mha-p1-fp32,gqa-p16-bf16,gqa-p64-bf16,mla-p64-bf16
 
-.PHONY: setup run test test-two-hosts test-matrix test-unit test-layouts soak bench clean-reports
+.PHONY: setup run docs test test-two-hosts test-matrix test-unit test-layouts soak bench clean-reports
 setup:
 	@bash scripts/setup.sh >/dev/null
 	@bash scripts/setup-engine.sh 0.5.19 >/dev/null  # pre-fix release for the GLM-5.3 reproduction
 
 run: setup
 	$(PY) -m kvchaos run
+
+# the documentation site; --strict: a broken link, anchor or a page missing from mkdocs.yml's nav fails
+docs: setup
+	$(PY) -m mkdocs build --strict --quiet --site-dir site
 
 # CI's 30 minutes: the detection matrix runs 1 mutated trial and 1 clean per class here; make
 # test-matrix runs the full 5 + 2 (what reports/matrix/ holds)
@@ -33,8 +38,9 @@ TWO_HOSTS ?= tests/test_two_hosts_live.py suites/test_smoke.py \
 
 # three sessions: the harness's tests that need no cluster on 2 xdist workers (they share nothing),
 # then everything that drives a real cluster, one at a time (the engines want both cores), then the
-# two-host topology (prefill and decode in network namespaces, every agent fault over TCP). All always
-# run; the target fails if any does. Each leaves its own reports/<run-id>/.
+# two-host topology (prefill and decode in network namespaces, every agent fault over TCP), then the
+# strict docs build (a broken link or a page missing from the nav is red). All always run; the target
+# fails if any does. Each pytest session leaves its own reports/<run-id>/.
 test: setup
 	@rc=0; \
 	$(PY) -m pytest -m "not cluster and not slow and not gpu" -n 2 -p no:cacheprovider --kvchaos-seed $(SEED) $(PYTEST_ARGS) || rc=1; \
@@ -42,6 +48,7 @@ test: setup
 	  $(PY) -m pytest -m "cluster and not slow and not gpu" -p no:cacheprovider --kvchaos-seed $(SEED) $(PYTEST_ARGS) || rc=1; \
 	$(PY) -m pytest $(TWO_HOSTS) -m "cluster and not slow and not gpu" -p no:cacheprovider --kvchaos-seed $(SEED) \
 	  --kvchaos-topology two-hosts --kvchaos-layouts mha-p1-fp32 $(PYTEST_ARGS) || rc=1; \
+	$(PY) -m mkdocs build --strict --quiet --site-dir site || rc=1; \
 	exit $$rc
 
 test-two-hosts: setup  # every default suite on the two-host topology (its SIGKILL check: PYTEST_ARGS="-m slow")

@@ -1,13 +1,13 @@
-"""README figures come from committed artifacts: this script renders each one between its markers
+"""README and docs figures come from committed artifacts: this script renders each one between its markers
 
     <!-- figure:NAME -->
     ...generated...
     <!-- /figure:NAME -->
 
-from the files named in FIGURES, and with ``--check`` exits 1 (printing the difference) when README.md
-does not say what the artifacts say. tests/test_readme_figures.py runs the check.
+from the files named in FIGURES, on the page HOMES names, and with ``--check`` exits 1 (printing the
+difference) when a page does not say what the artifacts say. tests/test_readme_figures.py runs the check.
 
-    python scripts/readme_figures.py           # rewrite README.md's figures
+    python scripts/readme_figures.py           # rewrite the figures
     python scripts/readme_figures.py --check   # verify them
 """
 
@@ -22,7 +22,6 @@ import tomllib
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-README = REPO / "README.md"
 PREFIX = REPO / "reports" / "incidents" / "glm53-prefix" / "verdicts.json"
 REPLAY = REPO / "reports" / "incidents" / "glm53-replay" / "verdicts.json"
 MATRIX = REPO / "reports" / "matrix" / "detection_matrix.json"
@@ -149,30 +148,53 @@ FIGURES = {"release-table": release_table, "release-table-auto-truncate": releas
            "engine-hunt": engine_hunt, "replay-shrink": replay_shrink}
 
 
-def render(text: str) -> str:
-    for name, fn in FIGURES.items():
-        rx = re.compile(rf"(<!-- figure:{name} -->\n)(?:.*?\n)?(<!-- /figure:{name} -->)", re.S)
+# where each figure lives; figures whose links are relative to the repository root stay in README.md
+# (mkdocs --strict refuses links that leave docs/)
+HOMES = {
+    "glm53-witness": "README.md",
+    "findings": "README.md",
+    "engine-hunt": "README.md",
+    "replay-shrink": "README.md",
+    "replay-verdicts": "docs/tutorial/read-a-report.md",
+    "replay-witness": "docs/tutorial/read-a-report.md",
+    "release-table": "docs/engine/releases.md",
+    "release-table-auto-truncate": "docs/engine/releases.md",
+    "detection-matrix": "docs/engine/detection-matrix.md",
+}
+
+
+def block(name: str) -> re.Pattern:
+    return re.compile(rf"(<!-- figure:{name} -->\n)(?:.*?\n)?(<!-- /figure:{name} -->)", re.S)
+
+
+def render(text: str, names, page: str = "README.md") -> str:
+    """``text`` (of ``page``) with the figures ``names`` rendered from the artifacts."""
+    for name in names:
+        rx = block(name)
         if not rx.search(text):
-            raise SystemExit(f"readme_figures: README.md has no <!-- figure:{name} --> ... <!-- /figure:{name} --> block")
-        body = fn()
+            raise SystemExit(f"readme_figures: {page} has no <!-- figure:{name} --> ... <!-- /figure:{name} --> block")
+        body = FIGURES[name]()
         text = rx.sub(lambda m: m.group(1) + body + "\n" + m.group(2), text)
     return text
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--check", action="store_true", help="exit 1 if README.md's figures differ from the artifacts")
+    ap.add_argument("--check", action="store_true", help="exit 1 if a page's figures differ from the artifacts")
     args = ap.parse_args(argv)
-    old = README.read_text()
-    new = render(old)
-    if args.check:
-        if new != old:
-            sys.stdout.writelines(difflib.unified_diff(old.splitlines(True), new.splitlines(True), "README.md",
-                                                       "README.md (from artifacts)"))
-            return 1
-        return 0
-    README.write_text(new)
-    return 0
+    rc = 0
+    for page in sorted(set(HOMES.values())):
+        path = REPO / page
+        old = path.read_text()
+        new = render(old, [n for n, h in HOMES.items() if h == page], page)
+        if args.check:
+            if new != old:
+                sys.stdout.writelines(difflib.unified_diff(old.splitlines(True), new.splitlines(True), page,
+                                                           f"{page} (from artifacts)"))
+                rc = 1
+        elif new != old:
+            path.write_text(new)
+    return rc
 
 
 if __name__ == "__main__":
