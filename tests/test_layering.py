@@ -9,7 +9,7 @@ The layers of both packages (bottom up; a layer may import only the layers it li
     checkers  kvchaos.oracles: one module per checker
     nemesis   faults: in-engine agent, network proxy, process faults (never the checkers)
     policy    kvchaos.policy + findings: what verdicts mean
-    runner    kvchaos.experiment, .selftest, .shrink, .releases, .suite, .audit: arm faults, drive, judge
+    runner    kvchaos.experiment, .selftest, .shrink, .releases, .suite, .audit, .provoke: arm faults, drive, judge
     report    kvchaos.report, .replay, .soak: render the policy's judgement
     face      kvchaos.plugin, .commands, .cli, .__main__
 
@@ -45,7 +45,7 @@ LAYERS = {
     "nemesis": ["faults"],
     "policy": ["kvchaos.policy"],
     "runner": ["kvchaos.experiment", "kvchaos.selftest", "kvchaos.shrink", "kvchaos.releases", "kvchaos.suite",
-               "kvchaos.audit"],
+               "kvchaos.audit", "kvchaos.provoke"],
     "report": ["kvchaos.report", "kvchaos.replay", "kvchaos.soak"],
     "face": ["kvchaos.plugin", "kvchaos.commands", "kvchaos.cli", "kvchaos.__main__"],
 }

@@ -19,21 +19,17 @@ Writes DIR/provoke.json and the cluster's logs under DIR/cluster/; prints a line
 """
 from __future__ import annotations
 
-import json
 import os
-import sys
 import threading
 import time
 
 import httpx
 
-sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..")))  # reports/findings
-
-from _provoke import check, parser, start_cluster  # noqa: E402  (puts the repo root on sys.path)
-from faults.client import AgentClient  # noqa: E402
-from kvchaos.cluster import Cluster  # noqa: E402
-from kvchaos.oracles import kv_lifecycle  # noqa: E402
-from kvchaos.workload import EventLog, Workload, run_plans  # noqa: E402
+from faults.client import AgentClient
+from kvchaos.cluster import Cluster
+from kvchaos.oracles import kv_lifecycle
+from kvchaos.provoke import begin, finish
+from kvchaos.workload import EventLog, Workload, run_plans
 
 
 def trial(c: Cluster, ctl: AgentClient, out: str, i: int, hold_s: float) -> dict:
@@ -73,14 +69,9 @@ def trial(c: Cluster, ctl: AgentClient, out: str, i: int, hold_s: float) -> dict
 
 
 def main():
-    ap = parser(__doc__, "/tmp/kvchaos-deferred-release-timeout", "trials whose write is released within the timeout")
-    ap.add_argument("--timeout-s", type=float, default=3.0)
-    a = ap.parse_args()
-    check(ap, a)
-    if a.timeout_s <= 0:
-        ap.error("--timeout-s > 0")
-    c = start_cluster(a, "provoke sglang-deferred-release-timeout-late-write")
-    results = {"layout": a.layout or "profile", "timeout_s": a.timeout_s, "trials": []}
+    a, c, results = begin(__doc__, "/tmp/kvchaos-deferred-release-timeout",
+                          "trials whose write is released within the timeout",
+                          "provoke sglang-deferred-release-timeout-late-write", knob=("timeout-s", 3.0))
     try:
         ctl = AgentClient(c.agent_dir)
         ctl.wait_agents("decode", ("_defer_release",), timeout=60)
@@ -100,14 +91,8 @@ def main():
             setting.heal()
     finally:
         c.stop()
-        armed = [r for r in results["trials"] if r["armed"]]
-        ctrl = [r for r in results["trials"] if not r["armed"]]
-        results["reproduced"] = sum(r["reproduced"] for r in armed)
-        results["control_failed"] = sum(r["kv_lifecycle"] == "fail" for r in ctrl)
-        with open(os.path.join(a.out, "provoke.json"), "w") as f:
-            json.dump(results, f, indent=1, default=str)
-        print(f"reproduced {results['reproduced']}/{len(armed)} (control, released within the timeout: "
-              f"{results['control_failed']}/{len(ctrl)} kv_lifecycle FAIL); {a.out}/provoke.json", flush=True)
+        finish(results, a.out, lambda r: r["reproduced"], lambda r: r["kv_lifecycle"] == "fail", "control_failed",
+               "released within the timeout", "kv_lifecycle FAIL")
 
 
 if __name__ == "__main__":

@@ -21,18 +21,14 @@ outcomes) and the cluster's logs under DIR/cluster/; prints a line per trial and
 """
 from __future__ import annotations
 
-import json
 import os
-import sys
 import time
 from collections import Counter
 
-sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..")))  # reports/findings
-
-from _provoke import check, parser, start_cluster  # noqa: E402  (puts the repo root on sys.path)
-from faults.client import AgentClient  # noqa: E402
-from kvchaos.cluster import Cluster  # noqa: E402
-from kvchaos.workload import EventLog, Workload, run_plans  # noqa: E402
+from faults.client import AgentClient
+from kvchaos.cluster import Cluster
+from kvchaos.provoke import begin, finish
+from kvchaos.workload import EventLog, Workload, run_plans
 
 SIGNATURE = "mooncake_transfer_worker_died"
 
@@ -62,14 +58,8 @@ def trial(c: Cluster, ctl: AgentClient, out: str, i: int, ms: float | None) -> d
 
 
 def main():
-    ap = parser(__doc__, "/tmp/kvchaos-transfer-worker-dies", "trials with nothing armed, first")
-    ap.add_argument("--ms", type=float, default=300.0)
-    a = ap.parse_args()
-    check(ap, a)
-    if a.ms <= 0:
-        ap.error("--ms > 0")
-    c = start_cluster(a, "provoke sglang-mooncake-transfer-worker-dies")
-    results = {"layout": a.layout or "profile", "ms": a.ms, "trials": []}
+    a, c, results = begin(__doc__, "/tmp/kvchaos-transfer-worker-dies", "trials with nothing armed, first",
+                          "provoke sglang-mooncake-transfer-worker-dies", knob=("ms", 300.0))
     try:
         ctl = AgentClient(c.agent_dir)
         c.engine_errors()  # what boot wrote is not a trial's
@@ -83,14 +73,8 @@ def main():
                   flush=True)
     finally:
         c.stop()
-        armed = [r for r in results["trials"] if r["armed"]]
-        ctrl = [r for r in results["trials"] if not r["armed"]]
-        results["reproduced"] = sum(r["died"] and r["witness_is_the_stalled_room"] for r in armed)
-        results["control_died"] = sum(r["died"] for r in ctrl)
-        with open(os.path.join(a.out, "provoke.json"), "w") as f:
-            json.dump(results, f, indent=1, default=str)
-        print(f"reproduced {results['reproduced']}/{len(armed)} (control, nothing armed: "
-              f"{results['control_died']}/{len(ctrl)} died); {a.out}/provoke.json", flush=True)
+        finish(results, a.out, lambda r: r["died"] and r["witness_is_the_stalled_room"], lambda r: r["died"],
+               "control_died", "nothing armed", "died")
 
 
 if __name__ == "__main__":

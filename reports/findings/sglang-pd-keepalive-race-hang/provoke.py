@@ -15,17 +15,14 @@ import json
 import os
 import random
 import shutil
-import sys
 import threading
 import time
 import urllib.parse
 
-sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", "..")))  # the repo root
-
-import faults.proxy as fproxy  # noqa: E402
-from faults import AGENT_MODULE, open_network_proxy  # noqa: E402
-from kvchaos.cluster import Cluster, ClusterSpec  # noqa: E402
-from kvchaos.cluster.layouts import apply, parse  # noqa: E402
+import faults.proxy as fproxy
+from faults import open_network_proxy
+from kvchaos.cluster import Cluster
+from kvchaos.provoke import spec_for
 
 OUT = os.environ.get("OUT", "/tmp/boot-hang/out")
 LINKS: list[dict] = []
@@ -117,20 +114,17 @@ def main():
     a = ap.parse_args()
     random.seed(a.label)
     gaps = [float(x) for x in a.gaps.split(",")]
-    base = ClusterSpec.load("cpu")
-    data = apply(base.to_dict(), parse(a.layout))
+    over = {"agent": False}  # no agent: the hang is the engines' and the router's alone
     if a.no_proxy:
-        data["network_proxy"] = ""
+        over["network_proxy"] = ""
+    spec = spec_for(a.layout, f"boot-hang {a.label}", **over)
     if a.keepalive is not None:
-        data["env"] = {**data.get("env", {}), "SGLANG_TIMEOUT_KEEP_ALIVE": str(a.keepalive)}
-    data["agent"] = False
-    spec = ClusterSpec.from_dict(data, source=f"boot-hang {a.label}")
+        spec.env = {**spec.env, "SGLANG_TIMEOUT_KEEP_ALIVE": str(a.keepalive)}
     outdir = os.path.join(OUT, a.label)
     shutil.rmtree(outdir, ignore_errors=True)
     os.makedirs(outdir)
     t0 = time.monotonic()
-    c = Cluster(spec, outdir, proxy_factory=None if a.no_proxy else open_network_proxy,
-                agent_module=AGENT_MODULE).start()
+    c = Cluster(spec, outdir, proxy_factory=None if a.no_proxy else open_network_proxy).start()
     print(f"[{a.label}] cluster up in {time.monotonic() - t0:.0f}s router={c.endpoints.router}", flush=True)
     results = {"label": a.label, "layout": a.layout, "proxy": not a.no_proxy, "keepalive": a.keepalive,
                "k": a.k, "trials": []}

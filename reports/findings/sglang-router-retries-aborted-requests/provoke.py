@@ -20,22 +20,18 @@ Writes DIR/provoke.json and the cluster's logs under DIR/cluster/; prints a line
 """
 from __future__ import annotations
 
-import json
 import os
-import sys
 import threading
 import time
 import types
 from urllib.parse import urlsplit
 
-sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..")))  # reports/findings
-
-from _provoke import check, parser, start_cluster  # noqa: E402  (puts the repo root on sys.path)
-from faults.client import AgentClient  # noqa: E402
-from kvchaos.cluster import Cluster  # noqa: E402
-from kvchaos.oracles import abort_semantics  # noqa: E402
-from kvchaos.suite import abort_at_stages  # noqa: E402
-from kvchaos.workload import EventLog, Workload, run_plans  # noqa: E402
+from faults.client import AgentClient
+from kvchaos.cluster import Cluster
+from kvchaos.oracles import abort_semantics
+from kvchaos.provoke import begin, finish
+from kvchaos.suite import abort_at_stages
+from kvchaos.workload import EventLog, Workload, run_plans
 
 STAGES = ("decode_prealloc", "prefill_waiting", "transferring")
 
@@ -77,11 +73,8 @@ def trial(c: Cluster, ctl: AgentClient, out: str, i: int, via_router: bool) -> d
 
 
 def main():
-    ap = parser(__doc__, "/tmp/kvchaos-router-retries-aborted", "trials driven straight to prefill and decode")
-    a = ap.parse_args()
-    check(ap, a)
-    c = start_cluster(a, "provoke sglang-router-retries-aborted-requests")
-    results = {"layout": a.layout or "profile", "trials": []}
+    a, c, results = begin(__doc__, "/tmp/kvchaos-router-retries-aborted", "trials driven straight to prefill and decode",
+                          "provoke sglang-router-retries-aborted-requests")
     try:
         ctl = AgentClient(c.agent_dir)
         ctl.wait_agents("decode", ("_update_handshake_waiters",), timeout=60)
@@ -96,14 +89,8 @@ def main():
                   f"abort_semantics {r['abort_semantics']}, reproduced {r['reproduced']}", flush=True)
     finally:
         c.stop()
-        armed = [r for r in results["trials"] if r["armed"]]
-        ctrl = [r for r in results["trials"] if not r["armed"]]
-        results["reproduced"] = sum(r["reproduced"] for r in armed)
-        results["control_failed"] = sum(r["abort_semantics"] == "fail" for r in ctrl)
-        with open(os.path.join(a.out, "provoke.json"), "w") as f:
-            json.dump(results, f, indent=1, default=str)
-        print(f"reproduced {results['reproduced']}/{len(armed)} (control, straight to the engines: "
-              f"{results['control_failed']}/{len(ctrl)} abort_semantics FAIL); {a.out}/provoke.json", flush=True)
+        finish(results, a.out, lambda r: r["reproduced"], lambda r: r["abort_semantics"] == "fail", "control_failed",
+               "straight to the engines", "abort_semantics FAIL")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,85 @@
+"""What every finding's ``reports/findings/<id>/provoke.py`` shares: its command line (trials, control
+trials, layout, output folder, one positive knob), its own PD cluster (the CPU profile, with the kvchaos
+agent and the network fault proxy) and its summary (``provoke.json`` and the reproduced / control
+line). A provoke script reproduces a finding on a cluster of its own, outside pytest:
+
+    python reports/findings/<id>/provoke.py --trials 10 --control 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import time
+from typing import Callable
+
+from faults import AGENT_MODULE, open_network_proxy
+from kvchaos.cluster import Cluster, ClusterSpec
+from kvchaos.cluster.layouts import apply, parse
+
+
+def parser(doc: str, out: str, control_help: str) -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
+    ap.add_argument("--trials", type=int, default=10)
+    ap.add_argument("--control", type=int, default=3, help=control_help)
+    ap.add_argument("--layout", default=None, help="a KV layout name (default: the CPU profile's own)")
+    ap.add_argument("--out", default=out)
+    return ap
+
+
+def check(ap: argparse.ArgumentParser, a) -> None:
+    if a.trials < 1 or a.control < 0:
+        ap.error("--trials >= 1, --control >= 0")
+
+
+def spec_for(layout: str | None, source: str, **overrides) -> ClusterSpec:
+    """The CPU profile with ``layout`` applied (None: the profile's own) and ``overrides`` on top."""
+    base = ClusterSpec.load("cpu")
+    data = apply(base.to_dict(), parse(layout)) if layout else base.to_dict()
+    return ClusterSpec.from_dict({**data, **overrides}, source=source)
+
+
+def start_cluster(a, source: str, spec: ClusterSpec | None = None, proxy: bool = True, label: str = "") -> Cluster:
+    """A fresh ``a.out`` and a cluster of ``spec`` (default: the CPU profile, ``a.layout`` applied)
+    with its logs under ``a.out/cluster``; prints how long it took to come up."""
+    shutil.rmtree(a.out, ignore_errors=True)
+    os.makedirs(a.out)
+    spec = spec or spec_for(a.layout, source)
+    t0 = time.monotonic()
+    c = Cluster(spec, os.path.join(a.out, "cluster"), proxy_factory=open_network_proxy if proxy else None,
+                agent_module=AGENT_MODULE).start()
+    print(f"{label}cluster up in {time.monotonic() - t0:.0f} s; router {c.endpoints.router}", flush=True)
+    return c
+
+
+def begin(doc: str, out: str, control_help: str, source: str, knob: tuple[str, float] | None = None):
+    """The command line parsed and checked (``knob``: one more positive float option, name and default,
+    recorded in the results), the cluster started: ``(args, cluster, results)``."""
+    ap = parser(doc, out, control_help)
+    if knob:
+        ap.add_argument(f"--{knob[0]}", type=float, default=knob[1])
+    a = ap.parse_args()
+    check(ap, a)
+    results = {"layout": a.layout or "profile", "trials": []}
+    if knob:
+        value = getattr(a, knob[0].replace("-", "_"))
+        if value <= 0:
+            ap.error(f"--{knob[0]} > 0")
+        results[knob[0].replace("-", "_")] = value
+    return a, start_cluster(a, source), results
+
+
+def finish(results: dict, out: str, reproduced: Callable[[dict], bool], control_bad: Callable[[dict], bool],
+           control_key: str, control_what: str, bad_word: str) -> None:
+    """Count the armed trials that reproduced and the control trials that went bad, write
+    ``out/provoke.json`` and say both in one line."""
+    armed = [r for r in results["trials"] if r["armed"]]
+    ctrl = [r for r in results["trials"] if not r["armed"]]
+    results["reproduced"] = sum(bool(reproduced(r)) for r in armed)
+    results[control_key] = sum(bool(control_bad(r)) for r in ctrl)
+    with open(os.path.join(out, "provoke.json"), "w") as f:
+        json.dump(results, f, indent=1, default=str)
+    print(f"reproduced {results['reproduced']}/{len(armed)} (control, {control_what}: "
+          f"{results[control_key]}/{len(ctrl)} {bad_word}); {out}/provoke.json", flush=True)
