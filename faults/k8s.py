@@ -54,7 +54,40 @@ class K8sFault(Fault):
         return self.heal_record
 
 
-class KubernetesProcessFaults:
+class RoleFaults:
+    """What the process injectors share (this one and the local :class:`faults.process.ProcessFaults`,
+    which imports it from here: this module stays free of ``kvchaos.cluster``): the handles they made
+    (``faults``), the ``fault`` events they write to ``log``, and a role's open handles."""
+
+    injector = ""
+    log = None
+    faults: list
+
+    def _scope(self) -> dict:
+        """Fields every event of this injector carries (after ``injector``)."""
+        return {}
+
+    def _emit(self, **f) -> dict:
+        rec = {"injector": self.injector, **self._scope(), **f}
+        if self.log is not None:
+            self.log.emit("fault", **rec)
+        return rec
+
+    def _open(self, role: str, kind: str) -> list:
+        return [f for f in self.faults if f.role == role and f.kind == kind and not f.healed]
+
+    def _made(self, f, failure: str | None = None):
+        """Keep the handle ``f`` (``heal_all`` heals it, fired or not) and return it; when the fault
+        did not act (``failure``: what was seen) raise :class:`FaultDidNotFire` with that instead."""
+        self.faults.append(f)
+        if failure:
+            raise FaultDidNotFire(failure)
+        return f
+
+
+class KubernetesProcessFaults(RoleFaults):
+    injector = "k8s"
+
     def __init__(self, namespace: str, selectors: dict[str, str], log=None, core=None, custom=None, exec_fn=None,
                  chaos_mesh: bool = False, timeout_s: float = 300.0, poll_s: float = 1.0, container: str | None = None):
         if not namespace or not selectors or not all(isinstance(v, str) and v for v in selectors.values()):
@@ -111,14 +144,8 @@ class KubernetesProcessFaults:
         return stream(self.core.connect_get_namespaced_pod_exec, pod, self.ns, command=argv, stderr=True,
                       stdin=False, stdout=True, tty=False, **kw)
 
-    def _emit(self, **f) -> dict:
-        rec = {"injector": "k8s", "namespace": self.ns, **f}
-        if self.log is not None:
-            self.log.emit("fault", **rec)
-        return rec
-
-    def _open(self, role, kind):
-        return [f for f in self.faults if f.role == role and f.kind == kind and not f.healed]
+    def _scope(self) -> dict:
+        return {"namespace": self.ns}
 
     # ------------------------------------------------------------------ faults
     def kill(self, role: str) -> K8sFault:
@@ -145,11 +172,8 @@ class KubernetesProcessFaults:
                 time.sleep(self.poll_s)
         rec = self._emit(action="fired", kind="pod-kill", role=role, pods=sorted(pods), at=t, chaos=chaos,
                          acted=not left, observed={"still_there": sorted(left)})
-        f = K8sFault(self, role, "pod-kill", pods, rec, chaos)
-        self.faults.append(f)
-        if left:
-            raise FaultDidNotFire(f"kill {self.where(role)}: pods {sorted(left)} still there after {self.timeout_s} s")
-        return f
+        failure = f"kill {self.where(role)}: pods {sorted(left)} still there after {self.timeout_s} s" if left else None
+        return self._made(K8sFault(self, role, "pod-kill", pods, rec, chaos), failure)
 
     def stop(self, role: str) -> K8sFault:
         pods = self.pods(role)
@@ -162,11 +186,8 @@ class KubernetesProcessFaults:
         acted = all(s in ("T", "t") for s in states.values())
         rec = self._emit(action="fired", kind="sigstop", role=role, pods=sorted(pods), at=time.time(), acted=acted,
                          observed=states)
-        f = K8sFault(self, role, "sigstop", states, rec)
-        self.faults.append(f)
-        if not acted:
-            raise FaultDidNotFire(f"stop {self.where(role)}: PID 1 states {states}")
-        return f
+        return self._made(K8sFault(self, role, "sigstop", states, rec),
+                          None if acted else f"stop {self.where(role)}: PID 1 states {states}")
 
     def _heal(self, f: K8sFault) -> None:
         if f.kind == "sigstop":

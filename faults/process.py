@@ -24,6 +24,7 @@ from pathlib import Path
 from kvchaos.cluster.reaper import proc_table, related
 
 from .base import Fault, FaultDidNotFire
+from .k8s import RoleFaults
 
 
 def _state(pid: int) -> str | None:
@@ -34,6 +35,22 @@ def _state(pid: int) -> str | None:
 
 
 STOPPED = ("T", "t")
+
+
+def _signal(pids, sig) -> None:
+    """Send ``sig`` to each of ``pids`` (one already gone is passed over)."""
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
+
+
+def _await_states(pids, done: tuple, timeout_s: float, poll_s: float) -> None:
+    """Poll ``/proc`` until every pid's state is one of ``done`` or ``timeout_s`` has passed."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and any(_state(p) not in done for p in pids):
+        time.sleep(poll_s)
 
 
 class ProcessFault(Fault):
@@ -105,7 +122,9 @@ class ProcessFault(Fault):
                 f"healed={self.healed})")
 
 
-class ProcessFaults:
+class ProcessFaults(RoleFaults):
+    injector = "process"
+
     def __init__(self, cluster, log=None):
         if not hasattr(cluster, "procs") or not hasattr(cluster, "restart"):
             raise TypeError("process faults need a launched cluster (not attach mode): "
@@ -121,69 +140,39 @@ class ProcessFaults:
         p = self.cluster.procs[role]
         return sorted(related({p.pgid}, [], proc_table()))
 
-    def _emit(self, **f) -> dict:
-        rec = {"injector": "process", **f}
-        if self.log is not None:
-            self.log.emit("fault", **rec)
-        return rec
-
-    def _open(self, role: str, kind: str) -> list[ProcessFault]:
-        return [f for f in self.faults if f.role == role and f.kind == kind and not f.healed]
+    def _signal_role(self, role: str, sig, verb: str) -> tuple[list[int], float]:
+        """Send ``sig`` to every process of ``role``: (their pids, when); :class:`FaultDidNotFire` if none lives."""
+        pids = self.pids(role)
+        if not pids:
+            raise FaultDidNotFire(f"{verb} {role}: no live process to {verb}")
+        t = time.time()
+        _signal(pids, sig)
+        return pids, t
 
     def kill(self, role: str) -> ProcessFault:
         """SIGKILL every process of ``role`` at once (no graceful shutdown, transfers cut mid-way)."""
-        pids = self.pids(role)
-        if not pids:
-            raise FaultDidNotFire(f"kill {role}: no live process to kill")
-        t = time.time()
-        for pid in pids:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        pids, t = self._signal_role(role, signal.SIGKILL, "kill")
         self.killed.add(role)
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline and any(_state(p) not in (None, "Z") for p in pids):
-            time.sleep(0.05)
+        _await_states(pids, (None, "Z"), 10, 0.05)
         left = [p for p in pids if _state(p) not in (None, "Z")]
         self.cluster.procs[role].popen.poll()
         states = {p: _state(p) for p in pids}
         rec = self._emit(action="fired", kind="sigkill", role=role, pids=pids, at=t, survivors=left)
-        f = ProcessFault(self, role, "sigkill", pids, t, states, rec)
-        self.faults.append(f)
-        if left:
-            raise FaultDidNotFire(f"kill {role}: pids {left} survived SIGKILL")
-        return f
+        return self._made(ProcessFault(self, role, "sigkill", pids, t, states, rec),
+                          f"kill {role}: pids {left} survived SIGKILL" if left else None)
 
     def stop(self, role: str) -> ProcessFault:
         """SIGSTOP the role's processes: alive, sockets open, answering nothing (a hung node)."""
-        pids = self.pids(role)
-        if not pids:
-            raise FaultDidNotFire(f"stop {role}: no live process to stop")
-        t = time.time()
-        for pid in pids:
-            try:
-                os.kill(pid, signal.SIGSTOP)
-            except ProcessLookupError:
-                pass
+        pids, t = self._signal_role(role, signal.SIGSTOP, "stop")
         self.stopped[role] = sorted(set(self.stopped.get(role, [])) | set(pids))
-        deadline = time.monotonic() + 5
-        while time.monotonic() < deadline and any(_state(p) not in (*STOPPED, None) for p in pids):
-            time.sleep(0.02)
+        _await_states(pids, (*STOPPED, None), 5, 0.02)
         states = {p: _state(p) for p in pids}
         rec = self._emit(action="fired", kind="sigstop", role=role, pids=pids, states=states)
         f = ProcessFault(self, role, "sigstop", pids, t, states, rec)
-        self.faults.append(f)
-        if not f._acted():
-            raise FaultDidNotFire(f"stop {role}: not all processes stopped: {states}")
-        return f
+        return self._made(f, None if f._acted() else f"stop {role}: not all processes stopped: {states}")
 
     def _resume(self, f: ProcessFault) -> None:
-        for pid in f.pids:
-            try:
-                os.kill(pid, signal.SIGCONT)
-            except ProcessLookupError:
-                pass
+        _signal(f.pids, signal.SIGCONT)
         left = [p for p in self.stopped.get(f.role, []) if p not in f.pids]
         if left:
             self.stopped[f.role] = left
@@ -199,11 +188,7 @@ class ProcessFaults:
         for f in open_:
             self._resume(f)
         pids = self.stopped.pop(role, [])  # stopped outside a handle (none today); resume them too
-        for pid in pids:
-            try:
-                os.kill(pid, signal.SIGCONT)
-            except ProcessLookupError:
-                pass
+        _signal(pids, signal.SIGCONT)
         if pids or not open_:
             self._emit(action="healed", kind="sigcont", role=role, pids=pids,
                        states={p: _state(p) for p in pids})

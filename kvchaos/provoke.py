@@ -13,7 +13,8 @@ import json
 import os
 import shutil
 import time
-from typing import Callable
+from contextlib import contextmanager
+from typing import Callable, NamedTuple
 
 from faults import AGENT_MODULE, open_network_proxy
 from kvchaos.cluster import Cluster, ClusterSpec
@@ -54,6 +55,16 @@ def start_cluster(a, source: str, spec: ClusterSpec | None = None, proxy: bool =
     return c
 
 
+class Summary(NamedTuple):
+    """How a provoke script counts: an armed trial that ``reproduced``, a control trial that went bad
+    (``control_bad``, counted under ``control_key``), and how the line says it."""
+    reproduced: Callable[[dict], bool]
+    control_bad: Callable[[dict], bool]
+    control_key: str
+    control_what: str
+    bad_word: str
+
+
 def begin(doc: str, out: str, control_help: str, source: str, knob: tuple[str, float] | None = None):
     """The command line parsed and checked (``knob``: one more positive float option, name and default,
     recorded in the results), the cluster started: ``(args, cluster, results)``."""
@@ -71,15 +82,37 @@ def begin(doc: str, out: str, control_help: str, source: str, knob: tuple[str, f
     return a, start_cluster(a, source), results
 
 
-def finish(results: dict, out: str, reproduced: Callable[[dict], bool], control_bad: Callable[[dict], bool],
-           control_key: str, control_what: str, bad_word: str) -> None:
+def finish(results: dict, out: str, summary: Summary) -> None:
     """Count the armed trials that reproduced and the control trials that went bad, write
     ``out/provoke.json`` and say both in one line."""
     armed = [r for r in results["trials"] if r["armed"]]
     ctrl = [r for r in results["trials"] if not r["armed"]]
-    results["reproduced"] = sum(bool(reproduced(r)) for r in armed)
-    results[control_key] = sum(bool(control_bad(r)) for r in ctrl)
+    results["reproduced"] = sum(bool(summary.reproduced(r)) for r in armed)
+    results[summary.control_key] = sum(bool(summary.control_bad(r)) for r in ctrl)
     with open(os.path.join(out, "provoke.json"), "w") as f:
         json.dump(results, f, indent=1, default=str)
-    print(f"reproduced {results['reproduced']}/{len(armed)} (control, {control_what}: "
-          f"{results[control_key]}/{len(ctrl)} {bad_word}); {out}/provoke.json", flush=True)
+    print(f"reproduced {results['reproduced']}/{len(armed)} (control, {summary.control_what}: "
+          f"{results[summary.control_key]}/{len(ctrl)} {summary.bad_word}); {out}/provoke.json", flush=True)
+
+
+@contextmanager
+def session(doc: str, out: str, control_help: str, source: str, summary: Summary,
+            knob: tuple[str, float] | None = None):
+    """``begin``, then (on any exit) stop the cluster and ``finish``: yields ``(args, cluster, results)``."""
+    a, c, results = begin(doc, out, control_help, source, knob)
+    try:
+        yield a, c, results
+    finally:
+        c.stop()
+        finish(results, a.out, summary)
+
+
+def run_trials(a, results: dict, one: Callable[[int, bool], dict], line: Callable[[dict], str]) -> None:
+    """``a.control`` control trials, then ``a.trials`` armed ones: each ``one(i, armed)`` recorded with
+    ``armed`` and said in one line (``trial  i armed|control`` + ``line(record)``)."""
+    for i in range(a.control + a.trials):
+        armed = i >= a.control
+        r = one(i, armed)
+        r["armed"] = armed
+        results["trials"].append(r)
+        print(f"trial {i:2d} {'armed  ' if armed else 'control'}{line(r)}", flush=True)

@@ -1,5 +1,6 @@
 """Helpers for writing suites on top of :mod:`kvchaos.experiment` (the one runner).
 
+- :func:`delay_tenants_of_kind` — delay the transfers of the tenants sending one kind of request.
 - :func:`abort_in_flight` — the abort choreography as an experiment's ``during`` action: each
   victim's KV write is held inside prefill's transfer, the request is aborted on both engines while
   held, then the write is released and lands late.
@@ -53,6 +54,14 @@ def own_cluster(spec, workdir, reaper, policy=None):
     finally:
         left = c.stop()
         assert not left, f"processes left after the {spec.name} cluster's teardown: {left}"
+
+
+def delay_tenants_of_kind(faults, plans, kind: str, ms: float) -> list:
+    """Delay every KV transfer of the tenants that send requests of ``kind`` (prefill's agent), so what
+    that kind does to a request (a disconnect, an abort) lands while its KV is still moving. Call inside
+    the experiment's ``with`` block; returns the armed faults (``fired_events()`` proves each acted)."""
+    tenants = sorted({p.tenant for p in plans if p.kind == kind})
+    return [faults.agent.arm("prefill", "delay", target={"tenant": t}, params={"ms": ms}) for t in tenants]
 
 
 def abort_in_flight(cluster, faults, victims, hold_s=0.3):

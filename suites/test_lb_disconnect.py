@@ -9,6 +9,7 @@ import pytest
 
 from kvchaos.experiment import PASS
 from kvchaos.oracles import Isolation, Liveness
+from kvchaos.suite import delay_tenants_of_kind
 from kvchaos.workload import Workload
 
 pytestmark = pytest.mark.cluster
@@ -22,10 +23,9 @@ def checks():
 def test_disconnect_before_first_token_while_kv_in_flight(experiment, seeds, faults):
     wl = Workload(seeds(201), n_tenants=8, prefix="b")
     plans = wl.mix(96, weights={"plain": 3, "disconnect_before_first_token": 1}, lengths=(150, 500))
-    leavers = sorted({p.tenant for p in plans if p.kind == "disconnect_before_first_token"})
     with experiment("disconnect_before_first_token", plans, checks(), seed=wl.seed, timeout_s=BOUND_S) as ex:
         # slow the leavers' transfers so the disconnect lands while their KV is still moving
-        fs = [faults.agent.arm("prefill", "delay", target={"tenant": t}, params={"ms": 300}) for t in leavers]
+        fs = delay_tenants_of_kind(faults, plans, "disconnect_before_first_token", ms=300)
     assert sum(len(f.fired_events()) for f in fs) >= 1
     outcomes = {e["rid"]: e["outcome"] for e in ex.events if e["ev"] == "end"}
     assert any(outcomes[p.rid] == "disconnected" for p in plans if p.kind == "disconnect_before_first_token")

@@ -15,6 +15,7 @@ import pytest
 from kvchaos import canary
 from kvchaos.experiment import PASS
 from kvchaos.oracles import Isolation, Liveness, Sensitivity
+from kvchaos.suite import delay_tenants_of_kind
 from kvchaos.workload import Workload
 
 pytestmark = pytest.mark.cluster
@@ -71,10 +72,9 @@ def test_one_failed_send_is_an_error_for_its_request(experiment, seeds, faults):
 def test_late_writes_after_aborts_keep_isolation(experiment, seeds, faults):
     wl = Workload(seeds(103), n_tenants=8, prefix="l")
     plans = wl.mix(84, weights={"plain": 3, "abort_after": 1}, lengths=(150, 500))
-    # every chunk of the aborted tenants' requests is delayed past its abort, then lands late
-    aborters = sorted({p.tenant for p in plans if p.kind == "abort_after"})
     with experiment("late_write", plans, checks(), seed=wl.seed, timeout_s=BOUND_S) as ex:
-        fs = [faults.agent.arm("prefill", "delay", target={"tenant": t}, params={"ms": 400}) for t in aborters]
+        # every chunk of the aborted tenants' requests is delayed past its abort, then lands late
+        fs = delay_tenants_of_kind(faults, plans, "abort_after", ms=400)
     assert sum(len(f.fired_events()) for f in fs) >= 1
     ex.require(isolation=PASS, liveness=PASS)
 

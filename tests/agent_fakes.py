@@ -26,12 +26,19 @@ class FakeManager:
         return self.request_status[room]
 
 
-def start_agent(tmp_path, monkeypatch, role):
+def new_agent(tmp_path, monkeypatch, role):
+    """An agent of ``role`` in a directory of its own, installed as the process's agent (not serving)."""
     d = tmp_path / f"ag-{role}"
     d.mkdir()
     monkeypatch.setattr(agent_mod.control, "ROLE", role)
     a = agent_mod.Agent(str(d))
     monkeypatch.setattr(agent_mod.control, "AGENT", a)
+    return a
+
+
+def start_agent(tmp_path, monkeypatch, role):
+    """:func:`new_agent`, serving its control socket."""
+    a = new_agent(tmp_path, monkeypatch, role)
     a.serve()
     return a
 

@@ -15,20 +15,12 @@ import torch
 
 import faults.agent as agent_mod
 from faults.agent import provenance
-
-
-def _start(tmp_path, monkeypatch, role):
-    d = tmp_path / f"ag-{role}"
-    d.mkdir()
-    monkeypatch.setattr(agent_mod.control, "ROLE", role)
-    a = agent_mod.Agent(str(d))
-    monkeypatch.setattr(agent_mod.control, "AGENT", a)
-    return a
+from tests.agent_fakes import new_agent
 
 
 @pytest.fixture
 def decode_agent(tmp_path, monkeypatch):
-    return _start(tmp_path, monkeypatch, "decode")
+    return new_agent(tmp_path, monkeypatch, "decode")
 
 
 class Alloc:
@@ -253,7 +245,7 @@ def test_a_failing_hook_does_not_break_the_call(decode_agent):
 
 
 def test_other_roles_pass_through(tmp_path, monkeypatch):
-    a = _start(tmp_path, monkeypatch, "prefill")
+    a = new_agent(tmp_path, monkeypatch, "prefill")
     q = _decode_module("fake_decode_prefill", 1, range(10, 40))
     kv = q._pre_alloc(Req("rid-a", 3))
     SB = _batch_module("fake_sb_prefill")

@@ -20,78 +20,76 @@ Two allocators, picked by ``--page-size`` (sglang 0.5.19–0.5.23, ``mem_cache/a
 from __future__ import annotations
 
 from . import control as _ctl
-from .control import _wrap, register_fault
+from .control import _hook_class, register_fault
 
 register_fault("double_alloc", mutation=True)
 
 
-def _hook_allocator(mod):
-    cls = getattr(mod, "TokenToKVPoolAllocator", None)
-    if cls is None:
-        return
-
-    def make(orig):
-        def alloc(self, need_size):
-            out = orig(self, need_size)
-            if out is None or _ctl.ROLE != "decode":
-                return out
-            AGENT = _ctl.AGENT
-            st = AGENT.tls.__dict__.setdefault("alloc_state", {})
-            f = None
-            armed = AGENT.switched_on("double_alloc")
-            n = int(armed["params"].get("pages", 8)) if armed else 0
-            if armed and st.get("fid") != armed["id"]:  # a newly armed fault starts fresh: only
-                st["fid"], st["last"] = armed["id"], None  # allocations made since it was armed
-            if armed and len(out) >= n:  # a prefill-sized allocation, not a 1-token decode step
-                prev = st.get("last")
-                if prev is not None and len(prev) >= n:
-                    f = AGENT.match("double_alloc")
-                if f is not None:
-                    import torch  # on use: this module loads in the engine before torch and sglang are imported
-
-                    shared = prev[:n].clone()
-                    displaced = out[:n].clone()
-                    out = torch.cat([shared, out[n:]])
-                    self.free(displaced)  # nothing leaks from the pool: only the sharing is wrong
-                    # both owners will free the shared pages; the second free is swallowed (see
-                    # free() below) so the pool's accounting stays whole and only the aliasing is
-                    # wrong — otherwise SGLang's idle invariant check ("pool memory leak detected",
-                    # available > total) crashes decode, which we saw and do not want as a side effect
-                    with AGENT.lock:
-                        for p in shared.tolist():
-                            AGENT.shared_pages[p] = AGENT.shared_pages.get(p, 0) + 1
-                    AGENT.emit("fault_fired", fault=f["id"], kind="double_alloc", pages=n,
-                               shared=shared.tolist()[:64], need_size=int(need_size))
-                st["last"] = out
+def _make_alloc(orig):
+    """``TokenToKVPoolAllocator.alloc``: where ``double_alloc`` hands out pages a live allocation holds."""
+    def alloc(self, need_size):
+        out = orig(self, need_size)
+        if out is None or _ctl.ROLE != "decode":
             return out
-        return alloc
+        AGENT = _ctl.AGENT
+        st = AGENT.tls.__dict__.setdefault("alloc_state", {})
+        f = None
+        armed = AGENT.switched_on("double_alloc")
+        n = int(armed["params"].get("pages", 8)) if armed else 0
+        if armed and st.get("fid") != armed["id"]:  # a newly armed fault starts fresh: only
+            st["fid"], st["last"] = armed["id"], None  # allocations made since it was armed
+        if armed and len(out) >= n:  # a prefill-sized allocation, not a 1-token decode step
+            prev = st.get("last")
+            if prev is not None and len(prev) >= n:
+                f = AGENT.match("double_alloc")
+            if f is not None:
+                import torch  # on use: this module loads in the engine before torch and sglang are imported
 
-    _wrap(cls, "alloc", make)
-
-    def make_free(orig):
-        def free(self, free_index):
-            AGENT = _ctl.AGENT
-            if AGENT.shared_pages and free_index is not None and free_index.numel():
+                shared = prev[:n].clone()
+                displaced = out[:n].clone()
+                out = torch.cat([shared, out[n:]])
+                self.free(displaced)  # nothing leaks from the pool: only the sharing is wrong
+                # both owners will free the shared pages; the second free is swallowed (see
+                # free() below) so the pool's accounting stays whole and only the aliasing is
+                # wrong — otherwise SGLang's idle invariant check ("pool memory leak detected",
+                # available > total) crashes decode, which we saw and do not want as a side effect
                 with AGENT.lock:
-                    idx = free_index.tolist()
-                    keep = []
-                    for p in idx:
-                        c = AGENT.shared_pages.get(p, 0)
-                        if c > 0:  # first free of an aliased page: the other owner frees it later
-                            if c == 1:
-                                AGENT.shared_pages.pop(p)
-                            else:
-                                AGENT.shared_pages[p] = c - 1
+                    for p in shared.tolist():
+                        AGENT.shared_pages[p] = AGENT.shared_pages.get(p, 0) + 1
+                AGENT.emit("fault_fired", fault=f["id"], kind="double_alloc", pages=n,
+                           shared=shared.tolist()[:64], need_size=int(need_size))
+            st["last"] = out
+        return out
+    return alloc
+
+
+def _make_free(orig):
+    """``TokenToKVPoolAllocator.free``: the second owner's free of a shared page is swallowed."""
+    def free(self, free_index):
+        AGENT = _ctl.AGENT
+        if AGENT.shared_pages and free_index is not None and free_index.numel():
+            with AGENT.lock:
+                idx = free_index.tolist()
+                keep = []
+                for p in idx:
+                    c = AGENT.shared_pages.get(p, 0)
+                    if c > 0:  # first free of an aliased page: the other owner frees it later
+                        if c == 1:
+                            AGENT.shared_pages.pop(p)
                         else:
-                            keep.append(p)
-                if len(keep) != len(idx):
-                    import torch  # on use: this module loads in the engine before torch and sglang are imported
+                            AGENT.shared_pages[p] = c - 1
+                    else:
+                        keep.append(p)
+            if len(keep) != len(idx):
+                import torch  # on use: this module loads in the engine before torch and sglang are imported
 
-                    free_index = torch.tensor(keep, dtype=free_index.dtype, device=free_index.device)
-            return orig(self, free_index)
-        return free
+                free_index = torch.tensor(keep, dtype=free_index.dtype, device=free_index.device)
+        return orig(self, free_index)
+    return free
 
-    _wrap(cls, "free", make_free)
+
+def _hook_allocator(mod):
+    _hook_class(mod, "TokenToKVPoolAllocator", {"alloc": _make_alloc, "free": _make_free})
 
 
 # ---------------------------------------------------------------- page size > 1
@@ -119,33 +117,28 @@ def _whole_pages(out, ps: int):
     return starts, out[starts] // ps
 
 
+def _make_extend(orig):
+    def alloc_extend(self, *a, **k):
+        return _paged_double_alloc(self, orig(self, *a, **k))
+    return alloc_extend
+
+
+def _make_paged_free(orig):
+    def free(self, free_index):
+        _fold_group_frees(self, free_index)
+        return orig(self, free_index)
+    return free
+
+
+def _make_release(orig):
+    def _release_page_ids(self, *page_ids):
+        return orig(self, *_swallow_releases(self, page_ids))
+    return _release_page_ids
+
+
 def _hook_paged_allocator(mod):
-    cls = getattr(mod, "PagedTokenToKVPoolAllocator", None)
-    if cls is None:
-        return
-
-    def make_extend(orig):
-        def alloc_extend(self, *a, **k):
-            return _paged_double_alloc(self, orig(self, *a, **k))
-        return alloc_extend
-
-    _wrap(cls, "alloc_extend", make_extend)
-
-    def make_free(orig):
-        def free(self, free_index):
-            _fold_group_frees(self, free_index)
-            return orig(self, free_index)
-        return free
-
-    _wrap(cls, "free", make_free)
-
-    if hasattr(cls, "_release_page_ids"):
-        def make_release(orig):
-            def _release_page_ids(self, *page_ids):
-                return orig(self, *_swallow_releases(self, page_ids))
-            return _release_page_ids
-
-        _wrap(cls, "_release_page_ids", make_release)
+    _hook_class(mod, "PagedTokenToKVPoolAllocator", {"alloc_extend": _make_extend, "free": _make_paged_free},
+                {"_release_page_ids": _make_release})
 
 
 def _paged_double_alloc(alloc, out):

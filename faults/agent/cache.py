@@ -34,7 +34,7 @@ from array import array
 from collections import deque
 
 from . import control as _ctl
-from .control import _target_ok, _wrap, register_fault
+from .control import _hook_class, _target_ok, register_fault
 
 register_fault("salt_ignored", mutation=True)
 register_fault("prefix_collision", unlimited=True)
@@ -136,65 +136,61 @@ def _forge(self, orig, params, r, f):
     return r
 
 
+def _make_match(orig):
+    def match_prefix(self, params):
+        AGENT = _ctl.AGENT
+        req = getattr(params, "req", None)
+        rid = getattr(req, "rid", None)
+        key = _salt_ignored(AGENT, params.key, rid)
+        if key is not params.key:
+            params = dataclasses.replace(params, key=key)
+        if rid is not None:
+            _remember(AGENT, "lookup_salt", rid, getattr(key, "cache_salt", None))
+        r = orig(self, params)
+        if rid is not None and _ctl.ROLE != "decode" and params.key is not None:
+            f = _targeted(AGENT, "prefix_collision", rid)
+            if f is not None:
+                return _forge(self, orig, params, r, f)
+        return r
+    return match_prefix
+
+
+def _make_insert(orig):
+    def insert(self, params):
+        AGENT = _ctl.AGENT
+        rid = getattr(AGENT.tls, "cache_rid", None)
+        key = _salt_ignored(AGENT, params.key)
+        if key is not params.key:
+            params = dataclasses.replace(params, key=key)
+        # prefix_collision's candidates, kept only while one is armed (a copy of every insert
+        # would cost memory and time on long production prompts)
+        if key is not None and not getattr(key, "is_bigram", False) and _armed(AGENT, "prefix_collision"):
+            AGENT.state("cache_seqs", lambda: deque(maxlen=SEQS_KEPT)).append(
+                (_ns(key), array("q", key.raw_token_ids()), rid))
+        return orig(self, params)
+    return insert
+
+
+def _make_touch(orig):
+    def touch_prefix(self, key):
+        return orig(self, _salt_ignored(_ctl.AGENT, key))
+    return touch_prefix
+
+
+def _make_checkpoint(orig):
+    def checkpoint_into_tree(self, req, *a, **k):
+        tls = _ctl.AGENT.tls
+        tls.cache_rid = getattr(req, "rid", None)
+        try:
+            return orig(self, req, *a, **k)
+        finally:
+            tls.cache_rid = None
+    return checkpoint_into_tree
+
+
 def _hook_unified(mod):
-    cls = getattr(mod, "UnifiedRadixCache", None)
-    if cls is None:
-        return
-
-    def make_match(orig):
-        def match_prefix(self, params):
-            AGENT = _ctl.AGENT
-            req = getattr(params, "req", None)
-            rid = getattr(req, "rid", None)
-            key = _salt_ignored(AGENT, params.key, rid)
-            if key is not params.key:
-                params = dataclasses.replace(params, key=key)
-            if rid is not None:
-                _remember(AGENT, "lookup_salt", rid, getattr(key, "cache_salt", None))
-            r = orig(self, params)
-            if rid is not None and _ctl.ROLE != "decode" and params.key is not None:
-                f = _targeted(AGENT, "prefix_collision", rid)
-                if f is not None:
-                    return _forge(self, orig, params, r, f)
-            return r
-        return match_prefix
-
-    def make_insert(orig):
-        def insert(self, params):
-            AGENT = _ctl.AGENT
-            rid = getattr(AGENT.tls, "cache_rid", None)
-            key = _salt_ignored(AGENT, params.key)
-            if key is not params.key:
-                params = dataclasses.replace(params, key=key)
-            # prefix_collision's candidates, kept only while one is armed (a copy of every insert
-            # would cost memory and time on long production prompts)
-            if key is not None and not getattr(key, "is_bigram", False) and _armed(AGENT, "prefix_collision"):
-                AGENT.state("cache_seqs", lambda: deque(maxlen=SEQS_KEPT)).append(
-                    (_ns(key), array("q", key.raw_token_ids()), rid))
-            return orig(self, params)
-        return insert
-
-    def make_touch(orig):
-        def touch_prefix(self, key):
-            return orig(self, _salt_ignored(_ctl.AGENT, key))
-        return touch_prefix
-
-    def make_checkpoint(orig):
-        def checkpoint_into_tree(self, req, *a, **k):
-            tls = _ctl.AGENT.tls
-            tls.cache_rid = getattr(req, "rid", None)
-            try:
-                return orig(self, req, *a, **k)
-            finally:
-                tls.cache_rid = None
-        return checkpoint_into_tree
-
-    _wrap(cls, "match_prefix", make_match)
-    _wrap(cls, "insert", make_insert)
-    if hasattr(cls, "touch_prefix"):
-        _wrap(cls, "touch_prefix", make_touch)
-    if hasattr(cls, "checkpoint_into_tree"):
-        _wrap(cls, "checkpoint_into_tree", make_checkpoint)
+    _hook_class(mod, "UnifiedRadixCache", {"match_prefix": _make_match, "insert": _make_insert},
+                {"touch_prefix": _make_touch, "checkpoint_into_tree": _make_checkpoint})
 
 
 def _emit_match(req, cached, where):
@@ -206,42 +202,39 @@ def _emit_match(req, cached, where):
                cached_tokens=None if cached is None else int(cached))
 
 
+def _make_set_buf(orig, module: str):
+    """``MetadataBuffers.set_buf``: prefill's ``prefix_match`` (what it reports to decode)."""
+    def set_buf(self, req):
+        try:
+            _emit_match(req, getattr(req, "cached_tokens", None), "prefill_report")
+        except Exception as e:  # noqa: BLE001 - evidence must never break the engine
+            _ctl.AGENT.emit("hook_error", module=module, error=repr(e))
+        return orig(self, req)
+    return set_buf
+
+
+def _make_decode_match(orig, module: str):
+    """``DecodePreallocQueue._match_prefix_and_lock``: decode's ``prefix_match`` on its own tree."""
+    def _match_prefix_and_lock(self, req, *a, **k):
+        out = orig(self, req, *a, **k)
+        try:
+            # decode retries the match every round until it can pre-allocate: one event per rid and value
+            n = getattr(out, "l1_prefix_len", None)  # DecodePrefixMatch
+            if _remember(_ctl.AGENT, "decode_match_last", getattr(req, "rid", None), n) != n:
+                _emit_match(req, n, "decode_match")
+        except Exception as e:  # noqa: BLE001
+            _ctl.AGENT.emit("hook_error", module=module, error=repr(e))
+        return out
+    return _match_prefix_and_lock
+
+
 def _hook_disagg_utils(mod):
-    mb = getattr(mod, "MetadataBuffers", None)
-    if mb is None or not hasattr(mb, "set_buf"):
-        return
-
-    def make(orig):
-        def set_buf(self, req):
-            try:
-                _emit_match(req, getattr(req, "cached_tokens", None), "prefill_report")
-            except Exception as e:  # noqa: BLE001 - evidence must never break the engine
-                _ctl.AGENT.emit("hook_error", module=mod.__name__, error=repr(e))
-            return orig(self, req)
-        return set_buf
-
-    _wrap(mb, "set_buf", make)
+    _hook_class(mod, "MetadataBuffers", optional={"set_buf": lambda orig: _make_set_buf(orig, mod.__name__)})
 
 
 def _hook_decode_match(mod):
-    q = getattr(mod, "DecodePreallocQueue", None)
-    if q is None or not hasattr(q, "_match_prefix_and_lock"):
-        return
-
-    def make(orig):
-        def _match_prefix_and_lock(self, req, *a, **k):
-            out = orig(self, req, *a, **k)
-            try:
-                # decode retries the match every round until it can pre-allocate: one event per rid and value
-                n = getattr(out, "l1_prefix_len", None)  # DecodePrefixMatch
-                if _remember(_ctl.AGENT, "decode_match_last", getattr(req, "rid", None), n) != n:
-                    _emit_match(req, n, "decode_match")
-            except Exception as e:  # noqa: BLE001
-                _ctl.AGENT.emit("hook_error", module=mod.__name__, error=repr(e))
-            return out
-        return _match_prefix_and_lock
-
-    _wrap(q, "_match_prefix_and_lock", make)
+    _hook_class(mod, "DecodePreallocQueue",
+                optional={"_match_prefix_and_lock": lambda orig: _make_decode_match(orig, mod.__name__)})
 
 
 HOOKS = {

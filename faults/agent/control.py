@@ -308,3 +308,51 @@ def _track_instances(cls, name: str) -> None:
         return __init__
 
     _wrap(cls, "__init__", make_init)
+
+
+def _wrap_function(mod, name: str, make) -> None:
+    """:func:`_wrap` for a module-level function ``mod.<name>`` (nothing where the module has none,
+    or it is wrapped already); its hook is named ``<module>.<name>``."""
+    orig = getattr(mod, name, None)
+    if orig is None or getattr(orig, "_kvchaos_orig", None):
+        return
+    new = make(orig)
+    new._kvchaos_orig = orig
+    setattr(mod, name, new)
+    AGENT.hooks.append(f"{mod.__name__}.{name}")
+
+
+def _hook_class(mod, cls_name: str, makers: dict | None = None, optional: dict | None = None, *,
+                track: bool = False):
+    """The usual hook of one engine class: ``mod.<cls_name>`` (nothing happens where the module has
+    no such class) with its instances tracked (``track``, under ``cls_name``), each method of
+    ``makers`` wrapped (the class must have it), then each method of ``optional`` it has; in that
+    order. Returns the class, or None."""
+    cls = getattr(mod, cls_name, None)
+    if cls is None:
+        return None
+    if track:
+        _track_instances(cls, cls_name)
+    for name, make in (makers or {}).items():
+        _wrap(cls, name, make)
+    for name, make in (optional or {}).items():
+        if hasattr(cls, name):
+            _wrap(cls, name, make)
+    return cls
+
+
+# ================================================================== mutation switches
+def _switch_attrs(saved: list, objs, **values) -> None:
+    """Set each attribute of ``values`` on each of ``objs`` (live engine objects or modules), noting
+    ``(obj, attr, old value)`` in ``saved``: a mutation's ``on`` keeps that list as ``f["_saved"]``
+    for :func:`_restore_attrs`. Every old value is read before anything is set."""
+    olds = [(obj, attr, getattr(obj, attr)) for obj in objs for attr in values]
+    for obj, attr, _old in olds:
+        setattr(obj, attr, values[attr])
+    saved.extend(olds)
+
+
+def _restore_attrs(agent, f: dict) -> None:
+    """A mutation's ``off``: put back every attribute its ``on`` noted in ``f["_saved"]`` (last first)."""
+    for obj, attr, v in reversed(f.pop("_saved", [])):
+        setattr(obj, attr, v)

@@ -36,7 +36,7 @@ import hashlib
 import sys
 
 from . import control as _ctl
-from .control import _track_instances, _wrap, register_fault
+from .control import _hook_class, _restore_attrs, _switch_attrs, _wrap, register_fault
 
 SCHED = "sglang.srt.managers.scheduler"
 
@@ -56,25 +56,16 @@ def _retract_on(agent, f: dict):
     saved = []
     mod = sys.modules.get(SCHED)
     if _ctl.ROLE == "decode" and mod is not None and hasattr(mod, "TEST_RETRACT"):
-        saved.append((mod, "TEST_RETRACT", mod.TEST_RETRACT))
-        saved.append((mod, "TEST_RETRACT_INTERVAL", mod.TEST_RETRACT_INTERVAL))
-        mod.TEST_RETRACT, mod.TEST_RETRACT_INTERVAL = interval > 0, max(interval, 1)
+        _switch_attrs(saved, [mod], TEST_RETRACT=interval > 0, TEST_RETRACT_INTERVAL=max(interval, 1))
     queues = agent.live("DecodePreallocQueue") if _ctl.ROLE == "decode" else []
     if reserve is not None:
-        for q in queues:
-            saved.append((q, "num_reserved_decode_tokens", q.num_reserved_decode_tokens))
-            q.num_reserved_decode_tokens = int(reserve)
+        _switch_attrs(saved, queues, num_reserved_decode_tokens=int(reserve))
     f["_saved"] = saved
     agent.emit("mutation_on", fault=f["id"], kind="retract", interval=interval, reserve=reserve,
                switched=[f"{getattr(o, '__name__', type(o).__name__)}.{a}" for o, a, _v in saved])
 
 
-def _retract_off(agent, f: dict):
-    for obj, attr, v in reversed(f.pop("_saved", [])):
-        setattr(obj, attr, v)
-
-
-register_fault("retract", mutation=True, on=_retract_on, off=_retract_off, check=_retract_check)
+register_fault("retract", mutation=True, on=_retract_on, off=_restore_attrs, check=_retract_check)
 
 
 # ================================================================== evidence
@@ -141,9 +132,7 @@ def _hook_schedule_batch(mod):
 
 
 def _hook_decode_queue(mod):
-    q = getattr(mod, "DecodePreallocQueue", None)
-    if q is not None:
-        _track_instances(q, "DecodePreallocQueue")
+    _hook_class(mod, "DecodePreallocQueue", track=True)
 
 
 HOOKS = {

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from . import control as _ctl
 from ..wire import PARK_STAGES
-from .control import _track_instances, _wrap, register_fault
+from .control import _hook_class, _restore_attrs, _switch_attrs, _wrap, _wrap_function, register_fault
 
 
 # ---------------------------------------------------------------- mutation switches
@@ -18,17 +18,14 @@ def _reject_on(agent, f: dict):
     lim = f["params"].get("prefill_max_input_len", f["params"].get("max_input_len"))
     if lim is not None and _ctl.ROLE == "prefill":
         saved = []
-        for s in agent.live("Scheduler"):
-            saved.append((s, s.max_req_input_len))
-            s.max_req_input_len = int(lim)
+        _switch_attrs(saved, agent.live("Scheduler"), max_req_input_len=int(lim))
         f["_saved"] = saved
         agent.emit("mutation_on", fault=f["id"], kind="reject_admitted", prefill_max_input_len=lim,
                    schedulers=len(saved))
 
 
 def _reject_off(agent, f: dict):
-    for s, v in f.pop("_saved", []):
-        s.max_req_input_len = v
+    _restore_attrs(agent, f)
 
 
 def _reject_admitted_off(agent, f: dict):
@@ -40,42 +37,30 @@ def _reject_admitted_off(agent, f: dict):
 
 def _early_on(agent, f: dict):
     saved = []
-    for q in agent.live("DecodeTransferQueue"):
-        saved.append((q, "enable_deferred_kv_release", q.enable_deferred_kv_release))
-        q.enable_deferred_kv_release = False
-    for m in agent.live("MooncakeKVManager"):
-        if hasattr(m, "enable_deferred_decode_kv_release"):
-            saved.append((m, "enable_deferred_decode_kv_release", m.enable_deferred_decode_kv_release))
-            m.enable_deferred_decode_kv_release = False
+    _switch_attrs(saved, agent.live("DecodeTransferQueue"), enable_deferred_kv_release=False)
+    managers = [m for m in agent.live("MooncakeKVManager") if hasattr(m, "enable_deferred_decode_kv_release")]
+    _switch_attrs(saved, managers, enable_deferred_decode_kv_release=False)
     f["_saved"] = saved
     agent.emit("mutation_on", fault=f["id"], kind="early_free", switched=len(saved))
 
 
 def _early_off(agent, f: dict):
-    for obj, attr, v in f.pop("_saved", []):
-        setattr(obj, attr, v)
+    _restore_attrs(agent, f)
 
 
 def _timeout_on(agent, f: dict):
     """A setting, not a planted bug: what ``SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT``
     sets (decode reads it once, into each ``DecodeTransferQueue``), changed on the live queues so a
-    test need not restart decode; heal puts the old value back."""
+    test need not restart decode; heal (``_restore_attrs``) puts the old value back."""
     s = float(f["params"].get("s", 3.0))
     if s <= 0:
         raise ValueError(f"deferred_release_timeout: s must be > 0, got {s}")
     saved = []
-    for q in agent.live("DecodeTransferQueue"):
-        if hasattr(q, "deferred_kv_release_timeout"):
-            saved.append((q, q.deferred_kv_release_timeout))
-            q.deferred_kv_release_timeout = s
+    queues = [q for q in agent.live("DecodeTransferQueue") if hasattr(q, "deferred_kv_release_timeout")]
+    _switch_attrs(saved, queues, deferred_kv_release_timeout=s)
     f["_saved"] = saved
     agent.emit("mutation_on", fault=f["id"], kind="deferred_release_timeout", s=s, queues=len(saved),
-               was=[v for _q, v in saved])
-
-
-def _timeout_off(agent, f: dict):
-    for q, v in f.pop("_saved", []):
-        q.deferred_kv_release_timeout = v
+               was=[v for _q, _attr, v in saved])
 
 
 # ---------------------------------------------------------------- park: a request held at a queue stage
@@ -167,64 +152,56 @@ def _chunked_check(params: dict) -> None:
 
 def _chunked_on(agent, f: dict):
     """A setting, not a planted bug: what ``--chunked-prefill-size`` sets, on the live prefill
-    schedulers (read each time a prefill batch is built); heal puts the old value back. The size must
-    be a multiple of the KV page size (SGLang sends KV per chunk, page-aligned)."""
+    schedulers (read each time a prefill batch is built); heal (``_restore_attrs``) puts the old value
+    back. The size must be a multiple of the KV page size (SGLang sends KV per chunk, page-aligned)."""
     size = int(f["params"]["size"])
     saved = []
     if _ctl.ROLE == "prefill":
-        for s in agent.live("Scheduler"):
+        schedulers = agent.live("Scheduler")
+        for s in schedulers:
             page = int(getattr(s, "page_size", 1) or 1)
             if size % page:
                 raise ValueError(f"chunked_prefill: size {size} is not a multiple of the page size {page}")
-            saved.append((s, s.chunked_prefill_size))
-        for s, _v in saved:
-            s.chunked_prefill_size = size
+        _switch_attrs(saved, schedulers, chunked_prefill_size=size)
     f["_saved"] = saved
     agent.emit("mutation_on", fault=f["id"], kind="chunked_prefill", size=size, schedulers=len(saved),
-               was=[v for _s, v in saved])
-
-
-def _chunked_off(agent, f: dict):
-    for s, v in f.pop("_saved", []):
-        s.chunked_prefill_size = v
+               was=[v for _s, _attr, v in saved])
 
 
 register_fault("park", check=_park_check, held=True)
-register_fault("chunked_prefill", mutation=True, on=_chunked_on, off=_chunked_off, check=_chunked_check)
+register_fault("chunked_prefill", mutation=True, on=_chunked_on, off=_restore_attrs, check=_chunked_check)
 register_fault("reject_admitted", mutation=True, on=_reject_on, off=_reject_admitted_off)
-register_fault("deferred_release_timeout", mutation=True, on=_timeout_on, off=_timeout_off)
+register_fault("deferred_release_timeout", mutation=True, on=_timeout_on, off=_restore_attrs)
 register_fault("early_free", mutation=True, on=_early_on, off=_early_off)
 register_fault("input_limit", mutation=True, on=_reject_on, off=_reject_admitted_off)
 
 
 # ================================================================== hooks
+def _make_add(orig):
+    """``PrefillBootstrapQueue.add``: room -> rid, and ``bootstrap_queued``."""
+    def add(self, req, *a, **k):
+        room = getattr(req, "bootstrap_room", None)
+        if room is not None:
+            AGENT = _ctl.AGENT
+            with AGENT.lock:
+                AGENT.room_rid[int(room)] = req.rid
+                if len(AGENT.room_rid) > 100000:
+                    for r in list(AGENT.room_rid)[:50000]:
+                        AGENT.room_rid.pop(r, None)
+            # one per attempt: a request a load balancer re-sends comes back under a new room
+            AGENT.emit("bootstrap_queued", rid=req.rid, room=room)
+        return orig(self, req, *a, **k)
+    return add
+
+
 def _hook_prefill(mod):
-    q = getattr(mod, "PrefillBootstrapQueue", None)
-    if q is not None:
-        def make_add(orig):
-            def add(self, req, *a, **k):
-                room = getattr(req, "bootstrap_room", None)
-                if room is not None:
-                    AGENT = _ctl.AGENT
-                    with AGENT.lock:
-                        AGENT.room_rid[int(room)] = req.rid
-                        if len(AGENT.room_rid) > 100000:
-                            for r in list(AGENT.room_rid)[:50000]:
-                                AGENT.room_rid.pop(r, None)
-                    # one per attempt: a request a load balancer re-sends comes back under a new room
-                    AGENT.emit("bootstrap_queued", rid=req.rid, room=room)
-                return orig(self, req, *a, **k)
-            return add
-        _wrap(q, "add", make_add)
+    _hook_class(mod, "PrefillBootstrapQueue", {"add": _make_add})
     _hook_reject(mod)
 
 
-def _hook_reject(mod):
-    _hook_is_aborted(mod)
-    orig = getattr(mod, "is_unadmitted_reject", None)
-    if orig is None or getattr(orig, "_kvchaos_orig", None):
-        return
-
+def _make_unadmitted_reject(orig):
+    """``is_unadmitted_reject``: a request it rejects is admitted to the disaggregation queue (the
+    pre-#36988 path) where a ``reject_admitted`` fault targets it."""
     def is_unadmitted_reject(req):
         verdict = orig(req)
         if verdict:
@@ -240,21 +217,15 @@ def _hook_reject(mod):
                            note="rejected request admitted to the disaggregation queue (pre-#36988 path)")
                 return False
         return verdict
-
-    is_unadmitted_reject._kvchaos_orig = orig
-    mod.is_unadmitted_reject = is_unadmitted_reject
-    _ctl.AGENT.hooks.append(f"{mod.__name__}.is_unadmitted_reject")
+    return is_unadmitted_reject
 
 
-def _hook_is_aborted(mod):
-    """Second half of the reject replay (the part PR #38935 closed): before the fixes the PD queues
-    asked ``req.finished()``, which does not read ``to_finish``, so the rejected request's abort was
-    invisible to them. For requests the mutation admitted, ``is_aborted`` answers the pre-fix way
-    (``finished_reason`` only) while the mutation is armed."""
-    orig = getattr(mod, "is_aborted", None)
-    if orig is None or getattr(orig, "_kvchaos_orig", None):
-        return
+def _hook_reject(mod):
+    _hook_is_aborted(mod)
+    _wrap_function(mod, "is_unadmitted_reject", _make_unadmitted_reject)
 
+
+def _make_is_aborted(orig):
     def is_aborted(req):
         verdict = orig(req)
         AGENT = _ctl.AGENT
@@ -267,52 +238,56 @@ def _hook_is_aborted(mod):
                                rid=req.rid, note="to_finish ignored by the PD queues (pre-#38935)")
                 return False
         return verdict
+    return is_aborted
 
-    is_aborted._kvchaos_orig = orig
-    mod.is_aborted = is_aborted
-    _ctl.AGENT.hooks.append(f"{mod.__name__}.is_aborted")
+
+def _hook_is_aborted(mod):
+    """Second half of the reject replay (the part PR #38935 closed): before the fixes the PD queues
+    asked ``req.finished()``, which does not read ``to_finish``, so the rejected request's abort was
+    invisible to them. For requests the mutation admitted, ``is_aborted`` answers the pre-fix way
+    (``finished_reason`` only) while the mutation is armed."""
+    _wrap_function(mod, "is_aborted", _make_is_aborted)
+
+
+def _make_fail(orig):
+    """``DecodeTransferQueue._record_transfer_failure``: reached from the failure branch of the transfer
+    poll, after decode decided whether to defer the page release; with early_free armed it did not:
+    the proof of firing."""
+    def _record_transfer_failure(self, *a, **k):
+        on = None
+        if not getattr(self, "enable_deferred_kv_release", True):
+            on = _ctl.AGENT.switched_on("early_free", fire=True)
+        if on is not None:
+            _ctl.AGENT.emit("fault_fired", fault=on["id"], kind="early_free",
+                            reason=str(a[0] if a else k.get("failure_reason", ""))[:200],
+                            note="failed/aborted transfer: decode pages released without waiting "
+                                 "for in-flight writes to drain")
+        return orig(self, *a, **k)
+    return _record_transfer_failure
+
+
+def _make_release(orig):
+    """``DecodeTransferQueue._release_request``: where decode gives a failed/aborted transfer's
+    pre-allocated pages back: at once from the poll's failure branch, or from ``_do_release`` after
+    the deferred drain/timeout."""
+    def _release_request(self, decode_req, *a, **k):
+        req = getattr(decode_req, "req", None)
+        _ctl.AGENT.emit("kv_released", room=getattr(req, "bootstrap_room", None),
+                        rid=getattr(req, "rid", None),
+                        deferred_release_enabled=bool(getattr(self, "enable_deferred_kv_release", False)))
+        return orig(self, decode_req, *a, **k)
+    return _release_request
 
 
 def _hook_decode(mod):
     _hook_reject(mod)
-    tq = getattr(mod, "DecodeTransferQueue", None)
+    tq = _hook_class(mod, "DecodeTransferQueue", optional={
+        "_record_transfer_failure": _make_fail, "_release_request": _make_release}, track=True)
     if tq is not None:
-        _track_instances(tq, "DecodeTransferQueue")
-        if hasattr(tq, "_record_transfer_failure"):
-            # reached from the failure branch of the transfer poll, after decode decided whether to
-            # defer the page release; with early_free armed it did not: the proof of firing
-            def make_fail(orig):
-                def _record_transfer_failure(self, *a, **k):
-                    on = None
-                    if not getattr(self, "enable_deferred_kv_release", True):
-                        on = _ctl.AGENT.switched_on("early_free", fire=True)
-                    if on is not None:
-                        _ctl.AGENT.emit("fault_fired", fault=on["id"], kind="early_free",
-                                        reason=str(a[0] if a else k.get("failure_reason", ""))[:200],
-                                        note="failed/aborted transfer: decode pages released without waiting "
-                                             "for in-flight writes to drain")
-                    return orig(self, *a, **k)
-                return _record_transfer_failure
-            _wrap(tq, "_record_transfer_failure", make_fail)
-        if hasattr(tq, "_release_request"):
-            # where decode gives a failed/aborted transfer's pre-allocated pages back: at once from
-            # the poll's failure branch, or from ``_do_release`` after the deferred drain/timeout
-            def make_release(orig):
-                def _release_request(self, decode_req, *a, **k):
-                    req = getattr(decode_req, "req", None)
-                    _ctl.AGENT.emit("kv_released", room=getattr(req, "bootstrap_room", None),
-                                    rid=getattr(req, "rid", None),
-                                    deferred_release_enabled=bool(getattr(self, "enable_deferred_kv_release", False)))
-                    return orig(self, decode_req, *a, **k)
-                return _release_request
-            _wrap(tq, "_release_request", make_release)
         _hook_deferred(tq)
-    pq = getattr(mod, "DecodePreallocQueue", None)
-    if pq is not None and hasattr(pq, "_update_handshake_waiters"):
-        _wrap(pq, "_update_handshake_waiters", _make_handshake)
-    mixin = getattr(mod, "SchedulerDisaggregationDecodeMixin", None)
-    if mixin is not None and hasattr(mixin, "_get_new_prebuilt_batch"):
-        _wrap(mixin, "_get_new_prebuilt_batch", _hide_parked("waiting_queue", "decode_waiting"))
+    _hook_class(mod, "DecodePreallocQueue", optional={"_update_handshake_waiters": _make_handshake})
+    _hook_class(mod, "SchedulerDisaggregationDecodeMixin",
+                optional={"_get_new_prebuilt_batch": _hide_parked("waiting_queue", "decode_waiting")})
 
 
 def _room_rid(decode_req):
@@ -356,11 +331,8 @@ def _hook_deferred(tq):
 
 
 def _hook_scheduler(mod):
-    sch = getattr(mod, "Scheduler", None)
-    if sch is not None:
-        _track_instances(sch, "Scheduler")
-        if hasattr(sch, "get_new_batch_prefill"):
-            _wrap(sch, "get_new_batch_prefill", _hide_parked("waiting_queue", "prefill_waiting"))
+    _hook_class(mod, "Scheduler", optional={"get_new_batch_prefill": _hide_parked("waiting_queue", "prefill_waiting")},
+                track=True)
 
 
 HOOKS = {

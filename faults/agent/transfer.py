@@ -25,7 +25,7 @@ import time
 import weakref
 
 from . import control as _ctl
-from .control import _track_instances, _wrap, register_fault
+from .control import _hook_class, _wrap, register_fault
 
 # sglang.srt.disaggregation.base.conn.KVPoll (a plain int class in 0.5.23)
 _KVPOLL = {0: "Failed", 1: "Bootstrapping", 2: "WaitingForInput", 3: "Transferring", 4: "Success"}
@@ -86,20 +86,18 @@ def _page_size(mgr):
 
 
 # ================================================================== hooks
+def _make_get(orig):
+    """``FastQueue.get``: the transfer worker's dequeued chunk, kept for the writes it makes next."""
+    def get(self):
+        item = orig(self)
+        if hasattr(item, "room") and hasattr(item, "index_slice"):
+            _ctl.AGENT.tls.chunk = item
+        return item
+    return get
+
+
 def _hook_common_utils(mod):
-    FQ = getattr(mod, "FastQueue", None)
-    if FQ is None:
-        return
-
-    def make(orig):
-        def get(self):
-            item = orig(self)
-            if hasattr(item, "room") and hasattr(item, "index_slice"):
-                _ctl.AGENT.tls.chunk = item
-            return item
-        return get
-
-    _wrap(FQ, "get", make)
+    _hook_class(mod, "FastQueue", {"get": _make_get})
 
 
 def _guarded_write(mgr, backend: str, session_id, src, dst, write, path: str = "send_kvcache"):
@@ -273,30 +271,27 @@ def _make_check_status(orig):
     return check_status
 
 
-def _hook_mooncake(mod):
-    mgr = getattr(mod, "MooncakeKVManager", None)
-    if mgr is None:
-        return
-    _track_instances(mgr, "MooncakeKVManager")
-    _wrap(mgr, "send_kvcache", lambda orig: _make_send(orig, "mooncake"))
-    if hasattr(mgr, "send_kvcache_dcp"):  # MLA with decode context parallel
-        _wrap(mgr, "send_kvcache_dcp", lambda orig: _make_send_dcp(orig, "mooncake"))
-    if hasattr(mgr, "send_kvcache_slice"):  # MHA/GQA with prefill attn TP != decode attn TP
-        _wrap(mgr, "send_kvcache_slice", lambda orig: _make_send(orig, "mooncake"))
-    if hasattr(mgr, "check_status"):
-        _wrap(mgr, "check_status", _make_check_status)
+def _make_legacy(orig):
+    """``MooncakeKVManager._handle_legacy_abort_notification``: where ``early_free`` fires in the manager."""
+    def _handle_legacy_abort_notification(self, notification, room_active):
+        on = _ctl.AGENT.switched_on("early_free", fire=True)
+        if on is not None:
+            _ctl.AGENT.emit("fault_fired", fault=on["id"], kind="early_free",
+                            room=getattr(notification, "room", None), room_active=room_active,
+                            note="decode released pages without waiting for the drain ack")
+        return orig(self, notification, room_active)
+    return _handle_legacy_abort_notification
 
-    if hasattr(mgr, "_handle_legacy_abort_notification"):
-        def make_legacy(orig):
-            def _handle_legacy_abort_notification(self, notification, room_active):
-                on = _ctl.AGENT.switched_on("early_free", fire=True)
-                if on is not None:
-                    _ctl.AGENT.emit("fault_fired", fault=on["id"], kind="early_free",
-                                    room=getattr(notification, "room", None), room_active=room_active,
-                                    note="decode released pages without waiting for the drain ack")
-                return orig(self, notification, room_active)
-            return _handle_legacy_abort_notification
-        _wrap(mgr, "_handle_legacy_abort_notification", make_legacy)
+
+def _hook_mooncake(mod):
+    optional = {
+        "send_kvcache_dcp": lambda orig: _make_send_dcp(orig, "mooncake"),  # MLA with decode context parallel
+        "send_kvcache_slice": lambda orig: _make_send(orig, "mooncake"),  # MHA/GQA, prefill attn TP != decode's
+        "check_status": _make_check_status,
+        "_handle_legacy_abort_notification": _make_legacy,
+    }
+    _hook_class(mod, "MooncakeKVManager", {"send_kvcache": lambda orig: _make_send(orig, "mooncake")}, optional,
+                track=True)
 
 
 def _hook_nixl(mod):

@@ -96,30 +96,20 @@ class Cluster(ClusterAPI):
 
     def _proxy_factory(self) -> ProxyFactory | None:
         """The factory for this cluster's network proxies (None when the spec asks for none)."""
-        if not self.spec.network_proxy:
-            return None
-        factory = self.proxy_factory or default_proxy_factory()
-        if factory is None:
-            raise ProxyFactoryMissing(
-                f"profile {self.spec.name!r} sets network_proxy = {self.spec.network_proxy!r}, but no proxy "
-                "factory was given: the cluster layer launches processes and ports, the network fault proxy "
-                "comes from the fault layer. Pass Cluster(spec, workdir, proxy_factory=faults.open_network_proxy), "
-                "or call faults.install_network_proxy() once at start-up (the kvchaos pytest plugin and CLI "
-                "do), or set network_proxy = \"\" for a cluster without fault proxies.")
-        return factory
+        return _from_above(self.spec.network_proxy, self.proxy_factory or default_proxy_factory(), ProxyFactoryMissing(
+            f"profile {self.spec.name!r} sets network_proxy = {self.spec.network_proxy!r}, but no proxy "
+            "factory was given: the cluster layer launches processes and ports, the network fault proxy "
+            "comes from the fault layer. Pass Cluster(spec, workdir, proxy_factory=faults.open_network_proxy), "
+            "or call faults.install_network_proxy() once at start-up (the kvchaos pytest plugin and CLI "
+            "do), or set network_proxy = \"\" for a cluster without fault proxies."))
 
     def _agent_module(self) -> str | None:
         """The module every engine loads as its agent (None when the spec asks for none)."""
-        if not self.spec.agent:
-            return None
-        module = self.agent_module or engine_agent()
-        if module is None:
-            raise AgentMissing(
-                f"profile {self.spec.name!r} loads the in-engine agent (agent = true), but no agent module was "
-                "given: the cluster layer launches the engines, the agent comes from the fault layer. Pass "
-                "Cluster(spec, workdir, agent_module=faults.AGENT_MODULE), call faults.install_agent() (or "
-                "faults.install()) once at start-up, or set agent = false in the profile.")
-        return module
+        return _from_above(self.spec.agent, self.agent_module or engine_agent(), AgentMissing(
+            f"profile {self.spec.name!r} loads the in-engine agent (agent = true), but no agent module was "
+            "given: the cluster layer launches the engines, the agent comes from the fault layer. Pass "
+            "Cluster(spec, workdir, agent_module=faults.AGENT_MODULE), call faults.install_agent() (or "
+            "faults.install()) once at start-up, or set agent = false in the profile."))
 
     def _start(self, t0: float) -> None:
         spec = self.spec
@@ -338,6 +328,16 @@ class Cluster(ClusterAPI):
                 "topology": self.hosts.describe() if self.hosts else "one-host",
                 "model_path": self.model_path, "timings": self.timings, "logs": self.log_paths(),
                 "pids": {r: p.pid for r, p in self.procs.items()}}
+
+
+def _from_above(wanted, given, missing: Exception):
+    """What the fault layer handed in (``given``) when the spec wants it, None when it does not; raises
+    ``missing`` (before anything is launched) when it is wanted and nothing was handed in."""
+    if not wanted:
+        return None
+    if given is None:
+        raise missing
+    return given
 
 
 def dump_describe(obj, path: Path) -> None:

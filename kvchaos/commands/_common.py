@@ -5,6 +5,7 @@ option groups several subparsers carry (``common``: where a cluster comes from a
 from __future__ import annotations
 
 import argparse
+from contextlib import contextmanager
 import sys
 import tomllib
 from pathlib import Path
@@ -48,6 +49,16 @@ def load_config(path: str | None) -> dict:
             raise UsageError(f"{p}: key {k!r} = {v!r}: expected "
                              f"{'a list of strings' if want is list else getattr(want, '__name__', 'a number')}")
     return cfg
+
+
+@contextmanager
+def usage_errors(command: str, *errors: type[Exception]):
+    """An error of ``errors`` raised inside (bad input the command's library named) becomes a
+    :class:`UsageError` naming the command: its message, exit 2."""
+    try:
+        yield
+    except errors as e:
+        raise UsageError(f"{command}: {e}") from None
 
 
 def subparser(sub, name: str, **kw) -> argparse.ArgumentParser:

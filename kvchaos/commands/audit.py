@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from kvchaos.commands._common import UsageError, subparser
+from kvchaos.commands._common import UsageError, subparser, usage_errors
 
 NAME = "audit"
 HELP = "the incident's operator checklist against running servers"
@@ -56,7 +56,7 @@ def run(args) -> int:
 
     if not args.prefill or not args.decode:
         raise UsageError("audit: --prefill URL and --decode URL are required (or prefill/decode in the config)")
-    try:
+    with usage_errors("audit", AuditError):
         modes = () if args.lb_probe in ("", "none") else tuple(m.strip() for m in args.lb_probe.split(",") if m.strip())
         bad = [m for m in modes if m not in LB_MODES]
         if bad:
@@ -64,8 +64,6 @@ def run(args) -> int:
                              f"one of {', '.join(LB_MODES)} or none")
         res = audit(args.prefill, args.decode, args.router, timeout=args.timeout, release_table=args.release_table,
                     lb_modes=modes, lb_disconnect_ms=args.lb_disconnect_ms)
-    except AuditError as e:
-        raise UsageError(f"audit: {e}")
     if args.json:
         print(json.dumps(res, indent=2, default=str))
     else:

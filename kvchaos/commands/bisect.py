@@ -5,16 +5,18 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from kvchaos.commands._common import REPO, UsageError, common, subparser, verbose
+from kvchaos.commands._common import REPO, UsageError, common, subparser, usage_errors, verbose
 from kvchaos.commands._pytest import run_suites
 
 NAME = "bisect"
 HELP = "run the GLM-5.3 incident unmodified on several SGLang releases; print the table"
-DESCRIPTION = ("Each release in its own environment (scripts/setup-engine.sh), the incident's "
-               "deployment (prefill pool < context), a fresh cluster and planted-leak self-test "
-               "per trial, no mutation. Prints per release: leaked / hung / rejected with 4xx, "
-               "with the first witness. Exit 0 every trial measured, 3 some trial could not see "
-               "a leak (blind) or did not run, 2 bad input (e.g. a release without a recipe).")
+DESCRIPTION = " ".join("""
+Each release in its own environment (scripts/setup-engine.sh), the incident's deployment (prefill
+pool < context), a fresh cluster and planted-leak self-test per trial, no mutation. Prints per
+release: leaked / hung / rejected with 4xx, with the first witness. Exit 0 every trial measured, 3
+some trial could not see a leak (blind) or did not run, 2 bad input (e.g. a release without a
+recipe).
+""".split())
 
 
 def add_parser(sub, cfg: dict):
@@ -45,10 +47,8 @@ def _check_input(args, releases) -> list[str]:
     if args.deployment not in releases.DEPLOYMENTS:
         raise UsageError(f"bisect: --deployment {args.deployment!r}: one of {', '.join(releases.DEPLOYMENTS)}")
     for r in rels:
-        try:
+        with usage_errors("bisect", releases.ReleaseError):
             print(f"kvchaos bisect: sglang {r}: {releases.engine_python(r)}", flush=True)
-        except releases.ReleaseError as e:
-            raise UsageError(f"bisect: {e}") from None
     return rels
 
 

@@ -5,14 +5,16 @@ from __future__ import annotations
 
 import json
 
-from kvchaos.commands._common import UsageError, subparser
+from kvchaos.commands._common import subparser, usage_errors
 from kvchaos.replay import ReplayError, digests
 
 NAME = "digests"
 HELP = "plan digest of every scenario of run directories; where they differ"
-DESCRIPTION = ("Same seed, engine and layout => same plans: this lists each scenario's plan "
-               "digest per run directory (a dry run's plans.jsonl or a run's experiments.jsonl). "
-               "Exit 0 none differ, 1 some differ, 2 bad input.")
+DESCRIPTION = " ".join("""
+Same seed, engine and layout => same plans: this lists each scenario's plan digest per run directory
+(a dry run's plans.jsonl or a run's experiments.jsonl). Exit 0 none differ, 1 some differ, 2 bad
+input.
+""".split())
 
 
 def add_parser(sub, cfg: dict):
@@ -23,10 +25,8 @@ def add_parser(sub, cfg: dict):
 
 
 def run(args) -> int:
-    try:
+    with usage_errors("digests", ReplayError):
         res = digests(args.run_dirs)
-    except ReplayError as e:
-        raise UsageError(f"digests: {e}") from None
     if args.json:
         print(json.dumps(res, indent=2, default=str))
     else:

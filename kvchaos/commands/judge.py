@@ -24,16 +24,17 @@ import os
 import sys
 
 from kvchaos import canary, oracles
-from kvchaos.commands._common import UsageError, subparser
+from kvchaos.commands._common import UsageError, subparser, usage_errors
 from kvchaos.history import HistoryError, load, render_witness
 from kvchaos.policy import KNOWN, Context, Policy, PolicyError, exit_code, merge
 
 NAME = "judge"
 HELP = "judge event logs on disk with the default checkers and print the verdicts"
-DESCRIPTION = ("Judge each event log (JSONL) on its own with the default checkers; the "
-               "canaries minted in any of the logs are known to all of them. Exit 0 every log "
-               "PASS (or KNOWN accepted), 1 any FAIL, 3 UNKNOWN or KNOWN not accepted, 2 bad "
-               "input. A truncated last line is a warning; the rest of that log is judged.")
+DESCRIPTION = " ".join("""
+Judge each event log (JSONL) on its own with the default checkers; the canaries minted in any of the
+logs are known to all of them. Exit 0 every log PASS (or KNOWN accepted), 1 any FAIL, 3 UNKNOWN or
+KNOWN not accepted, 2 bad input. A truncated last line is a warning; the rest of that log is judged.
+""".split())
 JUDGE_WITNESSES = 3  # witnesses printed per verdict (--json has them all)
 
 
@@ -54,10 +55,8 @@ def add_parser(sub, cfg: dict):
 
 def _load_history(path: str):
     """One event log, read and validated by the one loader (kvchaos.history): bad input is exit 2."""
-    try:
+    with usage_errors("judge", HistoryError):
         h = load(path)
-    except HistoryError as e:
-        raise UsageError(f"judge: {e}") from None
     if not h.plans:
         raise UsageError(f"judge: {path}: no requests to judge (no \"plan\" events among {len(h.records)} records)")
     warnings = list(h.warnings)
@@ -113,10 +112,8 @@ def _judge(args, names: list[str] | None, logs: dict, warnings: dict) -> list[tu
     reg = canary.Registry()
     for path, h in logs.items():
         reg.add_plans(h.plans, path)
-    try:
+    with usage_errors("judge", PolicyError):
         policy = Policy(accept_known=bool(args.accept_known))
-    except PolicyError as e:
-        raise UsageError(f"judge: {e}")
     results = []
     for path, h in logs.items():
         for w in warnings[path]:

@@ -3,16 +3,17 @@ Exit status: 0 every repetition reproduced, 1 not, 2 bad input."""
 
 from __future__ import annotations
 
-from kvchaos.commands._common import UsageError, subparser
+from kvchaos.commands._common import subparser, usage_errors
 from kvchaos.replay import ReplayError, replay
 
 NAME = "replay"
 HELP = "re-run a recorded scenario with its run's seed and say if it reproduced"
-DESCRIPTION = ("Re-runs the scenario's test with the run's seed, profile and layouts (run.json), "
-               "each repetition a pytest session of its own (a fresh cluster, or --attach), "
-               "under RUN_DIR/replays/. A repetition reproduced when the plans are the same "
-               "(digest) and every verdict that was not PASS has its original status again. "
-               "Exit 0 all reproduced, 1 not, 2 bad input.")
+DESCRIPTION = " ".join("""
+Re-runs the scenario's test with the run's seed, profile and layouts (run.json), each repetition a
+pytest session of its own (a fresh cluster, or --attach), under RUN_DIR/replays/. A repetition
+reproduced when the plans are the same (digest) and every verdict that was not PASS has its original
+status again. Exit 0 all reproduced, 1 not, 2 bad input.
+""".split())
 
 
 def add_parser(sub, cfg: dict):
@@ -26,10 +27,8 @@ def add_parser(sub, cfg: dict):
 
 
 def run(args) -> int:
-    try:
+    with usage_errors("replay", ReplayError):
         res = replay(args.run_dir, args.scenario, times=args.times, attach=args.attach, timeout_s=args.timeout)
-    except ReplayError as e:
-        raise UsageError(f"replay: {e}") from None
     for sc in res["scenarios"]:
         print(f"{sc['test']}: reproduced {sc['reproduced']}/{sc['of']} (seed {res['seed']}); original "
               + ", ".join(f"{o['name']} {o['status']} {o['verdicts']}" for o in sc["original"]))

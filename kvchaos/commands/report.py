@@ -4,7 +4,7 @@
 
 from __future__ import annotations
 
-from kvchaos.commands._common import UsageError, subparser
+from kvchaos.commands._common import subparser, usage_errors
 
 NAME = "report"
 HELP = "(re)build verdicts.json and report.html of a run directory"
@@ -21,10 +21,8 @@ def run(args) -> int:
     from kvchaos.policy import exit_code
     from kvchaos.report import ReportError, build
 
-    try:
+    with usage_errors("report", ReportError):
         r = build(args.dir)
-    except ReportError as e:
-        raise UsageError(f"report: {e}")
     m = r["model"]
     for s in m.scenarios:
         print(f"  {s.status.upper():8s} {s.name}" + (f"  [{s.context}]" if s.context else ""))

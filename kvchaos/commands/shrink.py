@@ -6,16 +6,18 @@ from __future__ import annotations
 
 import sys
 
-from kvchaos.commands._common import REPO, UsageError, subparser
+from kvchaos.commands._common import REPO, subparser, usage_errors
 from kvchaos.replay import ReplayError, shrink
 
 NAME = "shrink"
 HELP = "shrink a failing scenario to a minimal one that still fails the same way"
-DESCRIPTION = ("Re-runs the scenario's test with the run's seed; once its experiment is judged, "
-               "the same session (same cluster) delta-debugs it: fewer requests, faults, tenants, "
-               "less concurrency, keeping only changes after which the same checker still FAILs "
-               "with a witness of the same kind. Writes minimal.json, the minimal log, repro.py "
-               "and BUG.md. Exit 0 shrunk, 1 the failure did not re-run, 2 bad input.")
+DESCRIPTION = " ".join("""
+Re-runs the scenario's test with the run's seed; once its experiment is judged, the same session
+(same cluster) delta-debugs it: fewer requests, faults, tenants, less concurrency, keeping only
+changes after which the same checker still FAILs with a witness of the same kind. Writes
+minimal.json, the minimal log, repro.py and BUG.md. Exit 0 shrunk, 1 the failure did not re-run, 2
+bad input.
+""".split())
 
 
 def add_parser(sub, cfg: dict):
@@ -31,11 +33,9 @@ def add_parser(sub, cfg: dict):
 
 
 def run(args) -> int:
-    try:
+    with usage_errors("shrink", ReplayError):
         res = shrink(args.run_dir, args.scenario, budget_s=args.budget_s, max_steps=args.steps, attach=args.attach,
                      checker=args.checker)
-    except ReplayError as e:
-        raise UsageError(f"shrink: {e}") from None
     if res.get("refused"):
         print(f"{res['experiment']}: not shrunk — {res['refused']} (verdicts this time: {res.get('verdicts')})")
         return 1

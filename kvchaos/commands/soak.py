@@ -7,16 +7,18 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from kvchaos.commands._common import REPO, UsageError, subparser
+from kvchaos.commands._common import REPO, subparser, usage_errors
 from kvchaos.soak import SoakError, account, render, soak
 
 NAME = "soak"
 HELP = "the suites K times with fresh seeds: outcome counts per test, flakes, engine failures"
-DESCRIPTION = ("Runs the suites --times times, each a pytest session with a fresh seed (or "
-               "--seed), under REPORTS/soak-<stamp>/, or accounts finished run directories "
-               "(--from). Prints per test the outcome counts (FLAKY: red in some runs only, with "
-               "the seed and replay command of each red run) and per engine-failure signature "
-               "its rate per run and per 1,000 requests. Exit 0 no test red in any run, 1 otherwise.")
+DESCRIPTION = " ".join("""
+Runs the suites --times times, each a pytest session with a fresh seed (or --seed), under
+REPORTS/soak-<stamp>/, or accounts finished run directories (--from). Prints per test the outcome
+counts (FLAKY: red in some runs only, with the seed and replay command of each red run) and per
+engine-failure signature its rate per run and per 1,000 requests. Exit 0 no test red in any run, 1
+otherwise.
+""".split())
 
 
 def add_parser(sub, cfg: dict):
@@ -33,14 +35,12 @@ def add_parser(sub, cfg: dict):
 
 
 def run(args) -> int:
-    try:
+    with usage_errors("soak", SoakError):
         if args.from_dirs:
             res = account(args.from_dirs)
         else:
             out = Path(args.reports).resolve() / time.strftime("soak-%Y%m%d-%H%M%S")
             res = soak(args.times, out, args.suites or [str(REPO / "suites")], args.markers, seed=args.seed)
             print(f"kvchaos soak: {out / 'soak.json'}")
-    except SoakError as e:
-        raise UsageError(f"soak: {e}") from None
     print(render(res))
     return 1 if res["red"] else 0

@@ -50,6 +50,18 @@ class Verdict:
         return f"{self.oracle}: {self.status.upper()} — {self.summary}"
 
 
+def ladder(name: str, stats: dict, witnesses: list, fail, unknown=(), passed: str = "") -> Verdict:
+    """The order every verdict is decided in: any witness is a FAIL (``fail(witnesses)`` says what);
+    else the first ``(condition, why)`` of ``unknown`` that holds is UNKNOWN (``why`` a string, or a
+    callable for one that may only be built when its condition holds); else PASS (``passed``)."""
+    if witnesses:
+        return Verdict(name, FAIL, fail(witnesses), witnesses, stats)
+    for cond, why in unknown:
+        if cond:
+            return Verdict(name, UNKNOWN, why() if callable(why) else why, [], stats)
+    return Verdict(name, PASS, passed, [], stats)
+
+
 class Checker:
     """An oracle with its options bound at construction: ``checker.check(history, registry) -> Verdict``.
 

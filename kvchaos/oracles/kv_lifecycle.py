@@ -8,7 +8,7 @@ from collections import Counter, defaultdict
 
 from kvchaos.history import agent_kind, as_history
 
-from .base import FAIL, PASS, UNKNOWN, Checker, Verdict
+from .base import Checker, Verdict, ladder
 
 
 def _reused_by(room, released_at: float, starts: dict, limit: int = 5) -> list[dict]:
@@ -77,18 +77,15 @@ def kv_lifecycle(events, tolerance_s: float = 0.0) -> Verdict:
     stats = {"writes": n_writes, "released_rooms": len(releases),
              "released_with_writes": sum(1 for r in releases if writes.get(r)),
              "release_outcomes": dict(Counter(all_outcomes))}
-    if witnesses:
-        w = witnesses[0]
-        return Verdict("kv_lifecycle", FAIL, f"{len(witnesses)} KV write(s) landed after decode released the pages "
-                       f"(first: room {w['room']} rid {w['rid']}: {w['pages']} pages, {w['after_release_ms']} ms "
-                       f"after a release whose outcome was {w['release_outcome']})", witnesses, stats)
-    if not n_writes:
-        return Verdict("kv_lifecycle", UNKNOWN, "no engine-side write evidence (in-engine agent not loaded?)", [], stats)
-    if not releases:
-        return Verdict("kv_lifecycle", UNKNOWN, f"{n_writes} writes, but no failed/aborted transfer released pages: "
-                       "nothing to judge", [], stats)
-    return Verdict("kv_lifecycle", PASS, f"{len(releases)} released room(s), {stats['released_with_writes']} with "
-                   f"writes: every write ended before its pages were released", [], stats)
+    return ladder(
+        "kv_lifecycle", stats, witnesses,
+        fail=lambda ws: (f"{len(ws)} KV write(s) landed after decode released the pages (first: room "
+                         f"{ws[0]['room']} rid {ws[0]['rid']}: {ws[0]['pages']} pages, {ws[0]['after_release_ms']} ms "
+                         f"after a release whose outcome was {ws[0]['release_outcome']})"),
+        unknown=[(not n_writes, "no engine-side write evidence (in-engine agent not loaded?)"),
+                 (not releases, f"{n_writes} writes, but no failed/aborted transfer released pages: nothing to judge")],
+        passed=(f"{len(releases)} released room(s), {stats['released_with_writes']} with writes: every write ended "
+                "before its pages were released"))
 
 
 class KVLifecycle(Checker):

@@ -7,7 +7,7 @@ from collections import defaultdict
 
 from kvchaos.history import agent_kind, as_history
 
-from .base import FAIL, PASS, UNKNOWN, Checker, Verdict
+from .base import Checker, Verdict, ladder
 
 
 def retraction(events, min_retractions: int = 1) -> Verdict:
@@ -47,18 +47,16 @@ def retraction(events, min_retractions: int = 1) -> Verdict:
     told = sum(int(((run.bodies.get(r) or {}).get("meta") or {}).get("num_retractions") or 0) for r in run.plans)
     stats = {"retractions": n, "requests_retracted": len(retracted), "resumes": sum(len(v) for v in resumed.values()),
              "reply_num_retractions": told, "hook_errors": len(hook_errors)}
-    if witnesses:
-        w = witnesses[0]
-        return Verdict("retraction", FAIL, f"{len(witnesses)} retracted request(s) did not get their own KV back "
-                       f"(first: {w['rid']}: {w['problem']})", witnesses, stats)
-    if hook_errors:
-        return Verdict("retraction", UNKNOWN, f"the agent's retraction evidence failed {len(hook_errors)} time(s) "
-                       f"(first: {hook_errors[0].get('error')}): not judged", [], stats)
-    if n < min_retractions:
-        return Verdict("retraction", UNKNOWN, f"{n} of this log's requests were retracted (need >= {min_retractions}): "
-                       "the retraction path was not exercised", [], stats)
-    return Verdict("retraction", PASS, f"{n} retraction(s) of {len(retracted)} request(s): every one resumed with its "
-                   f"KV restored bit-exact, none answered without its KV", [], stats)
+    return ladder(
+        "retraction", stats, witnesses,
+        fail=lambda ws: (f"{len(ws)} retracted request(s) did not get their own KV back (first: {ws[0]['rid']}: "
+                         f"{ws[0]['problem']})"),
+        unknown=[(hook_errors, lambda: f"the agent's retraction evidence failed {len(hook_errors)} time(s) (first: "
+                  f"{hook_errors[0].get('error')}): not judged"),
+                 (n < min_retractions, f"{n} of this log's requests were retracted (need >= {min_retractions}): the "
+                  "retraction path was not exercised")],
+        passed=(f"{n} retraction(s) of {len(retracted)} request(s): every one resumed with its KV restored "
+                "bit-exact, none answered without its KV"))
 
 
 class Retraction(Checker):

@@ -50,10 +50,11 @@ def reply_wire(m: Mint, p: RequestPlan, text: str, delivery: str, finish: str = 
 
 
 DELIVERIES = ("complete", "stream")
+PLAN_KIND = {"complete": "plain", "stream": "stream"}  # the plan kind of a delivery
 
 
 def clean_request(m: Mint, endpoint: str, delivery: str, ncan: int) -> Req:
-    p = m.plan(endpoint, "stream" if delivery == "stream" else "plain", ncan)
+    p = m.plan(endpoint, PLAN_KIND[delivery], ncan)
     return Req(p, reply_wire(m, p, recite(p.canaries), delivery))
 
 

@@ -8,10 +8,11 @@ from hypothesis import strategies as st
 from kvchaos import canary
 from kvchaos.workload.plan import RequestPlan
 
+from .clean import PLAN_KIND
 from .logs import Req
 from .replay import Wire
 from .replies import pieces, sse_events
-from .scenario import Scenario, _Ctx, _label, _leak_common, builder, reply_wire
+from .scenario import Scenario, _Ctx, _label, _leak_draw, builder, reply_wire
 
 # ----------------------------------------------------------------- known-finding shapes
 def _short_fault(victim: RequestPlan) -> tuple[list, list]:
@@ -42,7 +43,7 @@ def _b_short_blind(sc, leak):
     at = min(sc.params["at"], len(cx.reqs))
     f = cx.m.rng.choice([c for r in cx.reqs[:at] for c in r.plan.canaries if c[1] != canary.ALPHABET[-1]])
     cx.planted = f
-    p = cx.victim_plan("generate", "plain" if sc.params["delivery"] == "complete" else "stream", f)
+    p = cx.victim_plan("generate", PLAN_KIND[sc.params["delivery"]], f)
     text = cx.show(f)[1:-1] + "]["  # the short transfer's stale pages: the blind model still shows it
     cx.insert(at, Req(p, reply_wire(cx.m, p, text, sc.params["delivery"])))
     faults, agents = _short_fault(p)
@@ -51,8 +52,7 @@ def _b_short_blind(sc, leak):
 
 @st.composite
 def short_after_leak(draw, cls, variant=None):
-    label = _label(draw, cls, variant)
-    params = _leak_common(draw)
+    label, params = _leak_draw(draw, cls, variant)
     params.update(delivery=label, gap=draw(st.integers(0, 5)))
     return Scenario(cls, params["delivery"], params, accept_known=True)
 
@@ -65,7 +65,7 @@ def _b_short_after(sc, leak):
     owner = cx.reqs[(at // 16 + 1) * 16 - 1 + sc.params["gap"]]
     f = next(c for c in owner.plan.canaries if c[1] != canary.ALPHABET[-1])
     cx.planted = f
-    p = cx.victim_plan("generate", "plain" if sc.params["delivery"] == "complete" else "stream", f)
+    p = cx.victim_plan("generate", PLAN_KIND[sc.params["delivery"]], f)
     cx.insert(at, Req(p, reply_wire(cx.m, p, cx.displaced(p, f), sc.params["delivery"])))
     faults, agents = _short_fault(p)
     return cx.logs("log", faults=faults, agents=agents)
@@ -74,8 +74,7 @@ def _b_short_after(sc, leak):
 # ----------------------------------------------------------------- a canary recited cut short
 @st.composite
 def cut_short_leak(draw, cls, variant=None):
-    label = _label(draw, cls, variant)
-    params = _leak_common(draw)
+    label, params = _leak_draw(draw, cls, variant)
     params.update(owner=label, how=draw(st.sampled_from(("aborted", "cut"))),
                   endpoint=draw(st.sampled_from(("generate", "completions", "chat"))))
     return Scenario(cls, params["owner"], params)
@@ -85,13 +84,10 @@ def cut_short_leak(draw, cls, variant=None):
 def _b_cut_short(sc, leak):
     cx = _Ctx(sc, leak)
     owner = sc.params["owner"]
-    f = cx.foreign(owner)
     kind = "abort_after" if sc.params["how"] == "aborted" else "stream"
-    p = cx.victim_plan(sc.params["endpoint"], kind, f)
-    text = cx.displaced(p, f)
+    f, p, text = cx.victim(owner, sc.params["endpoint"], kind)
     fpay = cx.show(f)[1:-1]
     upto = text.index(fpay) + 9  # nine characters of the foreign payload, no closing bracket
     evs = sse_events(p.endpoint, p.rid, pieces(text[:upto], cx.m.rng, [text.index(fpay)]), p.n_tokens, None, False)
     w = Wire(200, b"".join(evs), "abort" if kind == "abort_after" else "cut", cx.m.lat(), after_ms=p.abort_after_ms)
-    cx.insert(sc.params["at"], Req(p, w))
-    return cx.logs(owner)
+    return cx.place(Req(p, w), owner)

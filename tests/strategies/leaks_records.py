@@ -10,17 +10,16 @@ from hypothesis import strategies as st
 
 from kvchaos import canary
 
-from .clean import DELIVERIES, clean_request
+from .clean import DELIVERIES, PLAN_KIND, clean_request
 from .logs import LogSpec, Req
 from .replay import Wire
 from .replies import EOS, ERROR_STATUSES, _compact, error_body, ids_of, pieces, recite, sse_events
-from .scenario import Scenario, _Ctx, _label, _leak_common, builder, owner_kinds, reply_wire
+from .scenario import Scenario, _Ctx, _leak_draw, builder, owner_kinds, reply_wire
 
 @st.composite
 def http_error_leak(draw, cls, variant=None):
-    label = _label(draw, cls, variant)
+    label, params = _leak_draw(draw, cls, variant)
     klass, shape = label.split("/")
-    params = _leak_common(draw)
     params.update(status=draw(st.sampled_from([s for s in ERROR_STATUSES if f"{s // 100}xx" == klass])), shape=shape,
                   endpoint=draw(st.sampled_from(("generate", "completions", "chat"))),
                   kind=draw(st.sampled_from(("plain", "stream"))), owner=draw(owner_kinds))
@@ -45,14 +44,12 @@ def _b_http_error(sc, leak):
         w = Wire(200, b"".join(evs + [err, b"data: [DONE]\n\n"]), "eof", cx.m.lat())
     else:
         w = Wire(sc.params["status"], error_body(sc.params["shape"], sc.params["status"], msg), "eof", cx.m.lat())
-    cx.insert(sc.params["at"], Req(p, w))
-    return cx.logs(owner)
+    return cx.place(Req(p, w), owner)
 
 
 @st.composite
 def raw_missing_leak(draw, cls, variant=None):
-    label = _label(draw, cls, variant)
-    params = _leak_common(draw)
+    label, params = _leak_draw(draw, cls, variant)
     where, raw = label.split("/")
     params.update(variant=where, raw=raw, owner=draw(owner_kinds))
     return Scenario(cls, label, params)
@@ -121,8 +118,7 @@ def _b_raw_missing(sc, leak):
 
 @st.composite
 def leg_leak(draw, cls, variant=None):
-    label = _label(draw, cls, variant)
-    params = _leak_common(draw)
+    label, params = _leak_draw(draw, cls, variant)
     params.update(leg_status=draw(st.sampled_from((400, 500, 502, 503))), when=draw(st.sampled_from(("early", "late"))),
                   decode=label.split("-", 1)[1], owner=draw(owner_kinds))
     return Scenario(cls, f"decode-{params['decode']}", params)
@@ -144,14 +140,12 @@ def _b_leg(sc, leak):
     else:
         w = Wire(500, error_body("sglang", 500, "Decode transfer failed"), "eof", cx.m.lat())
     w.leg = (sc.params["leg_status"], err, sc.params["when"])
-    cx.insert(sc.params["at"], Req(p, w))
-    return cx.logs(owner)
+    return cx.place(Req(p, w), owner)
 
 
 @st.composite
 def cross_log_leak(draw, cls, variant=None):
-    label = _label(draw, cls, variant)
-    params = _leak_common(draw)
+    label, params = _leak_draw(draw, cls, variant)
     params.update(endpoint=draw(st.sampled_from(("generate", "completions", "chat"))),
                   delivery=draw(st.sampled_from(DELIVERIES)), order=label)
     return Scenario(cls, params["order"], params)
@@ -166,7 +160,7 @@ def _b_cross(sc, leak):
     owner = cx.other.rng.choice(cx.other_reqs)
     f = next(c for c in owner.plan.canaries if c[1] != canary.ALPHABET[-1])
     cx.planted = f
-    p = cx.victim_plan(sc.params["endpoint"], "plain" if sc.params["delivery"] == "complete" else "stream", f)
+    p = cx.victim_plan(sc.params["endpoint"], PLAN_KIND[sc.params["delivery"]], f)
     cx.insert(sc.params["at"], Req(p, reply_wire(cx.m, p, cx.displaced(p, f), sc.params["delivery"])))
     a, b = LogSpec("A", cx.reqs, meta=cx.meta("other-log")), LogSpec("B", cx.other_reqs)
     return [a, b] if sc.params["order"] == "A,B" else [b, a]
@@ -174,8 +168,7 @@ def _b_cross(sc, leak):
 
 @st.composite
 def unknown_origin_leak(draw, cls, variant=None):
-    label = _label(draw, cls, variant)
-    params = _leak_common(draw)
+    label, params = _leak_draw(draw, cls, variant)
     params["endpoint"], params["delivery"] = label.split("/")
     params["owner"] = "nobody"
     return Scenario(cls, params["endpoint"] + "/" + params["delivery"], params)
@@ -184,16 +177,13 @@ def unknown_origin_leak(draw, cls, variant=None):
 @builder("unknown-origin")
 def _b_unknown(sc, leak):
     cx = _Ctx(sc, leak)
-    f = cx.foreign("nobody")
-    p = cx.victim_plan(sc.params["endpoint"], "plain" if sc.params["delivery"] == "complete" else "stream", f)
-    cx.insert(sc.params["at"], Req(p, reply_wire(cx.m, p, cx.displaced(p, f), sc.params["delivery"])))
-    return cx.logs("nobody")
+    _, p, text = cx.victim("nobody", sc.params["endpoint"], PLAN_KIND[sc.params["delivery"]])
+    return cx.place(Req(p, reply_wire(cx.m, p, text, sc.params["delivery"])), "nobody")
 
 
 @st.composite
 def duplicate_leak(draw, cls, variant=None):
-    label = _label(draw, cls, variant)
-    params = _leak_common(draw)
+    label, params = _leak_draw(draw, cls, variant)
     params.update(delivery=label, owner=draw(owner_kinds))
     if cls == "duplicate-json-key":
         params["keys"] = draw(st.sampled_from(("text,raw", "every-field")))
@@ -205,19 +195,16 @@ def duplicate_leak(draw, cls, variant=None):
 def _b_dup(sc, leak):
     cx = _Ctx(sc, leak)
     owner = sc.params["owner"]
-    f = cx.foreign(owner)
-    p = cx.victim_plan("generate", "plain" if sc.params["delivery"] == "complete" else "stream", f)
-    w = reply_wire(cx.m, p, cx.displaced(p, f), sc.params["delivery"])
+    _, p, text = cx.victim(owner, "generate", PLAN_KIND[sc.params["delivery"]])
+    w = reply_wire(cx.m, p, text, sc.params["delivery"])
     clean = reply_wire(cx.m, p, recite(p.canaries), sc.params["delivery"])
     special = "dup_body" if sc.cls == "duplicate-body-record" else "dup_key"
-    cx.insert(sc.params["at"], Req(p, w, special=special, clean_wire=clean, dup_keys=sc.params.get("keys", "")))
-    return cx.logs(owner)
+    return cx.place(Req(p, w, special=special, clean_wire=clean, dup_keys=sc.params.get("keys", "")), owner)
 
 
 @st.composite
 def cut_last_leak(draw, cls, variant=None):
-    label = _label(draw, cls, variant)
-    params = _leak_common(draw)
+    label, params = _leak_draw(draw, cls, variant)
     params.update(delivery=label, owner=draw(owner_kinds))
     return Scenario(cls, params["delivery"], params, malformed=True, twin_green=False)
 
@@ -226,8 +213,7 @@ def cut_last_leak(draw, cls, variant=None):
 def _b_cut_last(sc, leak):
     cx = _Ctx(sc, leak)
     owner = sc.params["owner"]
-    f = cx.foreign(owner)
-    p = cx.victim_plan("generate", "plain" if sc.params["delivery"] == "complete" else "stream", f)
-    cx.reqs.append(Req(p, reply_wire(cx.m, p, cx.displaced(p, f), sc.params["delivery"]), special="cut_last"))
+    _, p, text = cx.victim(owner, "generate", PLAN_KIND[sc.params["delivery"]])
+    cx.reqs.append(Req(p, reply_wire(cx.m, p, text, sc.params["delivery"]), special="cut_last"))
     cx.victims.append(p.rid)
     return cx.logs(owner)

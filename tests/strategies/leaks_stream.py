@@ -11,13 +11,12 @@ from kvchaos.workload.plan import RequestPlan
 from .logs import Req
 from .replay import Wire
 from .replies import TIMEOUT_S, complete_body, pieces, recite, sse_events
-from .scenario import Scenario, _Ctx, _label, _leak_common, builder, owner_kinds, reply_wire, splits
+from .scenario import Scenario, _Ctx, _leak_draw, builder, owner_kinds, reply_wire, splits
 
 # ----------------------------------------------------------------- the classes
 @st.composite
 def complete_leak(draw, cls, variant=None):
-    label = _label(draw, cls, variant)
-    params = _leak_common(draw)
+    label, params = _leak_draw(draw, cls, variant)
     params["endpoint"], params["owner"] = label.split("/")
     return Scenario(cls, label, params)
 
@@ -27,16 +26,13 @@ def complete_leak(draw, cls, variant=None):
 @builder("checkers-liveness")
 def _b_complete(sc, leak):
     cx = _Ctx(sc, leak)
-    f = cx.foreign(sc.params["owner"])
-    p = cx.victim_plan(sc.params["endpoint"], "plain", f)
-    cx.insert(sc.params["at"], Req(p, reply_wire(cx.m, p, cx.displaced(p, f), "complete")))
-    return cx.logs(sc.params["owner"])
+    _, p, text = cx.victim(sc.params["owner"], sc.params["endpoint"], "plain")
+    return cx.place(Req(p, reply_wire(cx.m, p, text, "complete")), sc.params["owner"])
 
 
 @st.composite
 def stream_leak(draw, cls, variant=None):
-    label = _label(draw, cls, variant)
-    params = _leak_common(draw)
+    label, params = _leak_draw(draw, cls, variant)
     params["endpoint"], params["owner"] = label.split("/")
     params["split"] = draw(splits)
     return Scenario(cls, label, params)
@@ -46,12 +42,9 @@ def stream_leak(draw, cls, variant=None):
 @builder("stream-openai-split")
 def _b_stream(sc, leak):
     cx = _Ctx(sc, leak)
-    f = cx.foreign(sc.params["owner"])
-    p = cx.victim_plan(sc.params["endpoint"], "stream", f)
-    text = cx.displaced(p, f)
+    f, p, text = cx.victim(sc.params["owner"], sc.params["endpoint"], "stream")
     at = text.index(cx.show(f)[1:-1]) + sc.params["split"]  # a chunk boundary inside the foreign payload
-    cx.insert(sc.params["at"], Req(p, reply_wire(cx.m, p, text, "stream", must_cut=[at])))
-    return cx.logs(sc.params["owner"])
+    return cx.place(Req(p, reply_wire(cx.m, p, text, "stream", must_cut=[at])), sc.params["owner"])
 
 
 def _stream_bytes(cx: _Ctx, p: RequestPlan, text: str, split_at=None, finish="stop", done=True) -> list[bytes]:
@@ -61,8 +54,7 @@ def _stream_bytes(cx: _Ctx, p: RequestPlan, text: str, split_at=None, finish="st
 
 @st.composite
 def cut_leak(draw, cls, variant=None):
-    v = _label(draw, cls, variant)
-    params = _leak_common(draw)
+    v, params = _leak_draw(draw, cls, variant)
     params.update(variant=v, endpoint=draw(st.sampled_from(("completions", "chat"))), split=draw(splits),
                   owner=draw(owner_kinds))
     return Scenario(cls, v, params)
@@ -72,11 +64,8 @@ def cut_leak(draw, cls, variant=None):
 def _b_cut(sc, leak):
     cx = _Ctx(sc, leak)
     v, owner = sc.params["variant"], sc.params["owner"]
-    f = cx.foreign(owner)
     ep = "generate" if v.startswith("generate") or v == "complete-body-cut" else sc.params["endpoint"]
-    kind = "plain" if v == "complete-body-cut" else "stream"
-    p = cx.victim_plan(ep, kind, f)
-    text = cx.displaced(p, f)
+    f, p, text = cx.victim(owner, ep, "plain" if v == "complete-body-cut" else "stream")
     fpay = cx.show(f)[1:-1]
     fend = text.index(fpay) + len(fpay) + 1  # just after the foreign canary's "]"
     if v == "complete-body-cut":  # the JSON body cut after the leaked text
@@ -101,14 +90,12 @@ def _b_cut(sc, leak):
             rest = (fpay[sc.params["split"]:] if v == "openai-split-into-cut-line" else fpay).encode()
             tail = last[:last.index(rest) + len(rest) + 2]
         w = Wire(200, b"".join(evs[:-1]) + tail, "eof" if sc.params["seed"] % 2 else "cut", cx.m.lat())
-    cx.insert(sc.params["at"], Req(p, w))
-    return cx.logs(owner)
+    return cx.place(Req(p, w), owner)
 
 
 @st.composite
 def after_done_leak(draw, cls, variant=None):
-    v = _label(draw, cls, variant)
-    params = _leak_common(draw)
+    v, params = _leak_draw(draw, cls, variant)
     params.update(variant=v, endpoint=draw(st.sampled_from(("completions", "chat"))), split=draw(splits),
                   owner=draw(owner_kinds))
     if cls == "stream-after-malformed-line":
@@ -126,21 +113,29 @@ def _trailing_events(cx, p_ep, rid, n_tokens, f_text, variant, split):
     return sse_events(p_ep, rid, [f_text[:split], f_text[split:]], n_tokens)
 
 
-@builder("stream-after-done")
-def _b_after_done(sc, leak):
+def _after_own(sc, leak, own):
+    """The victim's own stream (``own(cx, p)``: its events, and the part of its recitation still to come),
+    then the owner's recitation carrying the foreign canary: in the victim's stream, or a whole other reply."""
     cx = _Ctx(sc, leak)
     v, owner = sc.params["variant"], sc.params["owner"]
     f = cx.foreign(owner)
     ep = "generate" if v == "generate-cumulative" else sc.params["endpoint"]
     p = cx.m.plan(ep, "stream")
-    own = _stream_bytes(cx, p, recite(p.canaries))  # the victim's own complete stream, to [DONE]
+    head, rest = own(cx, p)
     f_text = cx.show(f)[1:-1] + "]["
-    if v == "another-reply":  # a whole other reply (its own JSON events) follows the [DONE]
+    if v == "another-reply":  # a whole other reply (its own JSON events) follows
         trail = sse_events(ep, "other", pieces(f_text, cx.m.rng, [sc.params["split"]]), 77)
     else:
-        trail = _trailing_events(cx, ep, p.rid, p.n_tokens, f_text, v, sc.params["split"])
-    cx.insert(sc.params["at"], Req(p, Wire(200, b"".join(own + trail), "eof", cx.m.lat())))
-    return cx.logs(owner)
+        trail = _trailing_events(cx, ep, p.rid, p.n_tokens, rest + f_text, v, len(rest) + sc.params["split"])
+    return cx.place(Req(p, Wire(200, b"".join(head + trail), "eof", cx.m.lat())), owner)
+
+
+@builder("stream-after-done")
+def _b_after_done(sc, leak):
+    def own(cx, p):  # the victim's own complete stream, to [DONE]
+        return _stream_bytes(cx, p, recite(p.canaries)), ""
+
+    return _after_own(sc, leak, own)
 
 
 MALFORMED_LINES = {"html": b"data: <html><body>502 Bad Gateway</body></html>\n\n", "number": b"data: 42\n\n",
@@ -149,23 +144,13 @@ MALFORMED_LINES = {"html": b"data: <html><body>502 Bad Gateway</body></html>\n\n
 
 @builder("stream-after-malformed-line")
 def _b_malformed(sc, leak):
-    cx = _Ctx(sc, leak)
-    v, owner = sc.params["variant"], sc.params["owner"]
-    f = cx.foreign(owner)
-    ep = "generate" if v == "generate-cumulative" else sc.params["endpoint"]
-    p = cx.m.plan(ep, "stream")
-    text = recite(p.canaries)
-    k = max(1, len(text) // 2)
-    head = sse_events(ep, p.rid, pieces(text[:k], cx.m.rng), p.n_tokens, None, False)
-    bad = MALFORMED_LINES[sc.params["malformed_kind"]]
-    f_text = cx.show(f)[1:-1] + "]["
-    if v == "another-reply":
-        trail = sse_events(ep, "other", pieces(f_text, cx.m.rng, [sc.params["split"]]), 77)
-    else:
-        trail = _trailing_events(cx, ep, p.rid, p.n_tokens, text[k:] + f_text, v,
-                                 len(text) - k + sc.params["split"])
-    cx.insert(sc.params["at"], Req(p, Wire(200, b"".join(head + [bad] + trail), "eof", cx.m.lat())))
-    return cx.logs(owner)
+    def own(cx, p):  # the first half of the victim's own stream, then a line that is not a JSON object
+        text = recite(p.canaries)
+        k = max(1, len(text) // 2)
+        head = sse_events(p.endpoint, p.rid, pieces(text[:k], cx.m.rng), p.n_tokens, None, False)
+        return head + [MALFORMED_LINES[sc.params["malformed_kind"]]], text[k:]
+
+    return _after_own(sc, leak, own)
 
 
 @st.composite
@@ -175,8 +160,7 @@ def after_malformed_leak(draw, cls, variant=None):
 
 @st.composite
 def abort_leak(draw, cls, variant=None):
-    v = _label(draw, cls, variant)
-    params = _leak_common(draw)
+    v, params = _leak_draw(draw, cls, variant)
     params.update(variant=v, endpoint=draw(st.sampled_from(("completions", "chat"))), split=draw(splits),
                   owner=draw(owner_kinds))
     # a timeout is a liveness FAIL by itself: each one comes with decode SIGKILLed, so the timeouts are the
@@ -190,13 +174,11 @@ def abort_leak(draw, cls, variant=None):
 def _b_abort(sc, leak):
     cx = _Ctx(sc, leak)
     v, owner = sc.params["variant"], sc.params["owner"]
-    f = cx.foreign(owner)
     ep = "generate" if v.startswith("generate") or v == "complete-body-partial" else sc.params["endpoint"]
     kind = {"aborted": "abort_after", "disconnected": "disconnect_before_first_token"}.get(sc.cls, "stream")
     if v == "complete-body-partial":
         kind = "plain"
-    p = cx.victim_plan(ep, kind, f)
-    text = cx.displaced(p, f)
+    f, p, text = cx.victim(owner, ep, kind)
     fpay = cx.show(f)[1:-1]
     i = text.index(fpay)
     fend = i + len(fpay) + 1

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-from kvchaos.workload.driver import _extract, _merge_stream  # the driver's own reading of a reply
+from kvchaos.workload.driver import Driver, _extract, _Malformed  # the driver's own reading of a reply
 from kvchaos.workload.plan import RequestPlan
 
 from .replies import DECODE, PATHS, PREFILL, ROUTER, TIMEOUT_S
@@ -40,10 +40,6 @@ class Wire:
     latency_s: float = 0.4
     after_ms: float | None = None
     leg: tuple | None = None
-
-
-class _Malformed(ValueError):
-    pass
 
 
 class _Cut(Exception):
@@ -152,22 +148,10 @@ class _Exchange:
         lines = self.w.body.split(b"\n")
         pending = lines.pop()
         for line in lines:
-            line = line.strip()
-            if not line.startswith(b"data:"):
-                continue
-            data = line[5:].strip()
-            if data == b"[DONE]":
+            # the driver's own Driver._sse_line: it needs only a ``log`` (here self) and a reply's
+            # ``chunks`` / ``merged`` (here self's too); it raises the driver's _Malformed
+            if Driver._sse_line(self, self.p, line, self):  # [DONE]
                 return
-            if not self.chunks:
-                self.log.emit("first_byte", rid=self.rid)
-            try:
-                chunk = json.loads(data)
-            except ValueError:
-                chunk = None
-            if not isinstance(chunk, dict):
-                raise _Malformed(f"stream line is not a JSON object: {line[:200]!r}")
-            self.chunks += 1
-            self.merged = _merge_stream(self.merged, chunk, self.p.endpoint)
         if self.w.end == "eof" and pending.strip():
             raise _Cut(f"ClientPayloadError({f'stream ended mid-line: {pending[:200]!r}'!r})")
         if self.w.end != "eof":

@@ -138,6 +138,13 @@ class _Ctx:
                 break
         return self.m.plan(endpoint, kind, canaries=cs, expect_echo=expect_echo)
 
+    def victim(self, owner: str, endpoint: str, kind: str) -> tuple[str, RequestPlan, str]:
+        """The foreign canary (of ``owner``: :meth:`foreign`), a victim of ``endpoint`` and ``kind``
+        (:meth:`victim_plan`) and the text of its reply (:meth:`displaced`)."""
+        f = self.foreign(owner)
+        p = self.victim_plan(endpoint, kind, f)
+        return f, p, self.displaced(p, f)
+
     def displaced(self, p: RequestPlan, foreign: str) -> str:
         """The victim's reply: its context held the foreign canary where one of its own was (stale KV):
         the probe recites the foreign one in its place, in ascending order."""
@@ -152,6 +159,11 @@ class _Ctx:
         self.reqs.insert(min(i, len(self.reqs)), req)
         self.victims.append(req.plan.rid)
 
+    def place(self, req: Req, owner: str, **kw) -> list[LogSpec]:
+        """The victim's request at its drawn place (``at``) among the clean ones, then the logs."""
+        self.insert(self.sc.params["at"], req)
+        return self.logs(owner, **kw)
+
     def logs(self, owner: str, **kw) -> list[LogSpec]:
         out = [LogSpec("main", self.reqs, pd=self.pd, meta=self.meta(owner), **kw)]
         if self.other_reqs:
@@ -165,6 +177,11 @@ class _Ctx:
 
 def _leak_common(draw):
     return {"seed": draw(st.integers(0, 2**16)), "base": draw(leak_base), "at": draw(st.integers(0, 40))}
+
+
+def _leak_draw(draw, cls, variant) -> tuple[str, dict]:
+    """What every leak class draws first: its variant (:func:`_label`), then the common parameters."""
+    return _label(draw, cls, variant), _leak_common(draw)
 
 
 def _label(draw, cls, variant):

@@ -28,7 +28,7 @@ import httpx
 from faults.client import AgentClient
 from kvchaos.cluster import Cluster
 from kvchaos.oracles import kv_lifecycle
-from kvchaos.provoke import begin, finish
+from kvchaos.provoke import Summary, run_trials, session
 from kvchaos.workload import EventLog, Workload, run_plans
 
 
@@ -68,31 +68,27 @@ def trial(c: Cluster, ctl: AgentClient, out: str, i: int, hold_s: float) -> dict
     return rec
 
 
+SUMMARY = Summary(lambda r: r["reproduced"], lambda r: r["kv_lifecycle"] == "fail", "control_failed",
+                  "released within the timeout", "kv_lifecycle FAIL")
+
+
+def line(r: dict) -> str:
+    reuse = [(x["rid"], x["pages"]) for w in r["witnesses"] for x in w.get("reused_by", [])][:3]
+    return (f" (write released after {r['hold_s']} s): kv_lifecycle {r['kv_lifecycle']}, release "
+            f"{r['release_outcomes']}, reproduced {r['reproduced']}; pages then given to {reuse}"
+            + (f" ERROR {r['error']}" if r.get("error") else ""))
+
+
 def main():
-    a, c, results = begin(__doc__, "/tmp/kvchaos-deferred-release-timeout",
-                          "trials whose write is released within the timeout",
-                          "provoke sglang-deferred-release-timeout-late-write", knob=("timeout-s", 3.0))
-    try:
+    with session(__doc__, "/tmp/kvchaos-deferred-release-timeout", "trials whose write is released within the timeout",
+                 "provoke sglang-deferred-release-timeout-late-write", SUMMARY, knob=("timeout-s", 3.0)) as (a, c, results):
         ctl = AgentClient(c.agent_dir)
         ctl.wait_agents("decode", ("_defer_release",), timeout=60)
         setting = ctl.arm("decode", "deferred_release_timeout", params={"s": a.timeout_s}, hooks=("_defer_release",))
         try:
-            for i in range(a.control + a.trials):
-                armed = i >= a.control
-                r = trial(c, ctl, a.out, i, a.timeout_s + 2 if armed else 0.3)
-                r["armed"] = armed
-                results["trials"].append(r)
-                reuse = [(x["rid"], x["pages"]) for w in r["witnesses"] for x in w.get("reused_by", [])][:3]
-                print(f"trial {i:2d} {'armed  ' if armed else 'control'} (write released after {r['hold_s']} s): "
-                      f"kv_lifecycle {r['kv_lifecycle']}, release {r['release_outcomes']}, "
-                      f"reproduced {r['reproduced']}; pages then given to {reuse}"
-                      + (f" ERROR {r['error']}" if r.get("error") else ""), flush=True)
+            run_trials(a, results, lambda i, armed: trial(c, ctl, a.out, i, a.timeout_s + 2 if armed else 0.3), line)
         finally:
             setting.heal()
-    finally:
-        c.stop()
-        finish(results, a.out, lambda r: r["reproduced"], lambda r: r["kv_lifecycle"] == "fail", "control_failed",
-               "released within the timeout", "kv_lifecycle FAIL")
 
 
 if __name__ == "__main__":

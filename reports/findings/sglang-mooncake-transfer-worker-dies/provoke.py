@@ -27,7 +27,7 @@ from collections import Counter
 
 from faults.client import AgentClient
 from kvchaos.cluster import Cluster
-from kvchaos.provoke import begin, finish
+from kvchaos.provoke import Summary, run_trials, session
 from kvchaos.workload import EventLog, Workload, run_plans
 
 SIGNATURE = "mooncake_transfer_worker_died"
@@ -57,24 +57,21 @@ def trial(c: Cluster, ctl: AgentClient, out: str, i: int, ms: float | None) -> d
     return rec
 
 
+SUMMARY = Summary(lambda r: r["died"] and r["witness_is_the_stalled_room"], lambda r: r["died"], "control_died",
+                  "nothing armed", "died")
+
+
+def line(r: dict) -> str:
+    return (f": fired {r['fired']} cleared-in-stall {r['cleared_during_stall']} died {r['died']} (witness names the "
+            f"stalled room: {r['witness_is_the_stalled_room']}) outcomes {r['outcomes']}")
+
+
 def main():
-    a, c, results = begin(__doc__, "/tmp/kvchaos-transfer-worker-dies", "trials with nothing armed, first",
-                          "provoke sglang-mooncake-transfer-worker-dies", knob=("ms", 300.0))
-    try:
+    with session(__doc__, "/tmp/kvchaos-transfer-worker-dies", "trials with nothing armed, first",
+                 "provoke sglang-mooncake-transfer-worker-dies", SUMMARY, knob=("ms", 300.0)) as (a, c, results):
         ctl = AgentClient(c.agent_dir)
         c.engine_errors()  # what boot wrote is not a trial's
-        for i in range(a.control + a.trials):
-            armed = i >= a.control
-            r = trial(c, ctl, a.out, i, a.ms if armed else None)
-            results["trials"].append(r)
-            print(f"trial {i:2d} {'armed  ' if armed else 'control'}: fired {r['fired']} "
-                  f"cleared-in-stall {r['cleared_during_stall']} died {r['died']} "
-                  f"(witness names the stalled room: {r['witness_is_the_stalled_room']}) outcomes {r['outcomes']}",
-                  flush=True)
-    finally:
-        c.stop()
-        finish(results, a.out, lambda r: r["died"] and r["witness_is_the_stalled_room"], lambda r: r["died"],
-               "control_died", "nothing armed", "died")
+        run_trials(a, results, lambda i, armed: trial(c, ctl, a.out, i, a.ms if armed else None), line)
 
 
 if __name__ == "__main__":

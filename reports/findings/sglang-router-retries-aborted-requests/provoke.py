@@ -29,7 +29,7 @@ from urllib.parse import urlsplit
 from faults.client import AgentClient
 from kvchaos.cluster import Cluster
 from kvchaos.oracles import abort_semantics
-from kvchaos.provoke import begin, finish
+from kvchaos.provoke import Summary, run_trials, session
 from kvchaos.suite import abort_at_stages
 from kvchaos.workload import EventLog, Workload, run_plans
 
@@ -72,25 +72,22 @@ def trial(c: Cluster, ctl: AgentClient, out: str, i: int, via_router: bool) -> d
     return rec
 
 
+SUMMARY = Summary(lambda r: r["reproduced"], lambda r: r["abort_semantics"] == "fail", "control_failed",
+                  "straight to the engines", "abort_semantics FAIL")
+
+
+def line(r: dict) -> str:
+    o = r["outcome"]
+    return (f" via {r['via']:6s} abort at {r['stage']:15s}: HTTP {o.get('status')} {o.get('finish_reason')!s:6s} "
+            f"attempts {o.get('attempts')}, abort_semantics {r['abort_semantics']}, reproduced {r['reproduced']}")
+
+
 def main():
-    a, c, results = begin(__doc__, "/tmp/kvchaos-router-retries-aborted", "trials driven straight to prefill and decode",
-                          "provoke sglang-router-retries-aborted-requests")
-    try:
+    with session(__doc__, "/tmp/kvchaos-router-retries-aborted", "trials driven straight to prefill and decode",
+                 "provoke sglang-router-retries-aborted-requests", SUMMARY) as (a, c, results):
         ctl = AgentClient(c.agent_dir)
         ctl.wait_agents("decode", ("_update_handshake_waiters",), timeout=60)
-        for i in range(a.control + a.trials):
-            armed = i >= a.control
-            r = trial(c, ctl, a.out, i, via_router=armed)
-            r["armed"] = armed
-            results["trials"].append(r)
-            o = r["outcome"]
-            print(f"trial {i:2d} {'armed  ' if armed else 'control'} via {r['via']:6s} abort at {r['stage']:15s}: "
-                  f"HTTP {o.get('status')} {o.get('finish_reason')!s:6s} attempts {o.get('attempts')}, "
-                  f"abort_semantics {r['abort_semantics']}, reproduced {r['reproduced']}", flush=True)
-    finally:
-        c.stop()
-        finish(results, a.out, lambda r: r["reproduced"], lambda r: r["abort_semantics"] == "fail", "control_failed",
-               "straight to the engines", "abort_semantics FAIL")
+        run_trials(a, results, lambda i, armed: trial(c, ctl, a.out, i, via_router=armed), line)
 
 
 if __name__ == "__main__":
