@@ -1,5 +1,6 @@
 """Helpers for writing suites on top of :mod:`kvchaos.experiment` (the one runner).
 
+- :func:`mix_with` — plain requests with one kind among them (one in four).
 - :func:`delay_tenants_of_kind` — delay the transfers of the tenants sending one kind of request.
 - :func:`abort_in_flight` — the abort choreography as an experiment's ``during`` action: each
   victim's KV write is held inside prefill's transfer, the request is aborted on both engines while
@@ -24,6 +25,7 @@ import httpx
 
 from kvchaos.cluster import Cluster
 from kvchaos.selftest import planted_leak_selftest
+from kvchaos.workload import Workload
 from kvchaos.workload.snapshots import server_field  # noqa: F401 - suites import it from here
 
 
@@ -54,6 +56,13 @@ def own_cluster(spec, workdir, reaper, policy=None):
     finally:
         left = c.stop()
         assert not left, f"processes left after the {spec.name} cluster's teardown: {left}"
+
+
+def mix_with(seed: int, prefix: str, n: int, kind: str, n_tenants: int = 8, lengths=(150, 500)):
+    """``(workload, plans)``: ``n`` requests of ``n_tenants`` tenants, one in four of ``kind`` among plain
+    ones (the shape of a fault family that acts on one kind of request)."""
+    wl = Workload(seed, n_tenants=n_tenants, prefix=prefix)
+    return wl, wl.mix(n, weights={"plain": 3, kind: 1}, lengths=lengths)
 
 
 def delay_tenants_of_kind(faults, plans, kind: str, ms: float) -> list:

@@ -9,7 +9,7 @@ import pytest
 
 from kvchaos.experiment import PASS
 from kvchaos.oracles import Isolation, Liveness
-from kvchaos.suite import delay_tenants_of_kind
+from kvchaos.suite import delay_tenants_of_kind, mix_with
 from kvchaos.workload import Workload
 
 pytestmark = pytest.mark.cluster
@@ -21,8 +21,7 @@ def checks():
 
 
 def test_disconnect_before_first_token_while_kv_in_flight(experiment, seeds, faults):
-    wl = Workload(seeds(201), n_tenants=8, prefix="b")
-    plans = wl.mix(96, weights={"plain": 3, "disconnect_before_first_token": 1}, lengths=(150, 500))
+    wl, plans = mix_with(seeds(201), "b", 96, "disconnect_before_first_token")
     with experiment("disconnect_before_first_token", plans, checks(), seed=wl.seed, timeout_s=BOUND_S) as ex:
         # slow the leavers' transfers so the disconnect lands while their KV is still moving
         fs = delay_tenants_of_kind(faults, plans, "disconnect_before_first_token", ms=300)

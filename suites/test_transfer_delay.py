@@ -15,7 +15,7 @@ import pytest
 from kvchaos import canary
 from kvchaos.experiment import PASS
 from kvchaos.oracles import Isolation, Liveness, Sensitivity
-from kvchaos.suite import delay_tenants_of_kind
+from kvchaos.suite import delay_tenants_of_kind, mix_with
 from kvchaos.workload import Workload
 
 pytestmark = pytest.mark.cluster
@@ -70,8 +70,7 @@ def test_one_failed_send_is_an_error_for_its_request(experiment, seeds, faults):
 
 
 def test_late_writes_after_aborts_keep_isolation(experiment, seeds, faults):
-    wl = Workload(seeds(103), n_tenants=8, prefix="l")
-    plans = wl.mix(84, weights={"plain": 3, "abort_after": 1}, lengths=(150, 500))
+    wl, plans = mix_with(seeds(103), "l", 84, "abort_after")
     with experiment("late_write", plans, checks(), seed=wl.seed, timeout_s=BOUND_S) as ex:
         # every chunk of the aborted tenants' requests is delayed past its abort, then lands late
         fs = delay_tenants_of_kind(faults, plans, "abort_after", ms=400)
