@@ -117,9 +117,9 @@ def test_a_run_blinded_by_an_accepted_engine_failure_runs_once_more(tmp_path):
     assert sorted((x["attempt"], bool(x["rerun"]), x["status"]) for x in once) == [(1, True, "unknown"),
                                                                                     (2, False, "pass")]
     assert "mooncake" in next(x for x in once if x["rerun"])["rerun"]
-    from kvchaos.report.collect import collect, judge
+    from kvchaos.report.collect import collect, run_status
 
     m = collect(run_dir)
     blinded = [s for s in m.scenarios if s.name.startswith("blinded")]
     assert {s.run_status for s in blinded} == {None, "pass"}  # the second attempt stands for the first
-    assert judge(m)["overall"] == "fail"  # the other tests are red
+    assert run_status(m)["overall"] == "fail"  # the other tests are red

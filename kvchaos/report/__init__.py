@@ -15,7 +15,7 @@ from pathlib import Path
 
 from .collect import collect
 from .model import ReportError, RunModel, run_verdicts_name  # noqa: F401 - part of this package's API
-from .verdicts import judge, run_verdicts  # noqa: F401 - part of this package's API
+from .verdicts import run_status, run_verdicts  # noqa: F401 - part of this package's API
 
 LABEL = {"fail": "FAIL", "unknown": "UNKNOWN", "known": "KNOWN-only", "pass": "PASS", "none": "NO CHAOS VERDICT"}
 

@@ -32,7 +32,7 @@ from kvchaos.workload.events import load_events
 from .model import (EXPERIMENTS, FAILED_TESTS, FINDINGS, RUN_VERDICTS, SCENARIO_DIR_RUN_VERDICTS,  # noqa: F401
                     SELFTEST_TEST, FaultWindow, ReportError, Request, RunModel, Scenario, TestCase,
                     run_verdicts_name)
-from .verdicts import judge, known_findings, leaks, overall, run_verdicts, test_counts  # noqa: F401
+from .verdicts import known_findings, leaks, overall, run_status, run_verdicts, test_counts  # noqa: F401
 
 ORACLE_RID_KEYS = ("victim_rid", "rid")
 

@@ -1,4 +1,4 @@
-"""The run-level ``verdicts.json`` (:func:`run_verdicts`): the run's status and why (:func:`judge`:
+"""The run-level ``verdicts.json`` (:func:`run_verdicts`): the run's status and why (:func:`run_status`:
 the policy's merge over what each experiment means for the run), every leak witness, every known
 finding, tests split chaos / harness, and per scenario what the report shows of it."""
 
@@ -54,7 +54,7 @@ def known_findings(m: RunModel) -> list[dict]:
 
 
 # --------------------------------------------------------------------------- the run's status
-def judge(m: RunModel) -> dict:
+def run_status(m: RunModel) -> dict:
     """The run's status and why.
 
     ``chaos``: from the experiments — fail > unknown > known > pass over what each means for the run
@@ -124,7 +124,7 @@ def _first_summary(vs: list[dict]) -> str:
 
 
 def overall(m: RunModel) -> str:
-    return judge(m)["overall"]
+    return run_status(m)["overall"]
 
 
 def test_counts(tests: list) -> dict:
@@ -145,7 +145,7 @@ def run_verdicts(m: RunModel) -> dict:
         for v in s.verdicts:
             by_oracle.setdefault(v.get("oracle"), {"pass": 0, "fail": 0, "unknown": 0})
             by_oracle[v["oracle"]][v.get("status", "unknown")] = by_oracle[v["oracle"]].get(v.get("status"), 0) + 1
-    j = judge(m)
+    j = run_status(m)
     return {
         "run_id": m.run_id,
         "seed": ((m.extras or {}).get("run.json") or {}).get("seed"),
