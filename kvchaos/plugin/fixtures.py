@@ -5,6 +5,7 @@ plugins add: ``pytest_kvchaos_fault_kinds``)."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import os
@@ -48,23 +49,17 @@ def extra_checkers(config) -> list:
     return out
 
 
-@functools.cache
-def _policy_with_extra_checkers() -> type:
+@dataclasses.dataclass
+class PluginPolicy(Policy):
     """:class:`kvchaos.policy.Policy` that judges every history by the checkers plugins add as well,
-    unclaimed like the always-run ones (a leak checker's FAIL is red; an UNKNOWN only shown). Built on
-    first use: kvchaos.policy is not imported at plugin load."""
-    import dataclasses
+    unclaimed like the always-run ones (a leak checker's FAIL is red; an UNKNOWN only shown)."""
 
-    @dataclasses.dataclass
-    class PluginPolicy(Policy):
-        extra_checkers: tuple = ()
+    extra_checkers: tuple = ()
 
-        def checks(self, checks):
-            comp, claimed = super().checks(checks)
-            have = set(comp.names)
-            return oracles.compose(*comp.checkers, *(c for c in self.extra_checkers if c.name not in have)), claimed
-
-    return PluginPolicy
+    def checks(self, checks):
+        comp, claimed = super().checks(checks)
+        have = set(comp.names)
+        return oracles.compose(*comp.checkers, *(c for c in self.extra_checkers if c.name not in have)), claimed
 
 
 def fault_kinds(config) -> dict:
@@ -191,7 +186,7 @@ def kvchaos_policy(pytestconfig):
     planted-leak self-test's result."""
     path = options.profile_path(pytestconfig)
     extra = extra_checkers(pytestconfig)
-    cls, kw = (_policy_with_extra_checkers(), {"extra_checkers": tuple(extra)}) if extra else (Policy, {})
+    cls, kw = (PluginPolicy, {"extra_checkers": tuple(extra)}) if extra else (Policy, {})
     try:
         table = load_policy_table(path if path.exists() else None)
         p = cls(registry=Registry.load(pytestconfig.getoption("--kvchaos-findings") or FINDINGS_FILE),
