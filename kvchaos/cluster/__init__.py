@@ -15,6 +15,6 @@ from .procs import ProcessDied
 from .single import SingleServer
 from .spec import ClusterSpec, SpecError
 
-__all__ = ["AttachedCluster", "Cluster", "ClusterSpec", "ClusterStartError", "Endpoints", "NetworkProxy",
-           "ProcessDied", "ProxyFactory", "ProxyFactoryMissing", "SingleServer", "SpecError",
-           "default_proxy_factory", "set_default_proxy_factory"]
+__all__ = ["AgentMissing", "AttachedCluster", "Cluster", "ClusterSpec", "ClusterStartError", "Endpoints",
+           "NetworkProxy", "ProcessDied", "ProxyFactory", "ProxyFactoryMissing", "SingleServer", "SpecError",
+           "default_proxy_factory", "engine_agent", "set_default_proxy_factory", "set_engine_agent"]
