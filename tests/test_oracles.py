@@ -7,6 +7,7 @@ import pytest
 
 from kvchaos import canary, oracles
 from kvchaos.oracles import FAIL, PASS, UNKNOWN
+from kvchaos.oracles.isolation import DEFAULT_FLOOR
 
 A = "[ABCDEFGHIJ]"   # minted for r1 (tenant ta)
 B = "[KLMNOPQRST]"   # minted for r2 (tenant tb)
@@ -309,3 +310,14 @@ def test_canaries_sent_outside_a_workload_have_an_origin():
     reg.add_text(f"some words {c} more words", "probe-1", "probe measurement")
     (m,) = reg.entries()
     assert (m.canary, m.rid, m.source) == (c, "probe-1", "probe measurement")
+
+
+def test_the_class_floor_is_met_by_a_small_class_that_recited_everything_and_no_more():
+    """A fault's class of the minimum 5 requests x 2 canaries, every canary recited, can show a leak (a
+    fresh clone's prefill-kill run had exactly this, 10/10, and was UNKNOWN at a 0.75 floor); the same
+    class with one canary unrecited cannot."""
+    f = DEFAULT_FLOOR
+    n = 2 * f.class_min_samples
+    assert f.lower_bound(n, n) >= f.class_min_rate
+    assert f.lower_bound(n - 1, n) < f.class_min_rate
+    assert f.lower_bound(14, 15) >= f.class_min_rate > f.lower_bound(13, 15)

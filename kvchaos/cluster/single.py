@@ -10,7 +10,7 @@ from pathlib import Path
 from .api import ClusterAPI, Endpoints, wait_healthy
 from .argv import LOOPBACK, engine_env, resolve_model, server_argv
 from .ports import release_ports, reserve_ports
-from .procs import ManagedProcess
+from .procs import ManagedProcess, leftover
 from .reaper import Reaper
 from .spec import ClusterSpec
 

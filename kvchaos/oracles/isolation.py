@@ -55,14 +55,14 @@ class SensitivityFloor:
     ``min_samples`` evidence requests and a ``confidence`` lower bound >= ``min_rate`` on their
     canaries' echo rate — the model's recital rate, established. Each fault's exposure class:
     ``class_min_samples`` evidence requests and a lower bound >= ``class_min_rate`` — that the recital
-    held where the fault acted (with 5 requests of 2-3 canaries all echoed the bound is 0.76-0.82; a
-    class where a third of the canaries went unrecited falls below it). Every class: at least
+    held where the fault acted (5 requests of 2-3 canaries all echoed: 10/10-15/15, bound 0.741-0.819,
+    met; one canary of 10 or 12 unrecited: 0.606 / 0.661, not met; one of 15: 0.721, met). Every class: at least
     ``min_observed`` of its candidate requests observed (evidence)."""
     min_samples: int = 20
     min_rate: float = 0.95
     confidence: float = 0.95
     class_min_samples: int = 5
-    class_min_rate: float = 0.75
+    class_min_rate: float = 0.70  # 0.75 left a class of 5 requests x 2 canaries, all recited, UNKNOWN
     min_observed: float = 0.5
 
     def __post_init__(self):
