@@ -7,7 +7,7 @@ import pytest
 
 from kvchaos import canary, oracles
 from kvchaos.oracles import FAIL, PASS, UNKNOWN
-from kvchaos.oracles.isolation import DEFAULT_FLOOR
+from kvchaos.oracles.isolation import DEFAULT_FLOOR, ECHO_RATE, _class_figures
 
 A = "[ABCDEFGHIJ]"   # minted for r1 (tenant ta)
 B = "[KLMNOPQRST]"   # minted for r2 (tenant tb)
@@ -314,10 +314,13 @@ def test_canaries_sent_outside_a_workload_have_an_origin():
 
 def test_the_class_floor_is_met_by_a_small_class_that_recited_everything_and_no_more():
     """A fault's class of the minimum 5 requests x 2 canaries, every canary recited, can show a leak (a
-    fresh clone's prefill-kill run had exactly this, 10/10, and was UNKNOWN at a 0.75 floor); the same
-    class with one canary unrecited cannot."""
+    fresh clone's prefill-kill run had exactly this, 10/10, bound 0.741, and was UNKNOWN); the same class
+    with one canary unrecited cannot, nor can one of 15 (bound 0.721 < 0.75)."""
     f = DEFAULT_FLOOR
-    n = 2 * f.class_min_samples
-    assert f.lower_bound(n, n) >= f.class_min_rate
-    assert f.lower_bound(n - 1, n) < f.class_min_rate
-    assert f.lower_bound(14, 15) >= f.class_min_rate > f.lower_bound(13, 15)
+    per = {f"r{i}": (2, 2) for i in range(5)}
+    full = _class_figures("agent:hold", list(per), per, f, ECHO_RATE)
+    assert full["met"] and full["lower_bound"] < f.class_min_rate, full
+    one_missed = _class_figures("agent:hold", list(per), {**per, "r0": (2, 1)}, f, ECHO_RATE)
+    assert not one_missed["met"] and "echo lower bound" in one_missed["why"], one_missed
+    per15 = {f"r{i}": (3, 3) for i in range(5)}
+    assert not _class_figures("agent:hold", list(per15), {**per15, "r0": (3, 2)}, f, ECHO_RATE)["met"]

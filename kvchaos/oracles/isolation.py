@@ -55,14 +55,16 @@ class SensitivityFloor:
     ``min_samples`` evidence requests and a ``confidence`` lower bound >= ``min_rate`` on their
     canaries' echo rate — the model's recital rate, established. Each fault's exposure class:
     ``class_min_samples`` evidence requests and a lower bound >= ``class_min_rate`` — that the recital
-    held where the fault acted (5 requests of 2-3 canaries all echoed: 10/10-15/15, bound 0.741-0.819,
-    met; one canary of 10 or 12 unrecited: 0.606 / 0.661, not met; one of 15: 0.721, met). Every class: at least
+    held where the fault acted. A class of at least ``class_min_samples`` evidence requests that recited
+    every canary is met whatever the bound (5 requests x 2 canaries, 10/10, bound only 0.741; from
+    11/11 on the bound is >= 0.762 anyway); one unrecited canary of 10, 12 or 15 (bound 0.606, 0.661,
+    0.721) is not. Every class: at least
     ``min_observed`` of its candidate requests observed (evidence)."""
     min_samples: int = 20
     min_rate: float = 0.95
     confidence: float = 0.95
     class_min_samples: int = 5
-    class_min_rate: float = 0.70  # 0.75 left a class of 5 requests x 2 canaries, all recited, UNKNOWN
+    class_min_rate: float = 0.75
     min_observed: float = 0.5
 
     def __post_init__(self):
@@ -241,7 +243,7 @@ def _class_figures(name, rids, per, floor, echo_rate, all_class=False, broken=0)
     if not thin:
         if len(ev) < need_n:
             why.append(f"{len(ev)} evidence requests (with canaries, completed with HTTP 200): fewer than {need_n}")
-        if lb < need_rate:
+        if lb < need_rate and (all_class or n_echo < n_can):  # a small fault class that recited everything is met
             why.append(f"echo lower bound {lb:.3f} < {need_rate:.2f}")
         if all_class and rate < echo_rate:
             why.append(f"echo rate {100 * rate:.1f} % < {100 * echo_rate:.0f} %")
