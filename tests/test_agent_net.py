@@ -12,6 +12,7 @@ import pytest
 
 import faults.agent as agent_mod
 import faults.client as engine
+from faults import wire
 from faults.agent import net
 from faults.client import AgentClient, AgentError, AgentRefused
 
@@ -74,8 +75,8 @@ def test_wrong_token_and_other_version_are_refused_by_name(served, monkeypatch):
     _a, _gw, url = served
     with pytest.raises(AgentRefused, match=rf"prefill agent at {url}: .*wrong token"):
         AgentClient(remote={"prefill": url}, token="guess", timeout=5).agents("prefill")
-    monkeypatch.setattr(engine, "PROTOCOL", net.PROTOCOL + 1)
-    with pytest.raises(AgentRefused, match=rf"agent protocol {net.PROTOCOL}, harness speaks {net.PROTOCOL + 1}"):
+    monkeypatch.setattr(engine, "PROTOCOL", wire.PROTOCOL + 1)
+    with pytest.raises(AgentRefused, match=rf"agent protocol {wire.PROTOCOL}, harness speaks {wire.PROTOCOL + 1}"):
         AgentClient(remote={"prefill": url}, token=TOKEN, timeout=5).wait_agents("prefill", (), timeout=1)
 
 
@@ -93,17 +94,17 @@ def test_unreachable_gateway_is_named_within_the_bound():
 @pytest.mark.parametrize("url,why", [("http://h:1", "expected tcp://HOST:PORT"), ("tcp://h", "expected tcp://"),
                                      ("tcp://:80", "expected tcp://"), ("tcp://h:x", "expected tcp://")])
 def test_bad_addresses_are_named(url, why):
-    with pytest.raises(net.AgentAddressError, match=why):
-        net.parse_url(url)
+    with pytest.raises(wire.AgentAddressError, match=why):
+        wire.parse_url(url)
 
 
 def test_every_interface_only_when_asked_and_a_token_is_required(tmp_path, monkeypatch):
     monkeypatch.delenv("KVCHAOS_AGENT_BIND_ALL", raising=False)
-    with pytest.raises(net.AgentAddressError, match="KVCHAOS_AGENT_BIND_ALL=1"):
+    with pytest.raises(wire.AgentAddressError, match="KVCHAOS_AGENT_BIND_ALL=1"):
         net.Gateway(str(tmp_path), "0.0.0.0", 1, TOKEN, "decode")
-    with pytest.raises(net.AgentAddressError, match="needs a shared token"):
+    with pytest.raises(wire.AgentAddressError, match="needs a shared token"):
         net.Gateway(str(tmp_path), "127.0.0.1", 1, "", "decode")
-    with pytest.raises(net.AgentAddressError, match="no token"):
+    with pytest.raises(wire.AgentAddressError, match="no token"):
         AgentClient(remote={"decode": "tcp://127.0.0.1:1"}, token=None)
     with pytest.raises(ValueError, match="one of the two"):
         AgentClient()
@@ -113,7 +114,7 @@ def test_every_interface_only_when_asked_and_a_token_is_required(tmp_path, monke
 
 def test_a_standby_process_takes_the_gateway_over(served):
     a, gw, url = served
-    host, port = net.parse_url(url)
+    host, port = wire.parse_url(url)
     other = net.Gateway(a.dir, host, port, TOKEN, "prefill")
     assert not other.try_serve()  # the port is held
     other.run_or_stand_by(every_s=0.1)

@@ -14,6 +14,8 @@ import sys
 
 from kvchaos.cpucompat import PostImportLoader
 
+from .. import wire
+
 # subsystem modules register their fault kinds as they import: this order is the order of FAULT_KINDS
 from . import control  # noqa: I001
 from . import net
@@ -132,12 +134,12 @@ def boot() -> None:
     gw = None
     if d.startswith("tcp://"):
         try:
-            host, port = net.parse_url(d)
+            host, port = wire.parse_url(d)
             role = os.environ.get("KVCHAOS_AGENT_ROLE", "")
             d = os.environ.get("KVCHAOS_AGENT_DIR") or os.path.join("/tmp", f"kvchaos-agent-{role or 'engine'}-{port}")
             os.makedirs(d, exist_ok=True)
             gw = net.Gateway(d, host, port, os.environ.get("KVCHAOS_AGENT_TOKEN", ""), role)
-        except (net.AgentAddressError, OSError) as e:
+        except (wire.AgentAddressError, OSError) as e:
             sys.stderr.write(f"kvchaos agent: {e}; agent not loaded\n")
             return
     if not d or not os.path.isdir(d):

@@ -34,7 +34,7 @@ import socketserver
 import sys
 import threading
 
-from ..wire import PROTOCOL, AgentAddressError, EventFiles, call_unix, parse_url  # noqa: F401 (re-exported)
+from ..wire import PROTOCOL, AgentAddressError, EventFiles, call_unix
 
 ANY_HOST = ("0.0.0.0", "::", "")
 

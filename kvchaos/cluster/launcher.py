@@ -26,24 +26,14 @@ from pathlib import Path
 
 import httpx
 
-from .api import (  # noqa: F401 (re-exported)
-    AgentMissing,
-    ClusterAPI,
-    ClusterStartError,
-    Endpoints,
-    ProxyFactoryMissing,
-    _http_ok,
-    wait_healthy,
-)
+from .api import AgentMissing, ClusterAPI, ClusterStartError, Endpoints, ProxyFactoryMissing, wait_healthy
 from .argv import LOOPBACK, engine_env, resolve_model, router_argv, server_argv
-from .attached import AttachedCluster  # noqa: F401 (re-exported)
 from .engine_errors import scan_engine_errors
 from .hooks import ProxyFactory, default_proxy_factory, engine_agent
 from .netns import TwoHosts
 from .ports import release_ports, reserve_ports
-from .procs import ManagedProcess, ProcessDied, leftover, stop_all, tree_pids
+from .procs import ManagedProcess, leftover, stop_all, tree_pids
 from .reaper import Reaper
-from .single import SingleServer  # noqa: F401 (re-exported)
 from .spec import ClusterSpec
 
 DECODE_DROP_WAIT_S = 25.0  # how long a prefill restart waits for decode to drop the old instance
