@@ -1,11 +1,13 @@
 """Against the real SGLang cluster: no process survives a pytest run killed mid-suite, and a server
 that dies at start is reported with its log instead of hanging."""
 
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -14,6 +16,7 @@ import pytest
 
 from faults import AGENT_MODULE, open_network_proxy
 from kvchaos.cluster import Cluster, ClusterSpec, ProcessDied
+from kvchaos.cluster.netns import leftovers
 from kvchaos.cluster.reaper import proc_table, related
 
 pytestmark = pytest.mark.cluster
@@ -25,8 +28,10 @@ def _alive(pids: dict) -> list[int]:
     return [int(p) for p, st in pids.items() if int(p) in t and t[int(p)][3] == st and t[int(p)][4] != "Z"]
 
 
-# SIGINT (Ctrl-C) behind -m slow for CI's 30 minutes: SIGKILL, the harder case (no handler runs), stays
-@pytest.mark.parametrize("sig", ["SIGKILL", pytest.param("SIGINT", marks=pytest.mark.slow)])
+# behind -m slow for CI's time: CI kills pytest -n 2 (below), whose cluster-owning worker is SIGKILLed
+# with no handler run, as a serial pytest's would be
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", ["SIGKILL", "SIGINT"])
 def test_no_leftover_processes_after_pytest_is_killed_mid_suite(tmp_path, sig):
     out = tmp_path / "inner.json"
     env = {**os.environ, "KVCHAOS_INNER_OUT": str(out)}
@@ -96,6 +101,65 @@ def test_xdist_workers_each_run_a_cluster_and_none_survives_a_sigkill_of_pytest(
         assert _alive(watch) == [], f"after SIGKILL of pytest -n 2, still alive: {_alive(watch)}"
         for i in infos:
             assert related(set(i["pgids"]), i["token"]) == {}
+    finally:
+        if inner.poll() is None:
+            os.killpg(inner.pid, signal.SIGKILL)
+
+
+def _ports_of(pids) -> list[str]:
+    d = Path(os.environ.get("KVCHAOS_PORT_DIR", Path(tempfile.gettempdir()) / "kvchaos-ports"))
+    out = []
+    for f in d.glob("[0-9]*"):
+        with contextlib.suppress(OSError, ValueError):
+            if int(f.read_text().strip() or 0) in pids:
+                out.append(f.name)
+    return out
+
+
+# "group": the whole process group, as a CI timeout kills it — no handler runs in the controller or in
+# the worker that owns the cluster; "controller": its workers must notice and go (slow: same paths)
+@pytest.mark.parametrize("kill", ["group", pytest.param("controller", marks=pytest.mark.slow)])
+def test_sigkill_of_pytest_under_xdist_leaves_no_process_lock_file_port_or_namespace(tmp_path, kill):
+    out = tmp_path / "inner.json"
+    env = {**os.environ, "KVCHAOS_INNER_OUT": str(out)}
+    spaces = set(leftovers())
+    inner = subprocess.Popen(
+        [sys.executable, "-m", "pytest", str(REPO / "tests/data/inner_xdist_one_cluster.py"), "-q", "-p",
+         "no:cacheprovider", "-n", "2", "--dist", "each", "--kvchaos-reports", str(tmp_path / "reports"),
+         "-o", "testpaths="],
+        env=env, cwd=REPO, stdout=open(tmp_path / "inner.log", "w"), stderr=subprocess.STDOUT,
+        start_new_session=True)
+    files = [Path(f"{out}.gw0"), Path(f"{out}.gw1")]
+    try:
+        deadline = time.monotonic() + 420
+        while not all(f.exists() for f in files):
+            assert inner.poll() is None, f"inner pytest exited early:\n{(tmp_path / 'inner.log').read_text()[-3000:]}"
+            assert time.monotonic() < deadline, "the worker's cluster never came up"
+            time.sleep(0.5)
+        owner, other = (json.loads(f.read_text()) for f in files)
+        lock = Path(owner["lock"])
+        held = [lock, lock.with_name(lock.name + ".turnstile"), Path(owner["agent_dir"])]
+        assert all(p.exists() for p in held), held
+        assert lock.read_text().strip() == str(inner.pid)  # the controller owns the lock files
+        assert httpx.get(owner["router"] + "/health", timeout=5).status_code == 200
+        pytests = {inner.pid, owner["pytest_pid"], other["pytest_pid"]}
+        assert set(owner["ports"]) <= {int(p) for p in _ports_of(pytests)}
+        tree = related(set(owner["pgids"]), owner["token"])
+        t = proc_table()
+        watch = {**tree, **{str(p): t[p][3] for p in pytests}}
+        if kill == "group":
+            os.killpg(inner.pid, signal.SIGKILL)
+        else:
+            os.kill(inner.pid, signal.SIGKILL)
+        inner.wait(timeout=60)
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline and (_alive(watch) or any(p.exists() for p in held) or _ports_of(pytests)):
+            time.sleep(0.5)
+        assert _alive(watch) == [], f"after SIGKILL of pytest -n 2 ({kill}), still alive: {_alive(watch)}"
+        assert related(set(owner["pgids"]), owner["token"]) == {}
+        assert [str(p) for p in held if p.exists()] == [], "lock files / agent directory left"
+        assert _ports_of(pytests) == [], "port reservations left"
+        assert set(leftovers()) == spaces, "a namespace or link left"
     finally:
         if inner.poll() is None:
             os.killpg(inner.pid, signal.SIGKILL)

@@ -125,6 +125,7 @@ class Cluster(ClusterAPI):
         if spec.agent:
             # short path: a Unix socket path must stay under 108 bytes
             self.agent_dir = tempfile.mkdtemp(prefix=f"kvc-ag-{os.getpid()}-", dir="/tmp")
+            self.reaper.register_cleanup("path", self.agent_dir)  # gone even if we are SIGKILLed
             for role in role_env:
                 role_env[role].update(KVCHAOS_AGENT=self.agent_dir, KVCHAOS_AGENT_ROLE=role,
                                       KVCHAOS_BOOT_AGENT=agent_module)
@@ -290,6 +291,8 @@ class Cluster(ClusterAPI):
             self.proxy = None
         if self.agent_dir:
             shutil.rmtree(self.agent_dir, ignore_errors=True)
+            if self.reaper is not None:
+                self.reaper.forget_cleanup("path", self.agent_dir)
         left = leftover([p.pgid for p in self.procs.values()], self.token)
         if self.hosts is not None:  # after the processes: nothing may still hold the namespaces
             left += self.hosts.down()

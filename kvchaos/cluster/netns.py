@@ -120,6 +120,8 @@ class TwoHosts:
                 _ip("-n", ns, "link", "set", "lo", "up")
                 _ip("-n", ns, "link", "set", n, "up")
                 self.mounts[role] = tempfile.mkdtemp(prefix=f"kvc{self.k}{role[0]}-", dir="/tmp")
+                if reaper is not None:
+                    reaper.register_cleanup("path", self.mounts[role])
         except Exception:
             self.down()
             raise
@@ -153,6 +155,8 @@ class TwoHosts:
         self.created = []
         for d in self.mounts.values():
             shutil.rmtree(d, ignore_errors=True)
+            if getattr(self, "reaper", None) is not None:
+                self.reaper.forget_cleanup("path", d)
         self.mounts = {}
         return left
 

@@ -100,6 +100,49 @@ def reserve_ports(n: int, owner: int | None = None, port_range=DEFAULT_RANGE, at
     raise RuntimeError(f"could not reserve {n} free ports in {lo}-{hi} after {attempts} attempts")
 
 
+def _sweep(keep) -> list[str]:
+    """Under the allocation lock: delete the reservations ``keep(holder)`` refuses; their paths."""
+    d = _lock_dir()
+    gone = []
+    with open(d / ".lock", "a") as lk:
+        fcntl.flock(lk, fcntl.LOCK_EX)
+        try:
+            for f in d.iterdir():
+                if not f.name.isdigit():
+                    continue
+                try:
+                    holder = int(f.read_text().strip() or "0")
+                except (OSError, ValueError):
+                    holder = 0
+                if not keep(holder):
+                    f.unlink(missing_ok=True)
+                    gone.append(str(f))
+        finally:
+            fcntl.flock(lk, fcntl.LOCK_UN)
+    return gone
+
+
+def _running(pid: int) -> bool:
+    """Alive and not a zombie (a SIGKILLed owner its parent has not reaped yet is gone for us)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return _pid_alive(pid) if not Path("/proc/self").exists() else False
+
+
+def release_owner(pid: int) -> list[str]:
+    """Delete every reservation of ``pid`` once it is dead (its reaper's last act)."""
+    if _running(pid):
+        return []
+    return _sweep(lambda holder: holder != pid)
+
+
+def sweep_ports() -> list[str]:
+    """Delete the reservations of dead owners (a session's start): what ``_try_reserve`` would reclaim
+    one at a time."""
+    return _sweep(lambda holder: bool(holder) and _pid_alive(holder))
+
+
 def release_ports(ports) -> None:
     d = _lock_dir()
     for p in ports:

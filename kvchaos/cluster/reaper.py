@@ -24,6 +24,9 @@ import sys
 import time
 from pathlib import Path
 
+from kvchaos.cluster import tmpfiles
+from kvchaos.cluster.ports import release_owner
+
 ENV_KEY = "KVCHAOS_OWNER"
 
 
@@ -140,6 +143,8 @@ def main(argv: list[str]) -> int:
     tokens = {token}
     known: dict[int, int] = {}
     cleanup: list[tuple[str, str]] = []  # ("netns" | "link", name): deleted after the processes
+    paths: list[str] = []  # kvchaos.cluster.tmpfiles entries: deleted last
+    owner = os.getppid()  # whoever started us: its port reservations go when it has gone
     buf = b""
     while True:
         ready, _, _ = select.select([0], [], [], 0.5)
@@ -150,8 +155,15 @@ def main(argv: list[str]) -> int:
             buf += chunk
             *lines, buf = buf.split(b"\n")
             for line in lines:
-                parts = line.decode(errors="replace").split()
-                if len(parts) == 2 and parts[0] == "pgid" and parts[1].isdigit():
+                text = line.decode(errors="replace")
+                parts = text.split()
+                if text.startswith(("path ", "forget path ")):
+                    name = text.split("path ", 1)[1]
+                    if text.startswith("forget"):
+                        paths = [x for x in paths if x != name]
+                    elif tmpfiles.is_ours(name):
+                        paths.append(name)
+                elif len(parts) == 2 and parts[0] == "pgid" and parts[1].isdigit():
                     roots.add(int(parts[1]))
                 elif len(parts) == 2 and parts[0] == "token":
                     tokens.add(parts[1])
@@ -165,6 +177,15 @@ def main(argv: list[str]) -> int:
     if left:
         sys.stderr.write(f"kvchaos reaper: still alive after SIGKILL: {left}\n")
     kept = _delete(cleanup)
+    for name in paths:
+        try:
+            if not tmpfiles.remove(name):
+                kept.append(f"path {name}")
+        except OSError as e:
+            kept.append(f"path {name} ({e})")
+    released = release_owner(owner)
+    if released:
+        sys.stderr.write(f"kvchaos reaper: released {len(released)} port reservations of pid {owner}\n")
     if kept:
         sys.stderr.write(f"kvchaos reaper: could not delete {kept}\n")
     return 1 if left or kept else 0
@@ -217,9 +238,13 @@ class Reaper:
             self.proc.stdin.flush()
 
     def register_cleanup(self, kind: str, name: str) -> None:
-        """Delete network namespace / link ``name`` (``kvc<k>...``) after the processes, when the owner
-        goes away (kvchaos.cluster.netns)."""
-        if kind not in ("netns", "link") or not _OURS.match(name):
+        """Delete network namespace / link ``name`` (``kvc<k>...``), or ``path`` (an agent directory, an
+        xdist lock file, a mount directory: :mod:`kvchaos.cluster.tmpfiles`), after the processes, when
+        the owner goes away (kvchaos.cluster.netns, the launcher, the xdist plugin)."""
+        if kind == "path":
+            if not tmpfiles.is_ours(name):
+                raise ValueError(f"reaper cleanup: {name!r} is not a kvchaos temporary entry")
+        elif kind not in ("netns", "link") or not _OURS.match(name):
             raise ValueError(f"reaper cleanup: {kind} {name!r} is not a kvchaos namespace or link (kvc<k>...)")
         if self.proc.poll() is None:
             self.proc.stdin.write(f"{kind} {name}\n")

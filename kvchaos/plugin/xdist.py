@@ -1,18 +1,28 @@
 """pytest-xdist: one machine. Under xdist every test holds the run's machine lock, shared —
 ``exclusive`` tests alone (:mod:`kvchaos.machine_lock`). The controller fixes the run's uid (its
-workers' lock file) and removes the lock files at its end."""
+workers' lock file), writes its pid into the lock file, registers both files with a reaper of its own
+(gone even when the controller is SIGKILLed) and removes them at its end.
+
+Every session but a worker's first sweeps what dead runs left in the temporary directory (agent
+directories, lock files, mount directories, port reservations: :func:`kvchaos.cluster.tmpfiles.sweep`)."""
 
 from __future__ import annotations
 
 import contextlib
+import os
 import tempfile
 import uuid
 from pathlib import Path
 
 import pytest
 
+from kvchaos.cluster import tmpfiles
+from kvchaos.cluster.reaper import Reaper
+
 MACHINE_LOCK = pytest.StashKey[object]()          # a worker's lock (None: not under xdist)
 MACHINE_LOCK_CLEANUP = pytest.StashKey[object]()  # the controller's: removed at unconfigure
+SWEPT = pytest.StashKey[list]()  # what this session's start removed
+LOCK_REAPER = pytest.StashKey[object]()  # the controller's reaper: deletes the lock files if it is killed
 
 
 def lock_path(uid: str) -> Path:
@@ -26,10 +36,26 @@ def pytest_configure(config):
     if hasattr(config, "workerinput"):  # a real xdist worker (a child pytest may inherit a worker's env)
         uid = config.workerinput.get("testrunuid")
         config.stash[MACHINE_LOCK] = MachineLock(lock_path(uid)) if uid else None
-    elif getattr(config.option, "numprocesses", None) and hasattr(config.option, "testrunuid"):
+        return
+    swept = tmpfiles.sweep()
+    if swept:
+        config.stash[SWEPT] = swept
+    if getattr(config.option, "numprocesses", None) and hasattr(config.option, "testrunuid"):
         if not config.option.testrunuid:
             config.option.testrunuid = uuid.uuid4().hex
-        config.stash[MACHINE_LOCK_CLEANUP] = MachineLock(lock_path(config.option.testrunuid))
+        lock = MachineLock(lock_path(config.option.testrunuid))
+        lock.path.write_text(f"{os.getpid()}\n")  # the owner: a later run's sweep leaves it alone while we live
+        reaper = Reaper(f"kvc-xdist-{os.getpid()}")
+        for p in (lock.path, lock.turnstile):
+            reaper.register_cleanup("path", str(p))
+        config.stash[MACHINE_LOCK_CLEANUP] = lock
+        config.stash[LOCK_REAPER] = reaper
+
+
+def pytest_report_header(config):
+    swept = config.stash.get(SWEPT, None)
+    if swept:
+        return f"kvchaos: removed {len(swept)} entries dead runs left in the temporary directory"
 
 
 @contextlib.contextmanager
@@ -50,3 +76,6 @@ def pytest_unconfigure(config):
     lock = config.stash.get(MACHINE_LOCK_CLEANUP, None)
     if lock is not None:
         lock.remove()
+    reaper = config.stash.get(LOCK_REAPER, None)
+    if reaper is not None:
+        reaper.close()
