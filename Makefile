@@ -9,7 +9,7 @@ PYTEST_ARGS ?=
 
 LAYOUTS ?= mha-p1-fp32,gqa-p16-bf16,gqa-p64-bf16,mla-p64-bf16
 
-.PHONY: setup run docs test test-two-hosts test-matrix test-unit test-layouts soak bench clean-reports
+.PHONY: setup run docs test test-two-hosts test-matrix test-unit test-layouts soak bench clean-reports lint-workflows
 setup:
 	@bash scripts/setup.sh >/dev/null
 	@bash scripts/setup-engine.sh 0.5.19 >/dev/null  # pre-fix release for the GLM-5.3 reproduction
@@ -36,13 +36,15 @@ TWO_HOSTS ?= tests/test_two_hosts_live.py suites/test_smoke.py \
 	suites/test_transfer_delay.py::test_transfer_delay_with_jitter_keeps_isolation \
 	suites/incidents/test_glm53_kv_leak.py::test_replay_leaks_another_tenants_data_with_http_200
 
-# three sessions: the harness's tests that need no cluster on 2 xdist workers (they share nothing),
-# then everything that drives a real cluster, one at a time (the engines want both cores), then the
-# two-host topology (prefill and decode in network namespaces, every agent fault over TCP), then the
-# strict docs build (a broken link or a page missing from the nav is red). All always run; the target
-# fails if any does. Each pytest session leaves its own reports/<run-id>/.
+# the workflow lint (make lint-workflows, about a second), then three sessions: the harness's tests that
+# need no cluster on 2 xdist workers (they share nothing), then everything that drives a real cluster,
+# one at a time (the engines want both cores), then the two-host topology (prefill and decode in network
+# namespaces, every agent fault over TCP), then the strict docs build (a broken link or a page missing
+# from the nav is red). All always run; the target fails if any does. Each pytest session leaves its
+# own reports/<run-id>/.
 test: setup
 	@rc=0; \
+	$(PY) scripts/lint_workflows.py || rc=1; \
 	$(PY) -m pytest -m "not cluster and not slow and not gpu" -n 2 -p no:cacheprovider --kvchaos-seed $(SEED) $(PYTEST_ARGS) || rc=1; \
 	KVCHAOS_MATRIX_TRIALS=$(MATRIX_TRIALS) KVCHAOS_MATRIX_CLEAN_TRIALS=$(MATRIX_CLEAN_TRIALS) \
 	  $(PY) -m pytest -m "cluster and not slow and not gpu" -p no:cacheprovider --kvchaos-seed $(SEED) $(PYTEST_ARGS) || rc=1; \
@@ -50,6 +52,11 @@ test: setup
 	  --kvchaos-topology two-hosts --kvchaos-layouts mha-p1-fp32 $(PYTEST_ARGS) || rc=1; \
 	$(PY) -m mkdocs build --strict --quiet --site-dir site || rc=1; \
 	exit $$rc
+
+# .github/workflows/ (ci.yml, nightly-gpu.yml): YAML, check-jsonschema's vendored GitHub workflow schema,
+# expressions, bash -n of each run: script; offline. One line per problem, naming the file
+lint-workflows: setup
+	$(PY) scripts/lint_workflows.py
 
 test-two-hosts: setup  # every default suite on the two-host topology (its SIGKILL check: PYTEST_ARGS="-m slow")
 	$(PY) -m pytest suites tests/test_two_hosts_live.py -m "cluster and not slow and not gpu" -p no:cacheprovider \
