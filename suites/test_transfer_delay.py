@@ -44,6 +44,9 @@ def test_one_failed_send_is_an_error_for_its_request(experiment, seeds, faults):
     victim = plans[60]
     with experiment("transfer_fail", plans, checks(), seed=wl.seed, concurrency=8, timeout_s=BOUND_S) as ex:
         f = faults.agent.arm("prefill", "fail", target={"rid": victim.rid})
+        # decode holds the failed room's pages for the deferred-release timeout (30 s) before the KV
+        # pools may drain; a failed send writes nothing more, so 3 s bounds that wait, not a late write
+        faults.agent.arm("decode", "deferred_release_timeout", params={"s": 3})
 
         def unblacklist():
             # SGLang blacklists decode's session on a failed send and fails what runs after it until its

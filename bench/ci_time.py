@@ -1,0 +1,133 @@
+"""CI's time on this machine: a fresh clone's ``make test`` by phase, against the cluster cold start
+measured beside it. The target (issue 27): the whole of it, setup included, within 28 cold starts.
+
+Per run: ``git clone`` of the repository's HEAD into a temporary directory, ``bench/cold_start.py
+--no-baseline`` there (the cold start of the same machine in the same hour), then ``bash .ci/run`` (what
+CI runs: ``make test``). The phases come from what the run left: each pytest session's
+``reports/<run-id>/run.json`` (its start) and ``progress.jsonl`` (its ``finished`` record); setup is the
+time from the command to the first session, and what follows a session's ``finished`` before the next
+one starts is that session's teardown and report.
+
+Usage: python bench/ci_time.py [--runs 1] [--repo .] [--keep DIR] [--json OUT]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+LIMIT = 28  # make test within this many cluster cold starts
+
+
+def cold_start(clone: Path) -> float:
+    p = subprocess.run([sys.executable, "bench/cold_start.py", "--no-baseline"], cwd=clone, capture_output=True,
+                       text=True, timeout=900)
+    m = re.search(r"cold start to healthy router: ([0-9.]+) s", p.stdout)
+    if p.returncode or not m:
+        raise SystemExit(f"bench/cold_start.py failed (exit {p.returncode}):\n{p.stdout[-2000:]}\n{p.stderr[-2000:]}")
+    return float(m.group(1))
+
+
+def sessions(reports: Path) -> list[dict]:
+    """Each pytest session of the run (xdist workers folded into their controller), in start order."""
+    out = []
+    for d in sorted(reports.iterdir()):
+        if d.name.endswith(("-gw0", "-gw1")) or not (d / "run.json").exists():
+            continue
+        started = json.loads((d / "run.json").read_text())["started"]
+        finished = n = exitstatus = None
+        prog = d / "progress.jsonl"
+        for line in prog.read_text().splitlines() if prog.exists() else []:
+            try:
+                e = json.loads(line)
+            except ValueError:
+                continue
+            if e.get("ev") == "finished":
+                finished, exitstatus = e["wall"], e.get("exitstatus")
+            elif e.get("ev") == "end":
+                n = (n or 0) + 1
+        out.append({"run_id": d.name, "started": started, "finished": finished, "tests": n, "exitstatus": exitstatus})
+    return sorted(out, key=lambda s: s["started"])
+
+
+def phases(t0: float, t_end: float, sess: list[dict]) -> list[tuple[str, float]]:
+    names = ["unit tests (-n 2)", "cluster session", "two-host session"]
+    rows = [("setup + workflow lint", (sess[0]["started"] if sess else t_end) - t0)]
+    for i, s in enumerate(sess):
+        name = names[i] if i < len(names) else f"session {i + 1}"
+        end = s["finished"] or t_end
+        rows.append((f"{name} ({s['tests']} tests, exit {s['exitstatus']})", end - s["started"]))
+        nxt = sess[i + 1]["started"] if i + 1 < len(sess) else t_end
+        rows.append((f"  teardown, report{' and docs build' if i + 1 == len(sess) else ''}", nxt - end))
+    return rows
+
+
+def one_run(repo: Path, keep: Path | None, i: int) -> dict:
+    work = Path(tempfile.mkdtemp(prefix="kvchaos-ci-time-"))
+    clone = work / "clone"
+    try:
+        subprocess.run(["git", "clone", "-q", str(repo), str(clone)], check=True, timeout=300)
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=clone, capture_output=True, text=True).stdout.strip()
+        cs = cold_start(clone)
+        t0 = time.time()
+        with open(work / "make-test.log", "w") as log:
+            rc = subprocess.run(["bash", ".ci/run"], cwd=clone, stdout=log, stderr=subprocess.STDOUT, timeout=5400,
+                                env={**os.environ, "CI": "true"}).returncode
+        t_end = time.time()
+        rows = phases(t0, t_end, sessions(clone / "reports"))
+        total = t_end - t0
+        res = {"run": i, "commit": head, "exit": rc, "total_s": round(total, 1), "cold_start_s": round(cs, 1),
+               "ratio": round(total / cs, 2), "limit": LIMIT, "phases": [(n, round(s, 1)) for n, s in rows],
+               "log_tail": (work / "make-test.log").read_text()[-1500:]}
+        if keep:
+            dest = keep / f"run{i}"
+            shutil.rmtree(dest, ignore_errors=True)
+            shutil.copytree(clone / "reports", dest / "reports", ignore=shutil.ignore_patterns("*.log"))
+            shutil.copy(work / "make-test.log", dest / "make-test.log")
+        return res
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def show(r: dict) -> None:
+    print(f"run {r['run']} (commit {r['commit']}): make test exit {r['exit']}")
+    for name, s in r["phases"]:
+        print(f"  {name:58s} {s:8.1f} s")
+    print(f"  {'total (setup included)':58s} {r['total_s']:8.1f} s  ({r['total_s'] / 60:.1f} min)")
+    print(f"  cluster cold start beside it (bench/cold_start.py): {r['cold_start_s']:.1f} s; "
+          f"ratio make-test/cold-start = {r['ratio']:.1f} (target <= {LIMIT}: {'met' if r['ratio'] <= LIMIT else 'NOT met'})")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--runs", type=int, default=1, help="fresh clones, one after the other (default 1)")
+    ap.add_argument("--repo", default=str(REPO), help="the repository to clone (its HEAD)")
+    ap.add_argument("--keep", default=None, help="copy each run's reports/ and log here")
+    ap.add_argument("--json", default=None, help="write the results here")
+    args = ap.parse_args()
+    if args.runs < 1:
+        ap.error("--runs must be >= 1")
+    keep = Path(args.keep) if args.keep else None
+    results = []
+    for i in range(1, args.runs + 1):
+        r = one_run(Path(args.repo).resolve(), keep, i)
+        results.append(r)
+        show(r)
+        if args.json:
+            Path(args.json).write_text(json.dumps(results, indent=2))
+    worst = max(r["ratio"] for r in results)
+    print(f"{len(results)} run(s): exits {[r['exit'] for r in results]}, worst ratio {worst:.1f} (target <= {LIMIT})")
+    return 0 if all(r["exit"] == 0 and r["ratio"] <= LIMIT for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
