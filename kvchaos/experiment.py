@@ -30,6 +30,7 @@ import json
 import threading
 import time
 import uuid
+import warnings
 from pathlib import Path
 from typing import Callable
 from urllib.parse import urlsplit
@@ -46,6 +47,11 @@ from kvchaos.workload.snapshots import server_field, snapshot
 VIAS = ("router", "pd")  # how plans reach the engines: the router, or prefill + decode directly
 SETTLE_S = 45.0  # SGLang holds a failed/aborted transfer's decode pages up to 30 s (deferred release)
 DURING_JOIN_S = 180.0
+
+# who is told when an experiment opens (its header written) and closes (judged by its checkers, or
+# ``error=`` when its method raised): ``fn(event, experiment, **info)``, event "open" or "close". The
+# pytest plugin's progress lines listen here; the runner never imports who listens.
+OBSERVERS: list[Callable[..., None]] = []
 
 
 class VerdictsNotMet(AssertionError):
@@ -146,6 +152,7 @@ class Experiment:
                       run_seed=self.run_seed, plans_digest=self.plans_digest, n=len(self.plans),
                       concurrency=self.concurrency, timeout_s=self.timeout_s, engine=_engine(self.cluster), layout=_layout(self.cluster), via=self.via,
                       checkers=[repr(c) for c in self.checks.checkers], claimed=sorted(self.claimed))
+        _tell("open", self)
         if self.probe_before:
             snapshot(self.cluster, self.log, "before", answer=False, settle_s=self.settle_s)
         return self
@@ -178,6 +185,7 @@ class Experiment:
         if exc_type is not None:  # the method itself failed: nothing ran to judge
             self.log.emit("aborted", error=repr(exc))
             self.log.close()
+            _tell("close", self, error=repr(exc))
             return False
         try:
             self.log.emit("method", faults=self._fault_ids(), during=self._during is not None)
@@ -196,6 +204,9 @@ class Experiment:
             self.engine_errors = _engine_errors(self.cluster)
             for e in self.engine_errors:
                 self.log.emit("engine_error", **{k: v for k, v in e.items() if k != "healed"})
+        except BaseException as e:
+            _tell("close", self, error=repr(e))
+            raise
         finally:
             self.log.close()
         try:
@@ -205,6 +216,7 @@ class Experiment:
         self.verdicts = self.policy.gate(self.checks.check(self.history or self.log.records, self.canaries),
                                          self.history)
         self._record(self.policy.judge(self.verdicts, self.context(), claimed=self.claimed))
+        _tell("close", self)
         for v in self.verdicts:
             print(v)
         if self.shrink is not None:
@@ -314,6 +326,15 @@ class Experiment:
                 self.log.emit("fault", **{**{k: v for k, v in e.items() if k not in ("t", "wall", "ev")},
                                           "at": e.get("at", e["wall"])})
         self.faults.copy_agent_events(self.log, since=self.t_start)
+
+
+def _tell(event: str, ex: Experiment, **info) -> None:
+    for fn in list(OBSERVERS):
+        try:
+            fn(event, ex, **info)
+        except Exception as e:  # noqa: BLE001 - a listener never changes an experiment's outcome; said, not hidden
+            warnings.warn(f"kvchaos: experiment listener {fn!r} failed on {event} of {ex.name}: {e!r}",
+                          RuntimeWarning, stacklevel=3)
 
 
 def _fresh(path: Path) -> Path:

@@ -7,6 +7,8 @@ lives in ``config.stash`` / ``item.stash`` under the modules' ``pytest.StashKey`
 
   options      the ``--kvchaos-*`` options and markers; profile, backend and layout option parsing
   rundir       run id and seed, run.json, progress.jsonl, the report at session end, terminal summary
+  progress     the progress lines rundir registers (tests done and left, ETA, each experiment's verdicts
+               as judged)
   known        the KNOWN outcome, findings.json, the rerun rule
   xdist        the machine lock under pytest-xdist
   parametrize  one session cluster per backend / layout, test order, the CUDA probe for ``gpu`` tests
@@ -34,6 +36,8 @@ Options
   --kvchaos-strict              fail the run when a listed finding did not reproduce ("fixed?")
   --kvchaos-blind-model         declare a model that cannot echo canaries (isolation not claimed)
   --kvchaos-findings PATH       known-findings registry [kvchaos/findings.toml]
+  --kvchaos-progress auto|on|off  progress lines: tests done and left, the test running, an ETA from
+                                earlier runs' durations, each experiment's verdicts as judged [auto]
 
 Fixtures
   kvchaos_spec      the ClusterSpec in force

@@ -71,6 +71,11 @@ def pytest_addoption(parser):
     g.addoption("--kvchaos-shrink-steps", type=int, default=40, help="shrink: at most this many attempts [40]")
     g.addoption("--kvchaos-shrink-checker", default=None,
                 help="shrink: the checker whose FAIL to keep [the first leak checker that failed]")
+    g.addoption("--kvchaos-progress", default=os.environ.get("KVCHAOS_PROGRESS", "auto"), metavar="auto|on|off",
+                help="progress lines on the terminal: tests done and left, the test running, an ETA from earlier "
+                     "runs' durations, each experiment as it opens and its verdicts as it closes. auto: a test's "
+                     "line when 10 s have passed since the last one or the test took 10 s or more last time; on: "
+                     "every test's; off: none (progress.jsonl is written either way) [auto]")
     g.addoption("--kvchaos-backends", default=os.environ.get("KVCHAOS_BACKENDS"),
                 help="comma-separated KV transfer backends to run the suites over, one cluster each "
                      "(e.g. mooncake_tcp,nixl) [the profile's]")

@@ -1,10 +1,11 @@
 """The run directory ``reports/<run-id>/``: the run id and seed, ``run.json``, ``progress.jsonl``
 (:class:`Progress`), JUnit XML, and at the session's end ``findings.json``, ``verdicts.json`` and
 ``report.html`` (with the sections plugins add: ``pytest_kvchaos_report_sections``); the terminal
-summary."""
+summary; it registers the progress lines (:mod:`kvchaos.plugin.progress`)."""
 
 from __future__ import annotations
 
+import contextlib
 import html
 import json
 import os
@@ -15,11 +16,13 @@ from pathlib import Path
 import pytest
 
 from kvchaos.plugin import known
+from kvchaos.plugin.progress import PROGRESS_MODES, ProgressLines
 from kvchaos.workload.seed import SeedError, parse
 
 RUN_ID = pytest.StashKey[str]()
 SEED = pytest.StashKey[int]()
 PROGRESS = pytest.StashKey["Progress"]()
+LINES = pytest.StashKey["ProgressLines"]()
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -29,6 +32,9 @@ def pytest_configure(config):
     from faults import install
 
     install()
+    mode = config.getoption("--kvchaos-progress")
+    if mode not in PROGRESS_MODES:
+        raise pytest.UsageError(f"--kvchaos-progress / KVCHAOS_PROGRESS {mode!r}: one of {', '.join(PROGRESS_MODES)}")
     run_id = os.environ.get("KVCHAOS_RUN_ID") or time.strftime("%Y%m%d-%H%M%S") + f"-{os.getpid()}"
     worker = os.environ.get("PYTEST_XDIST_WORKER")
     if worker:
@@ -51,6 +57,13 @@ def pytest_configure(config):
         _write_run_json(config, run_dir, run_id, seed)
     progress = config.stash[PROGRESS] = Progress(run_dir / "progress.jsonl")
     config.pluginmanager.register(progress, "kvchaos-progress")
+    lines = config.stash[LINES] = ProgressLines(config, progress, mode)
+    config.pluginmanager.register(lines, "kvchaos-progress-lines")
+    # here, not at the top: the runner loads with the fault layer installed above (both cost nothing more
+    # by now); it tells its listeners when an experiment opens and closes and never imports this plugin
+    from kvchaos import experiment
+
+    experiment.OBSERVERS.append(lines.experiment)
     # every run leaves JUnit XML in its run directory (unless the caller chose a path)
     if not worker and not getattr(config.option, "xmlpath", None):
         config.option.xmlpath = str(run_dir / "junit.xml")
@@ -121,6 +134,16 @@ class Progress:
         if self._f:
             self._f.close()
             self._f = None
+
+
+def pytest_unconfigure(config):
+    lines = config.stash.get(LINES, None)
+    if lines is not None:
+        # the runner is loaded by now (pytest_configure); a session in this process stops listening
+        from kvchaos import experiment
+
+        with contextlib.suppress(ValueError):
+            experiment.OBSERVERS.remove(lines.experiment)
 
 
 @pytest.hookimpl(trylast=True)
