@@ -144,7 +144,10 @@ class Experiment:
         if self.model_name is None and any(getattr(p, "endpoint", "generate") != "generate" for p in self.plans):
             # OpenAI endpoints name the model: the one decode serves
             self.model_name = server_field(self.cluster.server_info("decode"), "served_model_name")
-        _engine_errors(self.cluster)  # what happened before this experiment is not its own
+        # what happened before this experiment is not its own — but a launched engine broken before it
+        # (a Mooncake transfer thread died in the last experiment of the same test) is restarted now,
+        # or this one would run on it and go red with no witness of its own
+        healed_before = _heal_engine_errors(self.cluster)
         self.canaries.add_plans({p.rid: {"canaries": p.canaries, "tenant": p.tenant} for p in self.plans},
                                 f"experiment {self.name}")
         self.log = EventLog(self.path)
@@ -152,6 +155,9 @@ class Experiment:
                       run_seed=self.run_seed, plans_digest=self.plans_digest, n=len(self.plans),
                       concurrency=self.concurrency, timeout_s=self.timeout_s, engine=_engine(self.cluster), layout=_layout(self.cluster), via=self.via,
                       checkers=[repr(c) for c in self.checks.checkers], claimed=sorted(self.claimed))
+        for e in healed_before:
+            self.log.emit("engine_healed", before=True, role=e["role"], signature=e.get("signature"),
+                          restart=(e.get("healed") or {}).get("rejoined_s"))
         _tell("open", self)
         if self.probe_before:
             snapshot(self.cluster, self.log, "before", answer=False, settle_s=self.settle_s)
@@ -367,6 +373,14 @@ def _rel(p: Path, base: Path) -> str:
 
 def _engine_errors(cluster) -> list[dict]:
     return cluster.engine_errors() if hasattr(cluster, "engine_errors") else []
+
+
+def _heal_engine_errors(cluster) -> list[dict]:
+    """Restart what broke since the last look (a launched cluster); elsewhere only read past it."""
+    if hasattr(cluster, "heal_engine_errors"):
+        return cluster.heal_engine_errors()
+    _engine_errors(cluster)
+    return []
 
 
 def _engine(cluster) -> dict:

@@ -101,3 +101,37 @@ def test_judging_before_running_and_unmet_requirements(tmp_path, fake):
         ex.require(isolation=PASS)
     with pytest.raises(ValueError, match="no path separators"):
         _ex(tmp_path, fake, name="a/b")
+
+
+class Healing(StandIn):
+    """A launched cluster whose prefill broke before the experiment (a Mooncake transfer thread died in
+    the test's previous experiment): the runner restarts it before its own traffic."""
+
+    def __init__(self, url):
+        super().__init__(url)
+        self.pending = [{"role": "prefill", "signature": "mooncake_transfer_worker_died", "line": "RuntimeError"}]
+        self.restarts, self.scans = [], 0
+
+    def heal_engine_errors(self):
+        todo, self.pending = self.pending, []
+        for f in todo:
+            self.restarts.append(f["role"])
+            f["healed"] = {"role": f["role"], "rejoined_s": 2.5}
+        return todo
+
+    def engine_errors(self):
+        self.scans += 1
+        return []
+
+
+def test_an_engine_broken_before_the_experiment_is_restarted_first_and_not_counted_as_its_own(tmp_path):
+    with FakeEngine() as eng:
+        c = Healing(eng.url)
+        with _ex(tmp_path, c) as ex:
+            assert c.restarts == ["prefill"]  # before any of its requests
+        ev = [json.loads(x) for x in ex.path.read_text().splitlines()]
+    (healed,) = [e for e in ev if e["ev"] == "engine_healed"]
+    assert healed["before"] and healed["role"] == "prefill" and healed["restart"] == 2.5
+    assert ev.index(healed) < min(i for i, e in enumerate(ev) if e["ev"] == "send")
+    assert ex.engine_errors == []  # not this experiment's: nothing of it may be matched to a finding
+    assert {v.oracle for v in ex.verdicts} >= {"isolation", "liveness"}  # then it ran and was judged
