@@ -1,8 +1,10 @@
 """Cold time-to-verdict of ``kvchaos repro glm53``: from typing the command to the first leak verdict.
 
 Runs the command as a user would (nothing started beforehand; the venvs exist), then reads what the run
-left: ``progress.jsonl`` (when each incident test ended), ``cluster.json`` (the cluster's own start
-time), ``incidents/glm53-*/summary.json`` (when, inside each scenario, the first leak was seen). Prints
+left: ``progress.jsonl`` (when each experiment was judged — the plugin's ``experiment`` records — and
+when each incident test ended), each ``cluster.json`` (the clusters' own start times: the session's and
+the pre-fix release's), ``incidents/glm53-*/summary.json`` (when, inside each scenario, the first leak
+was seen). Prints
 the time to the first verdict and to the whole reproduction, with the cluster's cold start — the
 baseline no harness can beat — as the ratio's denominator.
 
@@ -37,31 +39,39 @@ def main():
         if p.returncode != 0:
             raise SystemExit(f"kvchaos repro glm53 failed (exit {p.returncode}):\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}")
         (run,) = [d for d in reports.iterdir() if (d / "progress.jsonl").exists()]
-        ends = [e for e in load_events(run / "progress.jsonl") if e.get("ev") == "end"]
-        cl = json.loads((run / "cluster.json").read_text())["timings"]
-        pre = run / "sglang-0.5.19" / "cluster.json"
-        cl_pre = json.loads(pre.read_text())["timings"] if pre.exists() else {}
-        rows = []
-        for e in ends:
-            rows.append((e["wall_end"] - t0, e["nodeid"].split("::")[-1], e["outcome"], e["duration"]))
+        progress = load_events(run / "progress.jsonl")
+        clusters = {c.parent.name if c.parent != run else "session": json.loads(c.read_text())
+                    for c in [run / "cluster.json", *run.glob("*/cluster.json")] if c.exists()}
         sums = {s.parent.name: json.loads(s.read_text()) for s in run.glob("incidents/*/summary.json")}
-    leak_tests = sorted(r for r in rows if "leaks" in r[1] and r[2] == "passed")
-    if not leak_tests:
-        raise SystemExit(f"no leak verdict in the run: {rows}")
+    rows = sorted((e["wall_end"] - t0, e["nodeid"].split("::")[-1], e["outcome"], e["duration"])
+                  for e in progress if e.get("ev") == "end")
+    # the plugin's record of each experiment as it is judged (before its test's audit and teardown)
+    judged = sorted((e["wall"] - t0, e["name"], e["verdicts"]) for e in progress
+                    if e.get("ev") == "experiment" and "verdicts" in e)
+    leaks = [j for j in judged if j[1].startswith("glm53-") and j[2].get("isolation") == "fail"]
     print("kvchaos repro glm53, cold (exit 0):")
-    for at, name, outcome, dur in sorted(rows):
+    for at, name, outcome, dur in rows:
         print(f"  {at:7.1f} s  {outcome:8s} {name} ({dur:.1f} s)")
+    for at, name, verdicts in judged:
+        print(f"  {at:7.1f} s  judged   {name}: {verdicts}")
     for mode, s in sorted(sums.items()):
         ttd = s.get("time_to_first_detection_s")
         print(f"  {mode}: verdicts {s['verdicts']}, first leak {ttd if ttd is None else round(ttd, 1)} s into the "
               f"scenario, scenario {s['wall_s']} s")
-    first = leak_tests[0]
-    # each leak test starts its own cluster cold: the pre-fix release's, or the session's (0.5.23)
-    own = cl_pre.get("router_ready_s") if "prefix" in first[1] else cl.get("router_ready_s")
-    print(f"cold time-to-verdict: first leak verdict {first[0]:.1f} s after the command ({first[1]}); its cluster's "
-          f"cold start {own:.1f} s; ratio first-verdict/cluster-start = {first[0] / own:.2f}")
-    print(f"whole reproduction {total:.1f} s (3 verdicts, 2 clusters: 0.5.19 start "
-          f"{cl_pre.get('router_ready_s', float('nan')):.1f} s, 0.5.23 start {cl.get('router_ready_s'):.1f} s)")
+    if not leaks:
+        raise SystemExit(f"no leak verdict in the run: judged {judged}, tests {rows}")
+    at, name, _ = leaks[0]
+    # each leak test runs on a cluster started cold for it: the pre-fix release's own, or the session's (0.5.23)
+    pre = {k: v for k, v in clusters.items() if "-sglang-" in k}  # own_cluster's <profile>-sglang-<version>
+    own_name, own = next(iter(pre.items())) if name == "glm53-prefix" and pre else \
+        next((k, v) for k, v in clusters.items() if k not in pre)
+    start = (own.get("timings") or {}).get("router_ready_s")
+    if start is None:
+        raise SystemExit(f"cluster {own_name}'s cluster.json has no router_ready_s: {own.get('timings')}")
+    print(f"cold time-to-verdict: first leak verdict {at:.1f} s after the command ({name}: isolation FAIL); its "
+          f"cluster ({own_name}) cold start {start:.1f} s; ratio first-verdict/cluster-start = {at / start:.2f}")
+    starts = ", ".join(f"{k} {(v.get('timings') or {}).get('router_ready_s', float('nan')):.1f} s" for k, v in clusters.items())
+    print(f"whole reproduction {total:.1f} s ({len(judged)} experiments judged; cluster starts: {starts})")
 
 
 if __name__ == "__main__":
