@@ -61,7 +61,10 @@ def test_sweep_removes_dead_owners_entries_and_keeps_live_ones(port_dir):
     live_lock = Path(tempfile.gettempdir()) / f"kvchaos-xdist-{os.urandom(6).hex()}.lock"
     live_lock.write_text(f"{me}\n")
     old_lock = Path(tempfile.gettempdir()) / f"kvchaos-xdist-{os.urandom(6).hex()}.lock"
-    old_lock.write_text("")  # an older kvchaos's lock file: no owner named
+    old_lock.write_text("")  # an older kvchaos's lock file: no owner named, untouched for two days
+    os.utime(old_lock, (time.time() - 2 * 86400,) * 2)
+    young_lock = Path(tempfile.gettempdir()) / f"kvchaos-xdist-{os.urandom(6).hex()}.lock"
+    young_lock.write_text("")  # no owner named, but it may be a live older run's
     mount = Path(tempfile.mkdtemp(prefix="kvc987654p-", dir=t))  # its namespace does not exist
     live_ports = ports.reserve_ports(2)
     port_dir.joinpath("20001").write_text(str(dead))
@@ -70,13 +73,13 @@ def test_sweep_removes_dead_owners_entries_and_keeps_live_ones(port_dir):
         for p in (dead_dir, dead_lock, dead_gate, old_lock, mount, port_dir / "20001"):
             assert not p.exists(), p
         assert str(port_dir / "20001") in gone
-        assert live_dir.exists() and live_lock.exists()
+        assert live_dir.exists() and live_lock.exists() and young_lock.exists()
         assert all((port_dir / str(p)).exists() for p in live_ports)
     finally:
         ports.release_ports(live_ports)
         for p in (live_dir, dead_dir, mount):
             tmpfiles.remove(p)
-        for p in (live_lock, dead_lock, dead_gate, old_lock):
+        for p in (live_lock, dead_lock, dead_gate, old_lock, young_lock):
             p.unlink(missing_ok=True)
 
 

@@ -24,12 +24,14 @@ import os
 import re
 import shutil
 import tempfile
+import time
 from pathlib import Path
 
 from kvchaos.cluster.ports import sweep_ports
 
 _AGENT = re.compile(r"^kvc-ag-(\d+)-[A-Za-z0-9_]+$")
 _XDIST = re.compile(r"^kvchaos-xdist-[0-9a-f]+\.lock(\.turnstile)?$")
+UNOWNED_LOCK_AGE_S = 24 * 3600.0
 _MOUNT = re.compile(r"^(kvc\d+[pd])-[A-Za-z0-9_]+$")
 
 
@@ -101,7 +103,15 @@ def stale(path: Path) -> bool:
     m = _MOUNT.match(path.name)
     if m:
         return not Path("/run/netns", m.group(1)).exists()
+    if path.name.endswith(".turnstile") and not path.with_name(path.name.removesuffix(".turnstile")).exists():
+        return True  # its lock file is gone (swept a moment ago, or removed by its run): nobody uses it
     pid = owner(path)
+    if not pid and _XDIST.match(path.name):
+        # a lock file of an older kvchaos names no owner: stale only once nobody could still be using it
+        try:
+            return time.time() - path.stat().st_mtime > UNOWNED_LOCK_AGE_S
+        except FileNotFoundError:
+            return False
     return not _alive(pid)
 
 

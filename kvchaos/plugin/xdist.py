@@ -3,7 +3,7 @@
 workers' lock file), writes its pid into the lock file, registers both files with a reaper of its own
 (gone even when the controller is SIGKILLed) and removes them at its end.
 
-Every session but a worker's first sweeps what dead runs left in the temporary directory (agent
+Every session except an xdist worker first sweeps what dead runs left in the temporary directory (agent
 directories, lock files, mount directories, port reservations: :func:`kvchaos.cluster.tmpfiles.sweep`)."""
 
 from __future__ import annotations
