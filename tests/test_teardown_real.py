@@ -65,25 +65,34 @@ def test_no_leftover_processes_after_pytest_is_killed_mid_suite(tmp_path, sig):
             os.killpg(inner.pid, signal.SIGKILL)
 
 
-@pytest.mark.slow  # two clusters side by side: ~3 min of CI's 30
-def test_xdist_workers_each_run_a_cluster_and_none_survives_a_sigkill_of_pytest(tmp_path):
-    """``-n 2``: one cluster per worker, no port shared; SIGKILL of the controlling pytest leaves no
-    worker, engine, router or reaper behind."""
+def _inner_xdist(tmp_path, suite: str, wait_s: float):
+    """``pytest -n 2 --dist each`` of ``tests/data/<suite>`` in a session of its own, once both workers
+    wrote what they hold: (the process, [gw0's, gw1's] info)."""
     out = tmp_path / "inner.json"
-    env = {**os.environ, "KVCHAOS_INNER_OUT": str(out)}
     inner = subprocess.Popen(
-        [sys.executable, "-m", "pytest", str(REPO / "tests/data/inner_xdist_suite.py"), "-q", "-p", "no:cacheprovider",
+        [sys.executable, "-m", "pytest", str(REPO / "tests/data" / suite), "-q", "-p", "no:cacheprovider",
          "-n", "2", "--dist", "each", "--kvchaos-reports", str(tmp_path / "reports"), "-o", "testpaths="],
-        env=env, cwd=REPO, stdout=open(tmp_path / "inner.log", "w"), stderr=subprocess.STDOUT,
-        start_new_session=True)
+        env={**os.environ, "KVCHAOS_INNER_OUT": str(out)}, cwd=REPO, stdout=open(tmp_path / "inner.log", "w"),
+        stderr=subprocess.STDOUT, start_new_session=True)
     files = [Path(f"{out}.gw0"), Path(f"{out}.gw1")]
     try:
-        deadline = time.monotonic() + 600
+        deadline = time.monotonic() + wait_s
         while not all(f.exists() for f in files):
             assert inner.poll() is None, f"inner pytest exited early:\n{(tmp_path / 'inner.log').read_text()[-3000:]}"
             assert time.monotonic() < deadline, "the workers' clusters never came up"
             time.sleep(0.5)
-        infos = [json.loads(f.read_text()) for f in files]
+    except BaseException:
+        os.killpg(inner.pid, signal.SIGKILL)
+        raise
+    return inner, [json.loads(f.read_text()) for f in files]
+
+
+@pytest.mark.slow  # two clusters side by side: ~3 min of CI's 30
+def test_xdist_workers_each_run_a_cluster_and_none_survives_a_sigkill_of_pytest(tmp_path):
+    """``-n 2``: one cluster per worker, no port shared; SIGKILL of the controlling pytest leaves no
+    worker, engine, router or reaper behind."""
+    inner, infos = _inner_xdist(tmp_path, "inner_xdist_suite.py", 600)
+    try:
         assert infos[0]["pytest_pid"] != infos[1]["pytest_pid"] and infos[0]["token"] != infos[1]["token"]
         assert not set(infos[0]["ports"]) & set(infos[1]["ports"]), "two workers' clusters share a port"
         for i in infos:
@@ -120,23 +129,9 @@ def _ports_of(pids) -> list[str]:
 # the worker that owns the cluster; "controller": its workers must notice and go (slow: same paths)
 @pytest.mark.parametrize("kill", ["group", pytest.param("controller", marks=pytest.mark.slow)])
 def test_sigkill_of_pytest_under_xdist_leaves_no_process_lock_file_port_or_namespace(tmp_path, kill):
-    out = tmp_path / "inner.json"
-    env = {**os.environ, "KVCHAOS_INNER_OUT": str(out)}
     spaces = set(leftovers())
-    inner = subprocess.Popen(
-        [sys.executable, "-m", "pytest", str(REPO / "tests/data/inner_xdist_one_cluster.py"), "-q", "-p",
-         "no:cacheprovider", "-n", "2", "--dist", "each", "--kvchaos-reports", str(tmp_path / "reports"),
-         "-o", "testpaths="],
-        env=env, cwd=REPO, stdout=open(tmp_path / "inner.log", "w"), stderr=subprocess.STDOUT,
-        start_new_session=True)
-    files = [Path(f"{out}.gw0"), Path(f"{out}.gw1")]
+    inner, (owner, other) = _inner_xdist(tmp_path, "inner_xdist_one_cluster.py", 420)
     try:
-        deadline = time.monotonic() + 420
-        while not all(f.exists() for f in files):
-            assert inner.poll() is None, f"inner pytest exited early:\n{(tmp_path / 'inner.log').read_text()[-3000:]}"
-            assert time.monotonic() < deadline, "the worker's cluster never came up"
-            time.sleep(0.5)
-        owner, other = (json.loads(f.read_text()) for f in files)
         lock = Path(owner["lock"])
         held = [lock, lock.with_name(lock.name + ".turnstile"), Path(owner["agent_dir"])]
         assert all(p.exists() for p in held), held

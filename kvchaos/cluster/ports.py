@@ -29,7 +29,7 @@ def _lock_dir() -> Path:
     return d
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -61,7 +61,7 @@ def _try_reserve(port: int, owner: int) -> bool:
                 holder = int(path.read_text().strip() or "0")
             except (OSError, ValueError):
                 holder = 0
-            if holder and _pid_alive(holder):
+            if holder and pid_alive(holder):
                 return False
             try:  # stale: reclaim once
                 path.unlink()
@@ -127,7 +127,7 @@ def _running(pid: int) -> bool:
     try:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
     except (OSError, IndexError):
-        return _pid_alive(pid) if not Path("/proc/self").exists() else False
+        return pid_alive(pid) if not Path("/proc/self").exists() else False
 
 
 def release_owner(pid: int) -> list[str]:
@@ -140,7 +140,7 @@ def release_owner(pid: int) -> list[str]:
 def sweep_ports() -> list[str]:
     """Delete the reservations of dead owners (a session's start): what ``_try_reserve`` would reclaim
     one at a time."""
-    return _sweep(lambda holder: bool(holder) and _pid_alive(holder))
+    return _sweep(lambda holder: bool(holder) and pid_alive(holder))
 
 
 def release_ports(ports) -> None:

@@ -27,7 +27,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from kvchaos.cluster.ports import sweep_ports
+from kvchaos.cluster.ports import pid_alive, sweep_ports
 
 _AGENT = re.compile(r"^kvc-ag-(\d+)-[A-Za-z0-9_]+$")
 _XDIST = re.compile(r"^kvchaos-xdist-[0-9a-f]+\.lock(\.turnstile)?$")
@@ -67,18 +67,6 @@ def remove(path: str | os.PathLike) -> bool:
     return not p.exists()
 
 
-def _alive(pid: int) -> bool:
-    if pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def _pid_in(path: Path) -> int:
     try:
         return int(path.read_text().strip() or "0")
@@ -112,7 +100,7 @@ def stale(path: Path) -> bool:
             return time.time() - path.stat().st_mtime > UNOWNED_LOCK_AGE_S
         except FileNotFoundError:
             return False
-    return not _alive(pid)
+    return not pid_alive(pid)
 
 
 def entries() -> list[Path]:
