@@ -18,6 +18,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -80,8 +81,11 @@ def one_run(repo: Path, keep: Path | None, i: int) -> dict:
         cs = cold_start(clone)
         t0 = time.time()
         with open(work / "make-test.log", "w") as log:
+            # SIGINT at its default, as on CI's runner, even when this bench runs as a background job (which
+            # inherits SIGINT ignored: the tests that interrupt a child would see it ignore Ctrl-C)
             rc = subprocess.run(["bash", ".ci/run"], cwd=clone, stdout=log, stderr=subprocess.STDOUT, timeout=5400,
-                                env={**os.environ, "CI": "true"}).returncode
+                                env={**os.environ, "CI": "true"},
+                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL)).returncode
         t_end = time.time()
         rows = phases(t0, t_end, sessions(clone / "reports"))
         total = t_end - t0

@@ -76,7 +76,10 @@ def test_owner_death_kills_whole_tree(tmp_path, how):
     token = f"kvc-test-{os.getpid()}-{how}"
     info = tmp_path / "info.json"
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
-    owner = subprocess.Popen([sys.executable, "-c", OWNER, str(info), token, TREE, how], env=env)
+    # SIGINT at its default, as from a terminal, even when this test runs under a shell that ignores it (a
+    # non-interactive shell's background job inherits SIGINT ignored; Python then never raises KeyboardInterrupt)
+    owner = subprocess.Popen([sys.executable, "-c", OWNER, str(info), token, TREE, how], env=env,
+                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         deadline = time.monotonic() + 30
         while not info.exists() and time.monotonic() < deadline:
