@@ -83,9 +83,21 @@ def one_run(repo: Path, keep: Path | None, i: int) -> dict:
         with open(work / "make-test.log", "w") as log:
             # SIGINT at its default, as on CI's runner, even when this bench runs as a background job (which
             # inherits SIGINT ignored: the tests that interrupt a child would see it ignore Ctrl-C)
-            rc = subprocess.run(["bash", ".ci/run"], cwd=clone, stdout=log, stderr=subprocess.STDOUT, timeout=5400,
-                                env={**os.environ, "CI": "true"},
-                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL)).returncode
+            # in a session of its own: past CI's 90 minutes the whole tree is stopped (the reapers take the
+            # clusters), not only bash — a run wedged on a dead engine once outlived the bench
+            p = subprocess.Popen(["bash", ".ci/run"], cwd=clone, stdout=log, stderr=subprocess.STDOUT,
+                                 env={**os.environ, "CI": "true"}, start_new_session=True,
+                                 preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+            try:
+                rc = p.wait(timeout=5400)
+            except subprocess.TimeoutExpired:
+                os.killpg(p.pid, signal.SIGTERM)
+                try:
+                    p.wait(timeout=120)
+                except subprocess.TimeoutExpired:
+                    os.killpg(p.pid, signal.SIGKILL)
+                    p.wait()
+                rc = "timeout (90 min)"
         t_end = time.time()
         rows = phases(t0, t_end, sessions(clone / "reports"))
         total = t_end - t0

@@ -197,9 +197,11 @@ class Experiment:
             self.log.emit("method", faults=self._fault_ids(), during=self._during is not None)
             if self._during:
                 self._during.thread.start()
+            watch = _EngineWatch(self.cluster, self.log, grace_s=self.timeout_s + 5)
             try:
                 (self.drive_fn or (lambda ex: ex.send(ex.plans)))(self)
             finally:
+                watch.stop()
                 if self._during:
                     self._during.thread.join(timeout=DURING_JOIN_S)
             if self.faults is not None:
@@ -207,7 +209,7 @@ class Experiment:
             snapshot(self.cluster, self.log, "after", settle_s=self.settle_s)
             if self.faults is not None:
                 self._copy_fault_records()
-            self.engine_errors = _engine_errors(self.cluster)
+            self.engine_errors = watch.seen + _engine_errors(self.cluster)
             for e in self.engine_errors:
                 self.log.emit("engine_error", **{k: v for k, v in e.items() if k != "healed"})
         except BaseException as e:
@@ -373,6 +375,50 @@ def _rel(p: Path, base: Path) -> str:
 
 def _engine_errors(cluster) -> list[dict]:
     return cluster.engine_errors() if hasattr(cluster, "engine_errors") else []
+
+
+class _EngineWatch:
+    """While the method runs: a launched engine that broke (a registry engine error in its log, e.g. a
+    Mooncake transfer thread that died) is restarted once ``grace_s`` (the request timeout, and some)
+    has passed since it was seen — by then the requests it stranded have timed out, so the experiment
+    keeps the evidence (its liveness FAIL, the engine's witness), and the rest of its plans run on a
+    working engine instead of each waiting out the timeout in turn (a CI run spent 13 minutes of serial
+    60 s timeouts so, and would have spent 2 hours). ``seen``: what it found (with ``healed``)."""
+
+    PERIOD_S = 2.0
+
+    def __init__(self, cluster, log, grace_s: float):
+        self.cluster, self.log, self.grace_s = cluster, log, grace_s
+        self.seen: list[dict] = []
+        self._stop = threading.Event()
+        self._thread = None
+        if hasattr(cluster, "heal_engine_errors"):
+            self._thread = threading.Thread(target=self._run, name="kvchaos-engine-watch", daemon=True)
+            self._thread.start()
+
+    def _run(self) -> None:
+        first = None
+        while not self._stop.wait(self.PERIOD_S):
+            try:
+                new = self.cluster.engine_errors()
+                self.seen += new
+                if new and first is None:
+                    first = time.monotonic()
+                if first is not None and time.monotonic() - first >= self.grace_s:
+                    for e in self.cluster.heal_engine_errors():
+                        if not any(e is x for x in self.seen):
+                            self.seen.append(e)
+                        self.log.emit("engine_healed", during=True, role=e["role"], signature=e.get("signature"),
+                                      restart=(e.get("healed") or {}).get("rejoined_s"))
+                    first = None
+            except Exception as e:  # noqa: BLE001 - the watch must not take the run down; said in the log
+                self.log.emit("observed", engine_watch_error=repr(e))
+                return
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=600)  # a restart under way finishes (bounded by its startup timeout)
 
 
 def _heal_engine_errors(cluster) -> list[dict]:

@@ -3,6 +3,7 @@ with the armed fault ids, the faults' own records copied in, one log per experim
 action's error, and judging before running."""
 
 import json
+import time
 
 import httpx
 import pytest
@@ -135,3 +136,50 @@ def test_an_engine_broken_before_the_experiment_is_restarted_first_and_not_count
     assert ev.index(healed) < min(i for i, e in enumerate(ev) if e["ev"] == "send")
     assert ex.engine_errors == []  # not this experiment's: nothing of it may be matched to a finding
     assert {v.oracle for v in ex.verdicts} >= {"isolation", "liveness"}  # then it ran and was judged
+
+
+class Breaks:
+    """A launched cluster whose prefill's transfer thread dies on the third look at its log."""
+
+    def __init__(self):
+        self.looks, self.pending, self.restarts = 0, [], []
+
+    def engine_errors(self):
+        self.looks += 1
+        if self.looks == 3:
+            self.pending = [{"role": "prefill", "signature": "mooncake_transfer_worker_died", "line": "RuntimeError"}]
+            return list(self.pending)
+        return []
+
+    def heal_engine_errors(self):
+        todo, self.pending = self.pending, []
+        for f in todo:
+            self.restarts.append((f["role"], self.looks))
+            f["healed"] = {"role": f["role"], "rejoined_s": 1.5}
+        return todo
+
+
+def test_an_engine_that_breaks_mid_run_is_restarted_after_the_grace_and_its_error_kept(monkeypatch):
+    from kvchaos import experiment as exp_mod
+
+    monkeypatch.setattr(exp_mod._EngineWatch, "PERIOD_S", 0.02)
+    c, log = Breaks(), EventLog()
+    w = exp_mod._EngineWatch(c, log, grace_s=0.2)
+    deadline = time.monotonic() + 10
+    while not c.restarts and time.monotonic() < deadline:
+        time.sleep(0.02)
+    w.stop()
+    (role, at), = c.restarts
+    assert role == "prefill" and at >= 3 + 0.2 / 0.02 - 2  # not before the grace: its stranded requests time out first
+    (e,) = w.seen
+    assert e["signature"] == "mooncake_transfer_worker_died" and e["healed"]["rejoined_s"] == 1.5
+    (rec,) = [r for r in log.records if r["ev"] == "engine_healed"]
+    assert rec["during"] and rec["role"] == "prefill"
+
+
+def test_no_watch_where_nothing_can_be_restarted():
+    from kvchaos import experiment as exp_mod
+
+    w = exp_mod._EngineWatch(object(), EventLog(), grace_s=0.1)
+    assert w._thread is None
+    w.stop()
