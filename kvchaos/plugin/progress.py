@@ -13,12 +13,8 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import pytest
-
-if TYPE_CHECKING:  # rundir imports this module
-    from kvchaos.plugin.rundir import Progress
 
 PROGRESS_MODES = ("auto", "on", "off")
 QUIET_S = 10.0  # auto: a test's line when this long has passed since the last one, or it took this long last time
@@ -115,7 +111,7 @@ class ProgressLines:
     worker output). The lines go through pytest's terminal reporter; a failure here never fails the
     session: it is said in one line and the lines stop."""
 
-    def __init__(self, config, progress: Progress, mode: str):
+    def __init__(self, config, progress, mode: str):  # progress: rundir.Progress (which imports this module)
         self.config, self.progress, self.mode = config, progress, mode
         self.run_dir = progress.run_dir.resolve()
         self.reports = progress.run_dir.parent  # as given (--kvchaos-reports)
