@@ -156,8 +156,7 @@ class Experiment:
                       concurrency=self.concurrency, timeout_s=self.timeout_s, engine=_engine(self.cluster), layout=_layout(self.cluster), via=self.via,
                       checkers=[repr(c) for c in self.checks.checkers], claimed=sorted(self.claimed))
         for e in healed_before:
-            self.log.emit("engine_healed", before=True, role=e["role"], signature=e.get("signature"),
-                          restart=(e.get("healed") or {}).get("rejoined_s"))
+            _log_healed(self.log, e, before=True)
         _tell("open", self)
         if self.probe_before:
             snapshot(self.cluster, self.log, "before", answer=False, settle_s=self.settle_s)
@@ -408,8 +407,7 @@ class _EngineWatch:
                     for e in self.cluster.heal_engine_errors():
                         if not any(e is x for x in self.seen):
                             self.seen.append(e)
-                        self.log.emit("engine_healed", during=True, role=e["role"], signature=e.get("signature"),
-                                      restart=(e.get("healed") or {}).get("rejoined_s"))
+                        _log_healed(self.log, e, during=True)
                     first = None
             except Exception as e:  # noqa: BLE001 - the watch must not take the run down; said in the log
                 self.log.emit("observed", engine_watch_error=repr(e))
@@ -419,6 +417,12 @@ class _EngineWatch:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=600)  # a restart under way finishes (bounded by its startup timeout)
+
+
+def _log_healed(log, e: dict, **when) -> None:
+    """One ``engine_healed`` record: the role restarted for engine error ``e`` (``before`` or ``during``)."""
+    log.emit("engine_healed", **when, role=e["role"], signature=e.get("signature"),
+             restart=(e.get("healed") or {}).get("rejoined_s"))
 
 
 def _heal_engine_errors(cluster) -> list[dict]:
