@@ -1,7 +1,8 @@
 """Cold time-to-verdict of ``kvchaos repro glm53``: from typing the command to the first leak verdict.
 
 Runs the command as a user would (nothing started beforehand; the venvs exist), then reads what the run
-left: ``progress.jsonl`` (when each experiment was judged — the plugin's ``experiment`` records — and
+left: ``progress.jsonl`` (when each experiment saw its first leak and was judged — the plugin's
+``experiment`` records, phase leak and close — and
 when each incident test ended), each ``cluster.json`` (the clusters' own start times: the session's and
 the pre-fix release's), ``incidents/glm53-*/summary.json`` (when, inside each scenario, the first leak
 was seen). Prints
@@ -48,19 +49,26 @@ def main():
     # the plugin's record of each experiment as it is judged (before its test's audit and teardown)
     judged = sorted((e["wall"] - t0, e["name"], e["verdicts"]) for e in progress
                     if e.get("ev") == "experiment" and "verdicts" in e)
-    leaks = [j for j in judged if j[1].startswith("glm53-") and j[2].get("isolation") == "fail"]
+    # and the moment the experiment's live watch saw a leak: its isolation FAIL, final (the runner keeps it)
+    seen = sorted((e["wall"] - t0, e["name"], e.get("after_s")) for e in progress
+                  if e.get("ev") == "experiment" and e.get("phase") == "leak" and e.get("oracle") == "isolation")
+    leaks = sorted([(at, name, "seen while the run went") for at, name, _ in seen if name.startswith("glm53-")]
+                   + [(at, name, "judged whole") for at, name, v in judged
+                      if name.startswith("glm53-") and v.get("isolation") == "fail"])
     print("kvchaos repro glm53, cold (exit 0):")
     for at, name, outcome, dur in rows:
         print(f"  {at:7.1f} s  {outcome:8s} {name} ({dur:.1f} s)")
     for at, name, verdicts in judged:
         print(f"  {at:7.1f} s  judged   {name}: {verdicts}")
+    for at, name, after in seen:
+        print(f"  {at:7.1f} s  leak     {name}: isolation FAIL seen {after} s into the experiment")
     for mode, s in sorted(sums.items()):
         ttd = s.get("time_to_first_detection_s")
         print(f"  {mode}: verdicts {s['verdicts']}, first leak {ttd if ttd is None else round(ttd, 1)} s into the "
               f"scenario, scenario {s['wall_s']} s")
     if not leaks:
         raise SystemExit(f"no leak verdict in the run: judged {judged}, tests {rows}")
-    at, name, _ = leaks[0]
+    at, name, how = leaks[0]
     # each leak test runs on a cluster started cold for it: the pre-fix release's own, or the session's (0.5.23)
     pre = {k: v for k, v in clusters.items() if "-sglang-" in k}  # own_cluster's <profile>-sglang-<version>
     own_name, own = next(iter(pre.items())) if name == "glm53-prefix" and pre else \
@@ -68,7 +76,7 @@ def main():
     start = (own.get("timings") or {}).get("router_ready_s")
     if start is None:
         raise SystemExit(f"cluster {own_name}'s cluster.json has no router_ready_s: {own.get('timings')}")
-    print(f"cold time-to-verdict: first leak verdict {at:.1f} s after the command ({name}: isolation FAIL); its "
+    print(f"cold time-to-verdict: first leak verdict {at:.1f} s after the command ({name}: isolation FAIL, {how}); its "
           f"cluster ({own_name}) cold start {start:.1f} s; ratio first-verdict/cluster-start = {at / start:.2f}")
     starts = ", ".join(f"{k} {(v.get('timings') or {}).get('router_ready_s', float('nan')):.1f} s" for k, v in clusters.items())
     print(f"whole reproduction {total:.1f} s ({len(judged)} experiments judged; cluster starts: {starts})")

@@ -12,7 +12,8 @@ self-test run through it. Its steps (Chaos Toolkit's shape):
 4. rollback — every fault healed;
 5. steady state after — pools drained back to baseline, the cluster answers;
 6. checkers — the engines' own events join the log; each checker (options bound at construction,
-   ``kvchaos.oracles``) judges it;
+   ``kvchaos.oracles``) judges it (isolation also judges each reply as it ends, while the method runs:
+   a leak is red the moment it is seen — :class:`_LiveWatch` — and stays so whatever the end brings);
 7. policy — ``kvchaos.policy`` decides what the verdicts mean (required statuses, known findings).
 
     with experiment("transfer_delay", plans, [Isolation(), Sensitivity(), Liveness(bound_s=60)]) as ex:
@@ -48,9 +49,10 @@ VIAS = ("router", "pd")  # how plans reach the engines: the router, or prefill +
 SETTLE_S = 45.0  # SGLang holds a failed/aborted transfer's decode pages up to 30 s (deferred release)
 DURING_JOIN_S = 180.0
 
-# who is told when an experiment opens (its header written) and closes (judged by its checkers, or
-# ``error=`` when its method raised): ``fn(event, experiment, **info)``, event "open" or "close". The
-# pytest plugin's progress lines listen here; the runner never imports who listens.
+# who is told when an experiment opens (its header written), sees a leak while its method runs
+# (``verdict=``: the live FAIL, told from the watch's thread; _LiveWatch) and closes (judged by its
+# checkers, or ``error=`` when its method raised): ``fn(event, experiment, **info)``, event "open",
+# "leak" or "close". The pytest plugin's progress lines listen here; the runner never imports who listens.
 OBSERVERS: list[Callable[..., None]] = []
 
 
@@ -128,6 +130,7 @@ class Experiment:
         self.rerun: str | None = None  # set when this attempt was blinded and its test runs again
         self.judged = False
         self._during: During | None = None
+        self.live: _LiveWatch | None = None
         self.t_start = None
 
     # ------------------------------------------------------------------ the with block
@@ -197,9 +200,11 @@ class Experiment:
             if self._during:
                 self._during.thread.start()
             watch = _EngineWatch(self.cluster, self.log, grace_s=self.timeout_s + 5)
+            self.live = _LiveWatch(self)
             try:
                 (self.drive_fn or (lambda ex: ex.send(ex.plans)))(self)
             finally:
+                self.live.stop()
                 watch.stop()
                 if self._during:
                     self._during.thread.join(timeout=DURING_JOIN_S)
@@ -220,8 +225,8 @@ class Experiment:
             self.history = History(self.log.records, source=str(self.path))
         except HistoryError:  # e.g. a record written twice: every checker says it cannot judge it
             self.history = None
-        self.verdicts = self.policy.gate(self.checks.check(self.history or self.log.records, self.canaries),
-                                         self.history)
+        verdicts = self.checks.check(self.history or self.log.records, self.canaries)
+        self.verdicts = self.policy.gate(_keep_live(verdicts, self.live.fail), self.history)
         self._record(self.policy.judge(self.verdicts, self.context(), claimed=self.claimed))
         _tell("close", self)
         for v in self.verdicts:
@@ -417,6 +422,102 @@ class _EngineWatch:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=600)  # a restart under way finishes (bounded by its startup timeout)
+
+
+class _LiveWatch:
+    """While the method runs: each reply judged as it ends by every checker that can judge part of a
+    run (:meth:`kvchaos.oracles.Checker.live`; isolation). The first FAIL is the experiment's leak
+    verdict then, seconds into the run rather than after its last request: its log gets a
+    ``leak_seen`` record (when, which replies, whose canaries) and :data:`OBSERVERS` hear ``leak``
+    (at the latest when the method ends: :meth:`stop` judges what the ticks had not).
+    The run goes on to its end and is judged whole as ever; a leak seen here stays in its verdicts
+    whatever the whole judgement says (:func:`_keep_live`). Nothing here can make a run green."""
+
+    PERIOD_S = 0.5
+
+    def __init__(self, ex):
+        self.ex = ex
+        self.fail: oracles.Verdict | None = None
+        self.after_s: float | None = None  # when the FAIL was seen, seconds after the experiment opened
+        self.error: str | None = None
+        self._pos = 0
+        self._header: dict | None = None
+        self._plans: dict[str, dict] = {}
+        self._records: dict[str, list[dict]] = {}
+        self._judges: list = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="kvchaos-live-watch", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.PERIOD_S) and self.fail is None and self.error is None:
+            self._tick_safely()
+
+    def _tick_safely(self) -> None:
+        try:
+            self.tick()
+        except Exception as e:  # noqa: BLE001 - the watch is an early word, never the judgement: said in the log
+            self.error = repr(e)
+            self.ex.log.emit("observed", live_watch_error=self.error[:600])
+
+    def tick(self) -> oracles.Verdict | None:
+        """Judge the replies that ended since the last tick; the FAIL when one leaked."""
+        new = self.ex.log.since(self._pos)
+        self._pos += len(new)
+        ended, planned = [], False
+        for e in new:
+            ev, rid = e.get("ev"), e.get("rid")
+            if ev == "experiment" and self._header is None:
+                self._header = e
+            if not isinstance(rid, str):
+                continue
+            if ev == "plan":
+                self._plans[rid] = {"canaries": e.get("canaries") or [], "tenant": e.get("tenant")}
+                planned = True
+            self._records.setdefault(rid, []).append(e)
+            if ev == "end":
+                ended.append(rid)
+        if planned:  # every canary this run sent, and the session's: a reply's own one is never foreign
+            self._judges = [j for j in (c.live(dict(self._plans), self.ex.canaries)
+                                        for c in self.ex.checks.checkers) if j is not None]
+        if not ended or not self._judges:
+            return None
+        part = History(([self._header] if self._header else []) + [r for rid in ended for r in self._records.pop(rid)],
+                       source=f"{self.ex.path} (replies ended by now)")
+        for judge in self._judges:
+            v = judge(part)
+            if v.status == FAIL:
+                self.fail, self.after_s = v, round(time.time() - self.ex.t_start, 3)
+                victims = sorted({w.get("victim_rid") for w in v.witnesses if w.get("victim_rid")})
+                owners = sorted({w.get("owner_rid") or "unknown origin" for w in v.witnesses})
+                self.ex.log.emit("leak_seen", oracle=v.oracle, victims=victims, owners=owners, after_s=self.after_s)
+                _tell("leak", self.ex, verdict=v)
+                return v
+        return None
+
+    def stop(self) -> None:
+        """Once the method has run: the replies not judged yet are, so every run that leaked has its
+        ``leak`` (a fast run may end between two ticks)."""
+        self._stop.set()
+        self._thread.join(timeout=60)
+        if not self._thread.is_alive() and self.fail is None and self.error is None:
+            self._tick_safely()
+
+
+def _keep_live(verdicts: list, live: oracles.Verdict | None) -> list:
+    """The whole run's verdicts, with a FAIL the live watch saw kept: a leak seen while the run went
+    is not taken back because the whole history could not be judged (a checker crashed, a record
+    came twice)."""
+    if live is None:
+        return verdicts
+    out = []
+    for v in verdicts:
+        if v.oracle == live.oracle and v.status != FAIL:
+            v = oracles.Verdict(live.oracle, FAIL, f"{live.summary} — seen while the run went; judged whole, the "
+                                f"run said {v.status.upper()}: {v.summary}"[:2000], live.witnesses,
+                                {**(live.stats or {}), "whole_run": {"status": v.status, "summary": v.summary[:600]}})
+        out.append(v)
+    return out
 
 
 def _log_healed(log, e: dict, **when) -> None:

@@ -52,7 +52,8 @@ ONCE_PER_RID = ("plan", "send", "body", "end")
 # and agent events are the harness's and the engines' evidence). Every other record that names a
 # request is part of what its client saw and is scanned.
 NOT_RECEIVED = frozenset(("plan", "send", "fault", "agent", "experiment", "method", "probe", "engine_error",
-                          "observed", "aborted", "run", "truncated", "cache_flushed", "engine_healed"))
+                          "observed", "aborted", "run", "truncated", "cache_flushed", "engine_healed",
+                          "leak_seen"))
 
 
 class HistoryError(ValueError):

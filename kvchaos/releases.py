@@ -72,15 +72,24 @@ def parse_releases(text: str) -> list[str]:
 
 
 # --------------------------------------------------------------------------- the incident's shape
-def glm53_plans(seed: int = GLM53_SEED):
+def glm53_plans(seed: int = GLM53_SEED, lead: int | None = None):
     """The incident's traffic: 80 background requests of 15 tenants, then the victim tenant's four
     oversized prompts mixed in after the first 72 (so a hang they cause leaves the run its echo
-    evidence). The victim sends only oversized prompts: every leak is cross-tenant."""
+    evidence). The victim sends only oversized prompts: every leak is cross-tenant.
+
+    ``lead``: a run that expects the leak (a reproduction) sends only ``lead`` background requests,
+    then the four oversized prompts each followed by one more, and stops there: the leak is seen
+    seconds into the run rather than after 72 requests. Too few requests for isolation's echo floor,
+    so a run of these plans that shows no leak is UNKNOWN, never PASS."""
     wl = Workload(seed, n_tenants=16, prefix="g")
     victim, others = wl.tenants[-1], wl.tenants[:-1]
     background = [wl.request(others[i % len(others)], "plain", n_tokens=others[i % len(others)].rng.randrange(200, 480))
                   for i in range(80)]
     big = [wl.request(victim, "oversized", n_tokens=n, n_canaries=3) for n in OVERSIZED]
+    if lead is not None:
+        if not 0 <= lead <= 76:
+            raise ValueError(f"lead={lead}: between 0 and 76 background requests before the oversized prompts")
+        return background[:lead] + [x for pair in zip(big, background[lead:lead + 4]) for x in pair], victim.name
     plans = background[:72] + [x for pair in zip(big, background[72:76]) for x in pair] + background[76:]
     return plans, victim.name
 

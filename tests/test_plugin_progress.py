@@ -273,7 +273,8 @@ def test_experiments_show_as_they_open_and_close_and_are_recorded(pytester):
     closed = next(i for i, x in enumerate(out) if x.startswith("[kvchaos]   experiment planted: isolation FAIL ("))
     result = next(i for i, x in enumerate(out) if x.startswith("test_inner.py::test_leak PASSED"))
     assert opened < closed < result  # the verdict shows before the test ends
-    assert re.fullmatch(r"\[kvchaos\]   experiment planted: isolation FAIL \(\d+\.\d s\)", out[closed]), out[closed]
+    assert re.fullmatch(r"\[kvchaos\]   experiment planted: isolation FAIL \(\d+\.\d s; isolation was red \d+\.\d s in\)",
+                        out[closed]), out[closed]
     assert any(re.fullmatch(r"\[kvchaos\]   experiment clean: isolation PASS · sensitivity PASS \(\d+\.\d s\)", x)
                for x in out), _lines(r)
     assert "[kvchaos]   experiment broken: 4 requests" in out
@@ -282,9 +283,14 @@ def test_experiments_show_as_they_open_and_close_and_are_recorded(pytester):
 
     recs = _records(_this_run(pytester))
     exp = [e for e in recs if e["ev"] == "experiment"]
-    assert [(e["name"], e["phase"]) for e in exp] == [("planted", "open"), ("planted", "close"), ("clean", "open"),
-                                                      ("clean", "close"), ("broken", "open"), ("broken", "close")]
-    op, cl = exp[0], exp[1]
+    assert [(e["name"], e["phase"]) for e in exp] == [("planted", "open"), ("planted", "leak"), ("planted", "close"),
+                                                      ("clean", "open"), ("clean", "close"), ("broken", "open"),
+                                                      ("broken", "close")]
+    op, seen, cl = exp[0], exp[1], exp.pop(2)
+    # the live watch's word: isolation FAIL, when, naming the planted victim's count, before the verdicts
+    assert seen["oracle"] == "isolation" and seen["status"] == "fail" and seen["victims"] == 1
+    assert op["wall"] <= seen["wall"] <= cl["wall"] and 0 <= seen["after_s"] <= cl["duration"]
+    assert "LEAK" in seen["summary"] and seen["id"] == op["id"]
     assert op["test"] == cl["test"] == "test_inner.py::test_leak" and op["n"] == 24 and op["id"] == cl["id"]
     assert cl["verdicts"]["isolation"] == "fail" and cl["leaks"] == ["isolation"] and cl["status"] == "fail"
     assert cl["wall_open"] == pytest.approx(op["wall"], abs=0.5) and cl["wall"] >= op["wall"]

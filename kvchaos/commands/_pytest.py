@@ -103,6 +103,9 @@ def _run_pytest(cmd, env, run_dir: Path, verbose: bool) -> int:
                         bar.console.print(f"[yellow]KNOWN[/] {e['nodeid']} — {str(e.get('message'))[6:126]}")
                     elif e["ev"] == "end" and e["outcome"] == "xfailed":
                         bar.console.print(f"[yellow]XFAIL[/] {e['nodeid']} — {str(e.get('message'))[:120]}")
+                    elif e["ev"] == "experiment" and e.get("phase") == "leak":  # red the moment it is seen
+                        bar.console.print(f"[red]LEAK[/] {e.get('name')}: {e.get('oracle')} FAIL {e.get('after_s')} s "
+                                          f"into its run — {str(e.get('summary'))[:160]}")
                 counts = " ".join(f"{k} {v}" for k, v in sorted(w.counts.items()))
                 bar.update(task, total=w.total, completed=w.done, counts=counts,
                            description=(w.current.split("::")[-1][:48] if w.current else "starting the cluster"))
@@ -138,7 +141,7 @@ def _stop_group(proc, sig, grace_s: float) -> None:
 
 
 def _print_summary(run_dir: Path) -> None:
-    # imported here: rich and kvchaos.report (matplotlib, ~1.5 s) are heavy, and only a finished run needs
+    # imported here: rich and kvchaos.report (~0.7 s: it reads logs through kvchaos.workload) are heavy, and only a finished run needs
     # them (kvchaos.report not even then when there is no report to summarise)
     from rich.console import Console
     from rich.table import Table
@@ -149,7 +152,7 @@ def _print_summary(run_dir: Path) -> None:
         err = run_dir / "report-error.txt"
         console.print(f"kvchaos: no report for {run_dir}" + (f": {err.read_text()}" if err.exists() else ""))
         return
-    from kvchaos.report import summary_lines  # on use: the report draws with matplotlib (~1.5 s to import)
+    from kvchaos.report import summary_lines  # on use (above)
 
     v = json.loads(vfile.read_text())
     for line in summary_lines(v):  # the verdict and the findings first, as the report leads with them

@@ -80,6 +80,12 @@ class Checker:
     def check(self, history, registry=None) -> Verdict:
         raise NotImplementedError
 
+    def live(self, plans: dict, registry=None):
+        """A judge of a run's replies as they end (``judge(part) -> Verdict``), or None: this checker
+        judges whole runs only. Only a checker whose FAIL on part of a run is its FAIL on the whole run
+        answers one (:class:`kvchaos.oracles.Isolation`)."""
+        return None
+
     def __repr__(self):
         opts = ", ".join(f"{k}={v!r}" for k, v in vars(self).items() if not k.startswith("_"))
         return f"{type(self).__name__}({opts})"

@@ -32,6 +32,7 @@ import math
 import re
 from collections import defaultdict
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import ahocorasick
 
@@ -318,11 +319,14 @@ def scan(text: str, auto) -> list[tuple[int, int, str, list]]:
 
 
 def isolation(h, partial_len: int = 8, echo_rate: float = ECHO_RATE, registry=None,
-              floor: SensitivityFloor | None = None) -> Verdict:
+              floor: SensitivityFloor | None = None, auto=None) -> Verdict:
     """LEAK (FAIL): a client received a canary minted for another request, or one nobody known
-    minted. Otherwise PASS only with power in every exercised class, else UNKNOWN."""
+    minted. Otherwise PASS only with power in every exercised class, else UNKNOWN. ``auto``: the
+    matcher of every known canary, built beforehand (:meth:`Isolation.live`); else built here from
+    ``h``'s plans and ``registry``."""
     h = as_history(h)
-    auto = automaton(known_canaries(h, registry), partial_len)
+    if auto is None:
+        auto = automaton(known_canaries(h, registry), partial_len)
     witnesses, seen = [], set()
     for rid in h.responses() + [None]:  # None: records naming no request
         victim = h.plans.get(rid, {}) if rid else {}
@@ -421,6 +425,15 @@ class Isolation(Checker):
 
     def check(self, history, registry=None):
         return isolation(history, self.partial_len, self.echo_rate, registry, self.floor)
+
+    def live(self, plans: dict, registry=None):
+        """A judge of replies as they end, for a run whose ``plans`` (rid -> its plan record: canaries,
+        tenant) are these: ``judge(part) -> Verdict`` on a history holding some of the run's replies.
+        Its FAIL is this checker's FAIL on the whole run: every witness names a reply against canaries
+        known before it was judged, and the rest of the run can only add witnesses. Anything else it
+        says is about the part only (never the run's PASS)."""
+        auto = automaton(known_canaries(SimpleNamespace(plans=plans), registry), self.partial_len)
+        return lambda part: isolation(part, self.partial_len, self.echo_rate, None, self.floor, auto=auto)
 
 
 class Sensitivity(Checker):

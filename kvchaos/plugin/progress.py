@@ -105,7 +105,8 @@ class ProgressLines:
     an earlier run; ``on``: every test). When an experiment of this run opens and closes
     (``kvchaos.experiment.OBSERVERS``): its requests, then its checkers' verdicts the moment they are
     judged — before the test requires anything of them — and an ``experiment`` record (``phase`` open |
-    close, wall times, verdicts) in ``progress.jsonl`` whatever the mode. Under pytest-xdist the
+    leak (a leak checker's FAIL the moment the experiment's live watch saw it; no line then: it comes
+    from the watch's thread, and the terminal is pytest's) | close, wall times, verdicts) in ``progress.jsonl`` whatever the mode. Under pytest-xdist the
     controller prints the test lines (the tests of every worker; the ETA divided among the workers), and
     each worker records its own experiments in its run directory but prints nothing (xdist shows no
     worker output). The lines go through pytest's terminal reporter; a failure here never fails the
@@ -178,6 +179,11 @@ class ProgressLines:
                 or given == self.progress.run_dir or self.progress.run_dir in given.parents):
             return
         head = {"name": ex.name, "id": ex.id, "test": ex.test_id, "record": ex.record}
+        if event == "leak":  # from the experiment's watch thread: the record only (the terminal is pytest's)
+            v = _info["verdict"]
+            self.progress.emit("experiment", phase="leak", oracle=v.oracle, status=v.status, after_s=ex.live.after_s,
+                               victims=len({w.get("victim_rid") for w in v.witnesses}), summary=v.summary[:300], **head)
+            return
         if event == "open":
             self.progress.emit("experiment", phase="open", n=len(ex.plans), events=str(ex.path), **head)
             self._safely(self._say, f"{_PREFIX}   experiment {ex.name}: {len(ex.plans)} requests")
@@ -193,7 +199,11 @@ class ProgressLines:
         shown = {o: st for o, st in verdicts.items() if o in ex.claimed or st == "fail"}
         said = (f"aborted: {error[:160]}" if error
                 else " · ".join(f"{o} {st.upper()}" for o, st in shown.items()) or "no verdict")
-        took_s = f" ({took:.1f} s)" if took is not None else ""
+        live = getattr(ex, "live", None)
+        when = ([f"{took:.1f} s"] if took is not None else []) + (
+            [f"{live.fail.oracle} was red {live.after_s:.1f} s in"] if live is not None and live.fail is not None
+            and live.after_s is not None and not error else [])
+        took_s = f" ({'; '.join(when)})" if when else ""
         self._safely(self._say, f"{_PREFIX}   experiment {ex.name}: {said}{took_s}",
                      red=bool(error or "fail" in verdicts.values()))
 

@@ -10,6 +10,7 @@ import html
 import json
 import os
 import re
+import threading
 import time
 from pathlib import Path
 
@@ -88,12 +89,15 @@ class Progress:
         self.run_dir = path.parent
         self._f = None
         self._open: dict[str, dict] = {}
+        self._lock = threading.Lock()  # an experiment's live watch writes from its own thread
 
     def emit(self, ev: str, **fields):
-        if self._f is None:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._f = open(self.path, "a", buffering=1)
-        self._f.write(json.dumps({"ev": ev, "wall": time.time(), **fields}, default=str) + "\n")
+        line = json.dumps({"ev": ev, "wall": time.time(), **fields}, default=str) + "\n"
+        with self._lock:
+            if self._f is None:
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+                self._f = open(self.path, "a", buffering=1)
+            self._f.write(line)
 
     # pytest hooks (this object is registered as a plugin of its session)
     def pytest_collection_finish(self, session):

@@ -36,6 +36,11 @@ class EventLog:
                 self._f.write(json.dumps(rec, default=str) + "\n")
         return rec
 
+    def since(self, n: int) -> list[dict]:
+        """The records after the first ``n`` (a copy: other threads may be writing)."""
+        with self._lock:
+            return self.records[n:]
+
     def close(self):
         if self._f:
             self._f.close()

@@ -22,8 +22,10 @@ under decode's 1536-token admission edge) among 15 other tenants' requests.
   behind them time out (liveness FAIL): the registry's ``sglang-intake-reject-hang``, KNOWN only
   with its witness signature, never hiding isolation.
 
-Traffic (all modes): 80 background requests of 15 tenants, the victim tenant's 4 oversized prompts
-mixed in after the first 72 (enough echoing replies for the sensitivity floor). Each run is one
+Traffic: ``fixed`` sends 80 background requests of 15 tenants with the victim tenant's 4 oversized
+prompts mixed in after the first 72 (enough echoing replies for the sensitivity floor); the leaking
+modes send the first ``LEAD`` background requests, then the 4 oversized prompts each followed by one
+more, and stop (``kvchaos.releases.glm53_plans``): the leak is the first verdict a reproduction gives. Each run is one
 experiment writing ``<run dir>/incidents/glm53-<mode>/`` (events.jsonl with the engines' events,
 verdicts.json, summary.json).
 """
@@ -55,8 +57,14 @@ PREFIX_PREFILL_POOL = releases.PREFILL_POOL  # prefill's --max-total-tokens in t
 OVERSIZED = releases.OVERSIZED  # between prefill's limit and decode's 1536-token admission edge
 
 
-def _plans(seeds):
-    return releases.glm53_plans(seeds(SEED))
+LEAD = 8  # background requests before the oversized prompts in the modes that expect the leak
+
+
+def _plans(seeds, mode: str):
+    """``fixed`` sends the full traffic (its PASS needs the echo floor, and the hang leaves it the
+    replies before it); the leaking modes stop after the oversized prompts: the leak shows seconds in,
+    and a run of them without a witness is UNKNOWN (too few requests for the floor), never PASS."""
+    return releases.glm53_plans(seeds(SEED), lead=None if mode == "fixed" else LEAD)
 
 
 def _out(kvchaos_run_dir, mode: str, layout: str):
@@ -65,7 +73,7 @@ def _out(kvchaos_run_dir, mode: str, layout: str):
 
 
 def _run(experiment, seeds, faults, kvchaos_run_dir, mode: str, layout: str, **kw):
-    plans, victim = _plans(seeds)
+    plans, victim = _plans(seeds, mode)
     out = _out(kvchaos_run_dir, mode, layout)
     checks = [Isolation(), HttpSemantics(), Liveness(bound_s=30)]
     t0 = time.monotonic()
