@@ -324,3 +324,37 @@ def test_witness_without_its_request_record_marks_the_excerpt(tmp_path):
                                                                  "summary": "LEAK", "witnesses": [w]}]))
     page = build(tmp_path)["html"].read_text()                # no s.events.jsonl beside it
     assert '<mark class="leak" title="o1 (t2)">ABCDEFGHIJ</mark>' in page
+
+
+def test_plots_are_well_formed_svg_with_every_bar_fault_and_leak_mark(tmp_path):
+    """The plots are written as SVG text (kvchaos/report/plots.py): each must parse as XML, hold one
+    ``req-`` group per request with a bar of positive width, the fault window's group, and a LEAK mark
+    naming the owner tenant on each victim's bar; the latency plot circles each victim."""
+    import xml.etree.ElementTree as ET
+
+    from kvchaos.report import plots
+
+    run = make_run(tmp_path, leak=True)
+    (scn,) = collect(tmp_path).scenarios
+    ns = "{http://www.w3.org/2000/svg}"
+    tl, lat = ET.fromstring(plots.timeline(scn)), ET.fromstring(plots.latency(scn))
+    groups = {g.get("id"): g for g in tl.iter(f"{ns}g") if g.get("id")}
+    bars = {k[4:]: g for k, g in groups.items() if k.startswith("req-")}
+    assert set(bars) == {p.rid for p in run["plans"]}
+    assert all(float(g.find(f"{ns}rect").get("width")) > 0 for g in bars.values())
+    assert "fault-delay-abc123" in groups
+    owner = run["donor"].tenant
+    leaked = {rid for rid, g in bars.items() if any((t.text or "").startswith("LEAK ← ") for t in g.iter(f"{ns}text"))}
+    assert leaked == {p.rid for p in run["plans"] if p is not run["donor"]}
+    assert all(owner in "".join(t.text or "" for t in bars[rid].iter(f"{ns}text")) for rid in leaked)
+    rings = [c for c in lat.iter(f"{ns}circle") if c.get("fill") == "none" and c.get("stroke") == "#d62728"]
+    assert len(rings) == len(leaked) + 1  # each victim, and the legend's ring
+    assert float(tl.get("width")) > 600 and float(tl.get("height")) > 150
+
+
+@pytest.mark.parametrize("hi,want", [(0.0, [0.0]), (1.0, [0, 0.2, 0.4, 0.6, 0.8, 1.0]), (7.3, [0, 1, 2, 3, 4, 5, 6, 7]),
+                                     (130, [0, 20, 40, 60, 80, 100, 120])])
+def test_plot_ticks_are_round_and_cover_the_range(hi, want):
+    from kvchaos.report.plots import ticks
+
+    assert ticks(hi) == pytest.approx(want)

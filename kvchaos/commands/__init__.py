@@ -6,8 +6,8 @@ Each module defines ``NAME`` (the subcommand), ``HELP`` (its line in ``kvchaos -
 ``kvchaos --help``; :func:`kvchaos.cli.build_parser` wires them up. What several share lives in
 ``_common`` (configuration, usage errors, option groups) and ``_pytest`` (a pytest session of suites).
 
-Every module here is imported for ``kvchaos --help``: heavy imports (the cluster, matplotlib via
-``kvchaos.report``, rich, aiohttp) stay inside the ``run`` functions that need them.
+Every module here is imported for ``kvchaos --help``: heavy imports (the cluster, ``kvchaos.report``,
+rich, aiohttp) stay inside the ``run`` functions that need them.
 """
 
 from kvchaos.commands import audit, bisect, digests, judge, replay, report, repro, run, shrink, soak, up

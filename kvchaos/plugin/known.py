@@ -177,7 +177,7 @@ def pytest_report_teststatus(report, config):
 # --------------------------------------------------------------------------- findings summary
 def findings_summary(run_dir: Path, registry, strict: bool) -> dict:
     """Known findings seen in this run's experiments and listed findings that did not reproduce."""
-    from kvchaos.report.collect import experiment_records  # on use: the report draws with matplotlib
+    from kvchaos.report.collect import experiment_records  # on use: only a session's end reads the records
 
     recs = experiment_records(run_dir)  # the last judgement of each experiment stands
     known = []

@@ -24,8 +24,8 @@ def build(run_dir: str | Path) -> dict:
     """Write ``verdicts.json`` (or ``run-verdicts.json`` in a directory that is one scenario) and
     ``report.html``; return {"html": path, "verdicts": path, "overall": ..., "chaos": ..., "label": ...,
     "reason": ..., "lines": terminal summary lines, "model": RunModel}."""
-    # here, not at the top: .html pulls in matplotlib (.plots), which readers of summary_lines and
-    # ReportError (kvchaos.cli, kvchaos.plugin) must not pay for at import
+    # here, not at the top: readers of summary_lines and ReportError (kvchaos.cli, kvchaos.plugin) need
+    # none of the rendering
     from .html import render
 
     run_dir = Path(run_dir)
