@@ -107,7 +107,8 @@ def one_run(repo: Path, keep: Path | None, i: int) -> dict:
         if keep:
             dest = keep / f"run{i}"
             shutil.rmtree(dest, ignore_errors=True)
-            shutil.copytree(clone / "reports", dest / "reports", ignore=shutil.ignore_patterns("*.log"))
+            # the engines' logs too: a slow phase is explained by them (throughput lines, restarts)
+            shutil.copytree(clone / "reports", dest / "reports")
             shutil.copy(work / "make-test.log", dest / "make-test.log")
         return res
     finally:
