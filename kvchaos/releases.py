@@ -86,12 +86,11 @@ def glm53_plans(seed: int = GLM53_SEED, lead: int | None = None):
     background = [wl.request(others[i % len(others)], "plain", n_tokens=others[i % len(others)].rng.randrange(200, 480))
                   for i in range(80)]
     big = [wl.request(victim, "oversized", n_tokens=n, n_canaries=3) for n in OVERSIZED]
-    if lead is not None:
-        if not 0 <= lead <= 76:
-            raise ValueError(f"lead={lead}: between 0 and 76 background requests before the oversized prompts")
-        return background[:lead] + [x for pair in zip(big, background[lead:lead + 4]) for x in pair], victim.name
-    plans = background[:72] + [x for pair in zip(big, background[72:76]) for x in pair] + background[76:]
-    return plans, victim.name
+    if lead is not None and not 0 <= lead <= 76:
+        raise ValueError(f"lead={lead}: between 0 and 76 background requests before the oversized prompts")
+    n = 72 if lead is None else lead
+    plans = background[:n] + [x for pair in zip(big, background[n:n + 4]) for x in pair]
+    return plans + (background[n + 4:] if lead is None else []), victim.name
 
 
 def deployment_spec(base: dict, deployment: str) -> dict:
