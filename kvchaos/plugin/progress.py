@@ -106,7 +106,8 @@ class ProgressLines:
     (``kvchaos.experiment.OBSERVERS``): its requests, then its checkers' verdicts the moment they are
     judged — before the test requires anything of them — and an ``experiment`` record (``phase`` open |
     leak (a leak checker's FAIL the moment the experiment's live watch saw it; no line then: it comes
-    from the watch's thread, and the terminal is pytest's) | close, wall times, verdicts) in ``progress.jsonl`` whatever the mode. Under pytest-xdist the
+    from the watch's thread, and the terminal is pytest's) | close, wall times, verdicts) in
+    ``progress.jsonl`` whatever the mode. Under pytest-xdist the
     controller prints the test lines (the tests of every worker; the ETA divided among the workers), and
     each worker records its own experiments in its run directory but prints nothing (xdist shows no
     worker output). The lines go through pytest's terminal reporter; a failure here never fails the

@@ -7,8 +7,9 @@ Latency: each request's latency against its send time, by outcome, leak victims 
 
 Written as SVG elements rather than through a plotting library: a cluster session's report has
 dozens of scenarios, and matplotlib took about 0.9 s a scenario, most of a CI session's report
-(``python bench/report_build.py RUN_DIR --against 6c862db`` prints both; bench/RESULTS.md). Every request's bar is a ``<g id="req-<rid>">``, every fault
-window a ``<g id="fault-<id>">``, so a reader (or a test) can find them.
+(``python bench/report_build.py RUN_DIR --against 6c862db`` prints both; bench/RESULTS.md). Every
+request's bar is a ``<g id="req-<rid>">``, every fault window a ``<g id="fault-<id>">``, so a reader
+(or a test) can find them.
 """
 
 from __future__ import annotations
@@ -153,7 +154,7 @@ def timeline(scn) -> str:
     ax = _Axes(left, top, width, height, xmax, -0.5, len(reqs) - 0.5, flip=True)
     pid = f"kvc{next(_ids)}"
     defs, hatch_url = _hatch_defs(pid)
-    body = [defs, f'<rect width="100%" height="100%" fill="white"/>',
+    body = [defs, '<rect width="100%" height="100%" fill="white"/>',
             _text(left + width / 2, 14, f"{scn.name}: {len(reqs)} requests, {len(tenants)} tenants, "
                   f"{len(scn.faults)} fault(s)", size=9, anchor="middle")]
     for w in scn.faults:
