@@ -189,6 +189,65 @@ def test_reset_peer(tp, echo):
     assert 0.09 <= time.monotonic() - t0 < 2
 
 
+def _reset_after(s: socket.socket, bound_s: float = 5.0) -> float:
+    """Seconds until ``s`` (idle: nothing sent) is reset by the proxy."""
+    t0 = time.monotonic()
+    s.settimeout(bound_s)
+    with pytest.raises(ConnectionResetError):
+        if not s.recv(10):
+            raise AssertionError("closed cleanly, expected RST")
+    return time.monotonic() - t0
+
+
+def test_reset_peer_added_to_an_open_idle_link_fires_at_its_time(tp, echo):
+    """The watch sleeps until a change: a toxic added while a link is open and silent still acts,
+    ``timeout`` ms after it was added."""
+    p = tp.create(upstream=f"127.0.0.1:{echo.port}", name="rst-late")
+    with _connect(p.listen) as s:
+        assert _roundtrip(s, b"up")[0] == b"up"
+        time.sleep(0.3)
+        p.add_toxic(type="reset_peer", attributes={"timeout": 150})
+        dt = _reset_after(s)
+    assert 0.12 <= dt < 1.0, dt
+
+
+def test_reset_peer_timeout_updated_through_the_api_is_read_again(tp, echo, srv):
+    """An update of the attributes wakes the watch: 60 s shortened to 100 ms resets at ~100 ms."""
+    import requests
+
+    p = tp.create(upstream=f"127.0.0.1:{echo.port}", name="rst-upd")
+    p.add_toxic(type="reset_peer", name="r", attributes={"timeout": 60000})
+    with _connect(p.listen) as s:
+        time.sleep(0.2)
+        r = requests.post(f"http://127.0.0.1:{srv.port}/proxies/rst-upd/toxics/r",
+                          json={"attributes": {"timeout": 100}}, timeout=5)
+        assert r.status_code == 200, r.text
+        dt = _reset_after(s)
+    assert dt < 1.0, dt
+
+
+def test_idle_links_do_not_poll(tp, echo, srv):
+    """With no reset_peer/timeout toxic a link's watch sleeps until the toxics change: 20 idle links
+    for 0.5 s wake it about once each (a 5 ms poll was ~100 each, and most of a core under load)."""
+    p = tp.create(upstream=f"127.0.0.1:{echo.port}", name="idle")
+    p.add_toxic(type="latency", attributes={"latency": 1})  # a toxic, but not a timed one
+    socks = [_connect(p.listen) for _ in range(20)]
+    try:
+        for s in socks:
+            assert _roundtrip(s, b"i")[0] == b"i"
+        proxy = srv.proxies["idle"]
+        before = proxy.watch_wakeups
+        time.sleep(0.5)
+        assert proxy.watch_wakeups - before == 0
+        p.add_toxic(type="reset_peer", attributes={"timeout": 50})  # now each one wakes, and acts
+        for s in socks:
+            _reset_after(s)
+        assert 20 <= proxy.watch_wakeups - before <= 60, proxy.watch_wakeups - before
+    finally:
+        for s in socks:
+            s.close()
+
+
 def test_timeout_drops_then_closes(tp, echo):
     p = tp.create(upstream=f"127.0.0.1:{echo.port}", name="to")
     p.add_toxic(type="timeout", stream="upstream", attributes={"timeout": 300})

@@ -182,6 +182,7 @@ async def _update_toxic(server, body, p: Proxy, t: Toxic):
         t.attributes.update(_check_attrs(t.type, body["attributes"]))
     if "toxicity" in body:
         t.toxicity = float(body["toxicity"])
+    p.toxics_changed()  # a reset_peer / timeout's new timeout: the links' watches read it again
     return 200, t.as_dict()
 
 

@@ -17,6 +17,38 @@ if TYPE_CHECKING:
 CHUNK = 32 * 1024
 
 
+TIMED = ("reset_peer", "timeout")  # toxics that act on a connection after a time, data or not
+
+
+class _Toxics(dict):
+    """A proxy's toxics by name: any change wakes the links' watches (``on_change``)."""
+
+    def __init__(self, on_change):
+        super().__init__()
+        self._on_change = on_change
+
+    def __setitem__(self, k, v):
+        super().__setitem__(k, v)
+        self._on_change()
+
+    def __delitem__(self, k):
+        super().__delitem__(k)
+        self._on_change()
+
+    def pop(self, *a):
+        out = super().pop(*a)
+        self._on_change()
+        return out
+
+    def clear(self):
+        super().clear()
+        self._on_change()
+
+    def update(self, *a, **k):
+        super().update(*a, **k)
+        self._on_change()
+
+
 class _Link:
     """One client connection: two pipes, the toxicity draws, the sockets."""
 
@@ -66,10 +98,24 @@ class Proxy:
         self.server, self.name, self.upstream = server, name, upstream
         self.listen = listen
         self.enabled = False
-        self.toxics: dict[str, Toxic] = {}
+        self.toxics: dict[str, Toxic] = _Toxics(self.toxics_changed)
         self.links: set[_Link] = set()
         self._srv: asyncio.base_events.Server | None = None
         self._want_enabled = enabled
+        self._changed: asyncio.Event | None = None  # set (and replaced) when the toxics change
+        self.watch_wakeups = 0  # how often the links' watches woke (tests: an idle link must not poll)
+
+    def toxics_changed(self) -> None:
+        """Wake every link's :meth:`_watch` to read the toxics again (in the proxy's loop; adding,
+        removing or clearing toxics calls it, and so does an API update of one's attributes)."""
+        ev, self._changed = self._changed, None
+        if ev is not None:
+            ev.set()
+
+    def _change_event(self) -> asyncio.Event:
+        if self._changed is None:
+            self._changed = asyncio.Event()
+        return self._changed
 
     def as_dict(self) -> dict:
         return {"name": self.name, "listen": self.listen, "upstream": self.upstream, "enabled": self.enabled,
@@ -115,22 +161,34 @@ class Proxy:
         link.tasks.append(asyncio.ensure_future(self._watch(link)))
 
     async def _watch(self, link: _Link):
+        """reset_peer / timeout (with a timeout) act on the connection even when no data flows: sleep
+        until the earliest of them is due, or until the toxics change. No polling: a link with no
+        such toxic costs nothing while it lives (the router's keep-alive links live all session; a
+        5 ms poll of each took most of a core from the engines under load)."""
         while not link.closed:
+            self.watch_wakeups += 1
+            changed = self._change_event()  # taken before reading the toxics: a later change wakes us
             now = time.monotonic()
+            due = None
             for stream in STREAMS:
                 for t in link.active(stream):
-                    if t.type in ("reset_peer", "timeout"):
-                        ms = t.attributes.get("timeout", 0)
-                        start = max(link.t0, t.added_at)
-                        if t.type == "timeout" and ms == 0:
-                            continue
-                        if now - start >= ms / 1000.0:
-                            t.fired["chunks"] += 0
-                            self.server.event(t.type, proxy=self.name, toxic=t.name, stream=stream,
-                                              after_ms=round((now - start) * 1000, 1))
-                            link.close(reset=t.type == "reset_peer")
-                            return
-            await asyncio.sleep(0.005)
+                    if t.type not in TIMED:
+                        continue
+                    ms = t.attributes.get("timeout", 0)
+                    if t.type == "timeout" and ms == 0:
+                        continue  # data dropped from now on (_dropped); the link is never closed by it
+                    start = max(link.t0, t.added_at)
+                    left = start + ms / 1000.0 - now
+                    if left <= 0:
+                        self.server.event(t.type, proxy=self.name, toxic=t.name, stream=stream,
+                                          after_ms=round((now - start) * 1000, 1))
+                        link.close(reset=t.type == "reset_peer")
+                        return
+                    due = left if due is None else min(due, left)
+            try:
+                await asyncio.wait_for(changed.wait(), due)
+            except asyncio.TimeoutError:
+                pass
 
     # ---------------------------------------------------------------- one direction of a link
     async def _pipe(self, link: _Link, stream: str, reader, writer):
