@@ -255,7 +255,7 @@ class AgentClient:
         need = hooks if hooks is not None else (("send_kvcache",) if kind in ("delay", "fail", "short", "hold") else
                          ("is_unadmitted_reject",) if kind in ("reject_admitted", "input_limit") else
                          ("TokenToKVPoolAllocator.alloc",) if kind == "double_alloc" else
-                         ("check_status",) if kind == "stall_status_read" else
+                         ("MooncakeKVManager.send_kvcache",) if kind == "stall_status_read" else
                          ("Req.load_kv_cache", "DecodePreallocQueue.__init__") if kind == "retract" else
                          (PARK_HOOKS[(params or {}).get("stage")],) if kind == "park" else
                          ("Scheduler.get_new_batch_prefill",) if kind == "chunked_prefill" else

@@ -31,8 +31,8 @@ def parser(doc: str, out: str, control_help: str) -> argparse.ArgumentParser:
 
 
 def check(ap: argparse.ArgumentParser, a) -> None:
-    if a.trials < 1 or a.control < 0:
-        ap.error("--trials >= 1, --control >= 0")
+    if a.trials < 0 or a.control < 0 or a.trials + a.control < 1:
+        ap.error("--trials >= 0, --control >= 0, and at least one trial in all")
 
 
 def spec_for(layout: str | None, source: str, **overrides) -> ClusterSpec:
@@ -65,12 +65,16 @@ class Summary(NamedTuple):
     bad_word: str
 
 
-def begin(doc: str, out: str, control_help: str, source: str, knob: tuple[str, float] | None = None):
+def begin(doc: str, out: str, control_help: str, source: str, knob: tuple[str, float] | None = None,
+          options: Callable | None = None, env: Callable | None = None):
     """The command line parsed and checked (``knob``: one more positive float option, name and default,
-    recorded in the results), the cluster started: ``(args, cluster, results)``."""
+    recorded in the results; ``options(ap)`` adds a script's own), the cluster started with
+    ``env(args)`` on top of the profile's engine environment: ``(args, cluster, results)``."""
     ap = parser(doc, out, control_help)
     if knob:
         ap.add_argument(f"--{knob[0]}", type=float, default=knob[1])
+    if options:
+        options(ap)
     a = ap.parse_args()
     check(ap, a)
     results = {"layout": a.layout or "profile", "trials": []}
@@ -79,7 +83,11 @@ def begin(doc: str, out: str, control_help: str, source: str, knob: tuple[str, f
         if value <= 0:
             ap.error(f"--{knob[0]} > 0")
         results[knob[0].replace("-", "_")] = value
-    return a, start_cluster(a, source), results
+    spec = None
+    if env:
+        base = spec_for(a.layout, source)
+        spec = spec_for(a.layout, source, env={**base.env, **env(a)})
+    return a, start_cluster(a, source, spec=spec), results
 
 
 def finish(results: dict, out: str, summary: Summary) -> None:
@@ -97,9 +105,9 @@ def finish(results: dict, out: str, summary: Summary) -> None:
 
 @contextmanager
 def session(doc: str, out: str, control_help: str, source: str, summary: Summary,
-            knob: tuple[str, float] | None = None):
+            knob: tuple[str, float] | None = None, options: Callable | None = None, env: Callable | None = None):
     """``begin``, then (on any exit) stop the cluster and ``finish``: yields ``(args, cluster, results)``."""
-    a, c, results = begin(doc, out, control_help, source, knob)
+    a, c, results = begin(doc, out, control_help, source, knob, options, env)
     try:
         yield a, c, results
     finally:

@@ -59,14 +59,16 @@ def _teardown_check(mgr, room):
     return room not in mgr.request_status or mgr.check_status(room) == 4
 
 
-def test_stall_status_read_widens_the_transfer_workers_check_then_read(agent):
+def test_stall_status_read_widens_the_transfer_workers_check_then_read(agent, monkeypatch):
     """Only the transfer worker's re-read of its own chunk's concluded room stalls; a clear() on
     another thread inside the stall turns SGLang's own read into the KeyError that kills the worker."""
     cls = type("FakeManager", (FakeManager,), {})
-    cls.check_status = agent_mod._make_check_status(FakeManager.check_status)
+    monkeypatch.setattr(transfer, "_STATUS_READERS", [cls])  # as _hook_mooncake registers MooncakeKVManager
     mgr = cls()
     ctl = AgentClient(agent.dir)
+    assert "check_status" not in cls.__dict__  # SGLang's own read until a stall is armed
     f = ctl.arm("prefill", "stall_status_read", target={"rid": "r-a"}, params={"ms": 200}, hooks=())
+    assert "check_status" in cls.__dict__
     mgr.request_status = {1: 3, 2: 4}
     with agent_mod.AGENT.lock:
         agent_mod.AGENT.room_rid.update({1: "r-a", 2: "r-a"})
@@ -89,6 +91,17 @@ def test_stall_status_read_widens_the_transfer_workers_check_then_read(agent):
     mgr.request_status[2] = 4  # count 1: spent, no second stall
     t = time.monotonic()
     assert _teardown_check(mgr, 2) and time.monotonic() - t < 0.1
+    f.heal()  # the wrapper goes with the fault: the class inherits SGLang's check_status again
+    assert "check_status" not in cls.__dict__ and cls.check_status is FakeManager.check_status
+    assert not any(h.endswith("FakeManager.check_status") for h in agent_mod.AGENT.hooks)
+
+
+def test_stall_status_read_is_refused_where_no_mooncake_manager_is_loaded(agent, monkeypatch):
+    """The decode process, or prefill before its scheduler imported Mooncake: the arm is refused, named."""
+    monkeypatch.setattr(transfer, "_STATUS_READERS", [])
+    with pytest.raises(AgentError, match="no Mooncake KV manager"):
+        AgentClient(agent.dir).arm("prefill", "stall_status_read", target={"rid": "r-a"}, hooks=())
+    assert not agent_mod.AGENT.faults
 
 
 def test_fail_short_and_tenant_targets(agent, mgr):

@@ -192,3 +192,17 @@ def test_no_other_sitecustomize_prints_nothing(tmp_path):
     probe = _probe(proc)
     assert _same(probe["sitecustomize"], BOOT / "sitecustomize.py")
     assert probe["chained"] is None
+
+
+@pytest.mark.parametrize("value,ok", [("0.0001", True), ("soon", False)])
+def test_switch_interval_knob_is_applied_or_refused_by_name(value, ok):
+    """``KVCHAOS_SWITCH_INTERVAL`` (a measurement's amplifier) is every engine process's GIL switch
+    interval; a value that is not a number stops the process naming it, never runs at the default."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVCHAOS_")}
+    env.update(PYTHONPATH=str(BOOT), KVCHAOS_SWITCH_INTERVAL=value)
+    p = subprocess.run([sys.executable, "-c", "import sys; print(sys.getswitchinterval())"], env=env,
+                       capture_output=True, text=True, timeout=60)
+    if ok:
+        assert p.returncode == 0 and float(p.stdout) == pytest.approx(1e-4), p.stderr
+    else:
+        assert p.returncode != 0 and "KVCHAOS_SWITCH_INTERVAL='soon'" in p.stderr, (p.returncode, p.stderr)

@@ -21,7 +21,12 @@ class Stopped:
 def _session(monkeypatch, tmp_path, argv):
     c = Stopped()
     monkeypatch.setattr(sys, "argv", ["provoke.py", "--out", str(tmp_path / "out"), *argv])
-    monkeypatch.setattr(provoke, "start_cluster", lambda a, source: (tmp_path / "out").mkdir() or c)
+    def start(a, source, spec=None):
+        c.spec = spec
+        (tmp_path / "out").mkdir()
+        return c
+
+    monkeypatch.setattr(provoke, "start_cluster", start)
     return c
 
 
@@ -46,7 +51,21 @@ def test_the_cluster_is_stopped_and_the_counts_written_when_a_trial_raises(monke
     assert c.stopped and json.loads((tmp_path / "out" / "provoke.json").read_text())["reproduced"] == 0
 
 
-@pytest.mark.parametrize("argv,msg", [(["--trials", "0"], "--trials >= 1"), (["--ms", "0"], "--ms > 0")])
+def test_a_scripts_own_options_reach_the_engines_environment(monkeypatch, tmp_path):
+    """``options`` adds a script's flags; ``env(args)`` lands on top of the profile's engine environment;
+    control trials alone (``--trials 0``) are a run: a natural-rate measurement arms nothing."""
+    c = _session(monkeypatch, tmp_path, ["--trials", "0", "--control", "1", "--gil", "0.001"])
+    with provoke.session("doc", "/unused", "help", "src", SUMMARY,
+                         options=lambda ap: ap.add_argument("--gil", type=float),
+                         env=lambda a: {"KVCHAOS_SWITCH_INTERVAL": repr(a.gil)}) as (a, cl, results):
+        provoke.run_trials(a, results, lambda i, armed: {"hit": False}, str)
+    base = provoke.spec_for(None, "src")
+    assert c.spec.env == {**base.env, "KVCHAOS_SWITCH_INTERVAL": "0.001"}
+    assert [t["armed"] for t in results["trials"]] == [False]
+
+
+@pytest.mark.parametrize("argv,msg", [(["--trials", "0", "--control", "0"], "at least one trial"),
+                                      (["--trials", "-1"], "--trials >= 0"), (["--ms", "0"], "--ms > 0")])
 def test_bad_input_is_named(monkeypatch, tmp_path, capsys, argv, msg):
     _session(monkeypatch, tmp_path, argv)
     with pytest.raises(SystemExit):

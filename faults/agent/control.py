@@ -25,7 +25,7 @@ FAULT_KINDS: tuple[str, ...] = ()
 # switched on at arm time, off at heal (engine-bug replays, and one configuration fault)
 MUTATIONS: tuple[str, ...] = ()
 _UNLIMITED: set[str] = set()  # kinds whose ``count`` defaults to unlimited instead of 1
-_MUT_ON: dict = {}  # mutation kind -> fn(agent, fault) at arm
+_MUT_ON: dict = {}  # kind -> fn(agent, fault) at arm (mutations, and kinds hooked only while armed)
 _MUT_OFF: dict = {}  # kind -> fn(agent, fault) at heal (mutations, and kinds with something to undo)
 _CHECK: dict = {}  # kind -> fn(params) raising ValueError on bad params, before anything is armed
 _HELD: set[str] = set()  # kinds that park something until ``release`` (or heal): each gets an Event
@@ -33,8 +33,9 @@ _HELD: set[str] = set()  # kinds that park something until ``release`` (or heal)
 
 def register_fault(kind: str, *, unlimited: bool = False, mutation: bool = False, on=None, off=None,
                    check=None, held: bool = False) -> None:
-    """Declare a fault kind. ``mutation``: a switch (no target, no count; ``on`` runs at arm). ``off``
-    runs at heal for any kind that has something to undo. ``unlimited``: ``count`` defaults to
+    """Declare a fault kind. ``mutation``: a switch (no target, no count). ``on`` runs at arm (a
+    mutation's switch, or a hook a kind installs only while armed; raising refuses the arm), ``off``
+    at heal for any kind that has something to undo. ``unlimited``: ``count`` defaults to
     unlimited (else 1). ``check(params)`` refuses bad params at arm. ``held``: it parks something
     until the harness releases it (or heals it)."""
     global FAULT_KINDS, MUTATIONS
@@ -49,6 +50,7 @@ def register_fault(kind: str, *, unlimited: bool = False, mutation: bool = False
         _UNLIMITED.add(kind)
     if mutation:
         MUTATIONS += (kind,)
+    if mutation or on is not None:
         _MUT_ON[kind] = on or _noop
     if mutation or off is not None:
         _MUT_OFF[kind] = off or _noop
@@ -159,7 +161,7 @@ class Agent:
             self.faults[fid] = f
             if kind in _HELD:
                 self.holds[fid] = threading.Event()
-            if kind in MUTATIONS:
+            if kind in _MUT_ON:
                 try:
                     _MUT_ON[kind](self, f)
                 except Exception:
@@ -293,9 +295,27 @@ def _wrap(cls, name, make):
         return
     new = make(orig)
     new._kvchaos_orig = orig
+    new._kvchaos_inherited = name not in cls.__dict__  # what _unwrap puts back
     new.__name__ = getattr(orig, "__name__", name)
     setattr(cls, name, new)
     AGENT.hooks.append(f"{cls.__module__}.{cls.__qualname__}.{name}")
+
+
+def _unwrap(cls, name) -> bool:
+    """Undo :func:`_wrap` of ``cls.<name>`` (a hook installed only while a fault is armed): the
+    engine's own method again, inherited where it was. False when it was not wrapped."""
+    cur = cls.__dict__.get(name)
+    orig = getattr(cur, "_kvchaos_orig", None)
+    if orig is None:
+        return False
+    if getattr(cur, "_kvchaos_inherited", False):
+        delattr(cls, name)
+    else:
+        setattr(cls, name, orig)
+    hook = f"{cls.__module__}.{cls.__qualname__}.{name}"
+    if hook in AGENT.hooks:
+        AGENT.hooks.remove(hook)
+    return True
 
 
 def _track_instances(cls, name: str) -> None:

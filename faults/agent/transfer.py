@@ -21,11 +21,12 @@ With them the stale pages a ``short`` leaves behind can be traced to the request
 
 from __future__ import annotations
 
+import os
 import time
 import weakref
 
 from . import control as _ctl
-from .control import _hook_class, _wrap, register_fault
+from .control import _hook_class, _unwrap, _wrap, register_fault
 
 # sglang.srt.disaggregation.base.conn.KVPoll (a plain int class in 0.5.23)
 _KVPOLL = {0: "Failed", 1: "Bootstrapping", 2: "WaitingForInput", 3: "Transferring", 4: "Success"}
@@ -46,7 +47,30 @@ register_fault("delay", unlimited=True)
 register_fault("fail", off=_fail_off)
 register_fault("short")
 register_fault("hold", held=True)
-register_fault("stall_status_read")
+# The Mooncake managers' check_status is wrapped only while a stall_status_read is armed: the wrapper
+# runs between the transfer worker's two reads of a room's status, so installed for good it widened
+# the very race (sglang-mooncake-transfer-worker-dies) in every test that never asked for it.
+_STATUS_READERS: list = []  # manager classes whose check_status the fault wraps (filled at import)
+
+
+def _stall_on(agent, f: dict):
+    if not _STATUS_READERS:
+        raise ValueError("stall_status_read: no Mooncake KV manager loaded in this process "
+                         "(prefill's scheduler loads it)")
+    for cls in _STATUS_READERS:
+        _wrap(cls, "check_status", _make_check_status)
+
+
+def _stall_off(agent, f: dict):
+    if any(g["kind"] == "stall_status_read" for g in agent.faults.values()):
+        return  # another one is still armed
+    if os.environ.get("KVCHAOS_AGENT_STATUS_HOOK") == "always":
+        return
+    for cls in _STATUS_READERS:
+        _unwrap(cls, "check_status")
+
+
+register_fault("stall_status_read", on=_stall_on, off=_stall_off)
 
 
 DST_PAGES_MAX = 4096  # decode page indices listed per event (dst_pages_total has the full count)
@@ -243,7 +267,8 @@ def _make_check_status(orig):
     chunk it is handling and that room has concluded (Success) — the teardown check at the end of
     ``transfer_worker``, which first asks ``room not in self.request_status`` and then reads it while
     the scheduler thread may ``clear()`` the room (prefill.py, after it polled Success). The read is
-    stalled ``ms`` and then made by SGLang's own code: timing only, nothing else changes."""
+    stalled ``ms`` and then made by SGLang's own code: timing only, nothing else changes. Installed
+    only while a ``stall_status_read`` is armed (``_stall_on`` / ``_stall_off``)."""
     def check_status(self, bootstrap_room):
         AGENT = _ctl.AGENT
         chunk = getattr(AGENT.tls, "chunk", None)
@@ -287,11 +312,16 @@ def _hook_mooncake(mod):
     optional = {
         "send_kvcache_dcp": lambda orig: _make_send_dcp(orig, "mooncake"),  # MLA with decode context parallel
         "send_kvcache_slice": lambda orig: _make_send(orig, "mooncake"),  # MHA/GQA, prefill attn TP != decode's
-        "check_status": _make_check_status,
         "_handle_legacy_abort_notification": _make_legacy,
     }
-    _hook_class(mod, "MooncakeKVManager", {"send_kvcache": lambda orig: _make_send(orig, "mooncake")}, optional,
-                track=True)
+    cls = _hook_class(mod, "MooncakeKVManager", {"send_kvcache": lambda orig: _make_send(orig, "mooncake")},
+                      optional, track=True)
+    if cls is not None and hasattr(cls, "check_status") and cls not in _STATUS_READERS:
+        _STATUS_READERS.append(cls)  # wrapped while a stall_status_read is armed (_stall_on)
+        if os.environ.get("KVCHAOS_AGENT_STATUS_HOOK") == "always":
+            # kvchaos before 2026-12-04 (wrapped at import, armed or not): the "before" arm of the
+            # worker-death rate measurement (reports/findings/sglang-mooncake-transfer-worker-dies)
+            _wrap(cls, "check_status", _make_check_status)
 
 
 def _hook_nixl(mod):

@@ -4,6 +4,9 @@ The launcher puts ``kvchaos/_boot`` first on PYTHONPATH for every engine process
 SGLang's own subprocesses (scheduler, detokenizer, spawned with multiprocessing) load it too.
 
 - ``KVCHAOS_CPU_COMPAT=1``: install ``kvchaos.cpucompat`` (CPU profile only).
+- ``KVCHAOS_SWITCH_INTERVAL=<seconds>``: ``sys.setswitchinterval`` in every engine process (a
+  measurement amplifier for thread races, e.g. the Mooncake worker-death provoke script's plain-load
+  trials; never set by a profile).
 - ``KVCHAOS_AGENT=<spec>``: load the in-engine fault agent: the module the cluster names in
   ``KVCHAOS_BOOT_AGENT`` (its ``boot()`` is called). This hook imports nothing of the fault layer by
   name; the cluster passes on what the fault layer registered (``kvchaos.cluster.hooks``).
@@ -19,6 +22,13 @@ _here = os.path.dirname(os.path.abspath(__file__))
 _repo = os.path.dirname(os.path.dirname(_here))
 if _repo not in sys.path:
     sys.path.append(_repo)
+
+if os.environ.get("KVCHAOS_SWITCH_INTERVAL"):
+    _si = os.environ["KVCHAOS_SWITCH_INTERVAL"]
+    try:
+        sys.setswitchinterval(float(_si))
+    except ValueError as e:  # a measurement that silently ran at the default would lie
+        raise SystemExit(f"kvchaos: KVCHAOS_SWITCH_INTERVAL={_si!r} is not a positive number of seconds: {e}")
 
 if os.environ.get("KVCHAOS_CPU_COMPAT") == "1":
     from kvchaos import cpucompat

@@ -2,7 +2,7 @@
 and every later KV transfer stalls, while prefill stays up and answers /health.
 
     python reports/findings/sglang-mooncake-transfer-worker-dies/provoke.py [--trials 10] [--control 3]
-        [--layout LAYOUT] [--ms 300] [--out DIR]
+        [--layout LAYOUT] [--ms 300] [--out DIR] [--plain N] [--switch-interval S] [--status-hook armed|always]
 
 Starts its own PD cluster (the CPU profile, with the kvchaos agent; --layout as in `kvchaos up`), then
 per trial: arms ``stall_status_read`` (ms) on the first of 6 requests, sends the 6 at once through the
@@ -15,6 +15,13 @@ The race (mooncake/conn.py, end of ``transfer_worker``): ``room not in self.requ
 self.check_status(room) == KVPoll.Success`` reads ``request_status`` twice; prefill's scheduler thread
 ``clear()``s the room (prefill.py, once it polled Success) in between. The fault stalls the second
 read — SGLang's own read, made late; nothing else changes.
+
+The natural rate (no fault): ``--trials 0 --control K --plain 200`` sends 200 requests of 8 tenants per
+control trial at concurrency 64 (the clean control's shape), and ``--switch-interval 0.0001`` sets every
+engine's GIL switch interval (``KVCHAOS_SWITCH_INTERVAL``) so forced thread switches, which open the
+window, come 50x as often: the amplifier of the before/after measurement, the same in both arms.
+``--status-hook always`` wraps ``check_status`` at import as kvchaos did before 2026-12-04 (the
+"before" arm); ``armed`` (default) is today's: only while a ``stall_status_read`` is armed.
 
 Writes DIR/provoke.json (per trial: armed, fired, cleared during the stall, died, the witness, request
 outcomes) and the cluster's logs under DIR/cluster/; prints a line per trial and "reproduced K/N".
@@ -33,27 +40,35 @@ from kvchaos.workload import EventLog, Workload, run_plans
 SIGNATURE = "mooncake_transfer_worker_died"
 
 
-def trial(c: Cluster, ctl: AgentClient, out: str, i: int, ms: float | None) -> dict:
-    plans = Workload(1000 + i, n_tenants=3, prefix=f"x{i:02d}").mix(6, lengths=(100, 300))
+def trial(c: Cluster, ctl: AgentClient, out: str, i: int, ms: float | None, plain: int = 0) -> dict:
+    """One trial: 6 requests of 3 tenants, the first stalled ``ms`` when armed; with ``plain`` (a
+    control trial only) ``plain`` requests of 8 tenants at concurrency 64 instead, nothing armed."""
+    if plain:
+        plans = Workload(1000 + i, n_tenants=8, prefix=f"x{i:02d}").mix(plain, lengths=(100, 300))
+    else:
+        plans = Workload(1000 + i, n_tenants=3, prefix=f"x{i:02d}").mix(6, lengths=(100, 300))
     victim = plans[0]
     f = ctl.arm("prefill", "stall_status_read", target={"rid": victim.rid}, params={"ms": ms}) if ms else None
+    t0 = time.monotonic()
     with EventLog(os.path.join(out, f"trial-{i:02d}.events.jsonl")) as log:
-        run_plans(c.endpoints.router, plans, log, concurrency=len(plans), timeout_s=20)
+        run_plans(c.endpoints.router, plans, log, concurrency=min(len(plans), 64), timeout_s=20)
         ends = {e["rid"]: e for e in log.records if e.get("ev") == "end"}
+    wall = time.monotonic() - t0
     fired = f.fired_events() if f else []
     if f:
         f.heal()
     time.sleep(2)  # the traceback is written as the thread dies; give the log a moment
     errors = [e for e in c.engine_errors() if e["signature"] == SIGNATURE]
     rooms = {str(e["room"]) for e in fired}
-    rec = {"trial": i, "armed": bool(ms), "ms": ms, "victim": victim.rid, "fired": len(fired),
+    rec = {"trial": i, "armed": bool(ms), "ms": ms, "requests": len(plans), "wall_s": round(wall, 1),
+           "victim": victim.rid, "fired": len(fired),
            "cleared_during_stall": [e.get("cleared_during_stall") for e in fired],
            "died": bool(errors), "witness_is_the_stalled_room": bool(rooms & {str(e.get("cause")) for e in errors}),
            "witness": errors[0]["line"] if errors else None,
            "outcomes": dict(Counter(str(e.get("outcome")) for e in ends.values()))}
     if errors:
         rec["restart"] = c.heal_engine_errors()[0]["healed"]
-        ctl.wait_agents("prefill", ("check_status",), timeout=60)
+        ctl.wait_agents("prefill", ("MooncakeKVManager.send_kvcache",), timeout=60)
     return rec
 
 
@@ -62,16 +77,38 @@ SUMMARY = Summary(lambda r: r["died"] and r["witness_is_the_stalled_room"], lamb
 
 
 def line(r: dict) -> str:
-    return (f": fired {r['fired']} cleared-in-stall {r['cleared_during_stall']} died {r['died']} (witness names the "
+    return (f": {r['requests']} requests {r['wall_s']} s, fired {r['fired']} cleared-in-stall {r['cleared_during_stall']} died {r['died']} (witness names the "
             f"stalled room: {r['witness_is_the_stalled_room']}) outcomes {r['outcomes']}")
+
+
+def options(ap):
+    ap.add_argument("--plain", type=int, default=0,
+                    help="control trials send this many requests at concurrency 64 (default: 6 at once)")
+    ap.add_argument("--switch-interval", type=float, default=None,
+                    help="every engine's sys.setswitchinterval (seconds): the measurement's amplifier")
+    ap.add_argument("--status-hook", choices=("armed", "always"), default="armed",
+                    help="when the agent wraps check_status: only while armed (today), or always (before 2026-12-04)")
+
+
+def env(a) -> dict:
+    """What the engines get on top of the profile's environment."""
+    if a.plain < 0 or (a.switch_interval is not None and a.switch_interval <= 0):
+        raise SystemExit("--plain >= 0 and --switch-interval > 0")
+    out = {"KVCHAOS_AGENT_STATUS_HOOK": a.status_hook}
+    if a.switch_interval is not None:
+        out["KVCHAOS_SWITCH_INTERVAL"] = repr(a.switch_interval)
+    return out
 
 
 def main():
     with session(__doc__, "/tmp/kvchaos-transfer-worker-dies", "trials with nothing armed, first",
-                 "provoke sglang-mooncake-transfer-worker-dies", SUMMARY, knob=("ms", 300.0)) as (a, c, results):
+                 "provoke sglang-mooncake-transfer-worker-dies", SUMMARY, knob=("ms", 300.0),
+                 options=options, env=env) as (a, c, results):
+        results.update(plain=a.plain, switch_interval=a.switch_interval, status_hook=a.status_hook)
         ctl = AgentClient(c.agent_dir)
         c.engine_errors()  # what boot wrote is not a trial's
-        run_trials(a, results, lambda i, armed: trial(c, ctl, a.out, i, a.ms if armed else None), line)
+        run_trials(a, results, lambda i, armed: trial(c, ctl, a.out, i, a.ms if armed else None,
+                                                      0 if armed else a.plain), line)
 
 
 if __name__ == "__main__":
