@@ -9,6 +9,7 @@ line). A provoke script reproduces a finding on a cluster of its own, outside py
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import shutil
@@ -85,8 +86,8 @@ def begin(doc: str, out: str, control_help: str, source: str, knob: tuple[str, f
         results[knob[0].replace("-", "_")] = value
     spec = None
     if env:
-        base = spec_for(a.layout, source)
-        spec = spec_for(a.layout, source, env={**base.env, **env(a)})
+        spec = spec_for(a.layout, source)
+        spec = dataclasses.replace(spec, env={**spec.env, **env(a)})
     return a, start_cluster(a, source, spec=spec), results
 
 
