@@ -228,7 +228,7 @@ def test_reset_peer_timeout_updated_through_the_api_is_read_again(tp, echo, srv)
 
 def test_idle_links_do_not_poll(tp, echo, srv):
     """With no reset_peer/timeout toxic a link's watch sleeps until the toxics change: 20 idle links
-    for 0.5 s wake it about once each (a 5 ms poll was ~100 each, and most of a core under load)."""
+    for 0.5 s do not wake it at all (a 5 ms poll woke each ~100 times, most of a core under load)."""
     p = tp.create(upstream=f"127.0.0.1:{echo.port}", name="idle")
     p.add_toxic(type="latency", attributes={"latency": 1})  # a toxic, but not a timed one
     socks = [_connect(p.listen) for _ in range(20)]

@@ -30,6 +30,7 @@ outcomes) and the cluster's logs under DIR/cluster/; prints a line per trial and
 """
 from __future__ import annotations
 
+import argparse
 import os
 import time
 from collections import Counter
@@ -45,10 +46,8 @@ SIGNATURE = "mooncake_transfer_worker_died"
 def trial(c: Cluster, ctl: AgentClient, out: str, i: int, ms: float | None, plain: int = 0) -> dict:
     """One trial: 6 requests of 3 tenants, the first stalled ``ms`` when armed; with ``plain`` (a
     control trial only) ``plain`` requests of 8 tenants at concurrency 64 instead, nothing armed."""
-    if plain:
-        plans = Workload(1000 + i, n_tenants=8, prefix=f"x{i:02d}").mix(plain, lengths=(100, 300))
-    else:
-        plans = Workload(1000 + i, n_tenants=3, prefix=f"x{i:02d}").mix(6, lengths=(100, 300))
+    n, tenants = (plain, 8) if plain else (6, 3)
+    plans = Workload(1000 + i, n_tenants=tenants, prefix=f"x{i:02d}").mix(n, lengths=(100, 300))
     victim = plans[0]
     f = ctl.arm("prefill", "stall_status_read", target={"rid": victim.rid}, params={"ms": ms}) if ms else None
     t0 = time.monotonic()
@@ -83,10 +82,21 @@ def line(r: dict) -> str:
             f"stalled room: {r['witness_is_the_stalled_room']}) outcomes {r['outcomes']}")
 
 
+def _number(kind, least: float, what: str):
+    """An argparse type: ``kind`` of the string, refused (named) under ``least``."""
+    def parse(v: str):
+        x = kind(v)
+        if x < least:
+            raise argparse.ArgumentTypeError(f"{what}, got {v!r}")
+        return x
+    parse.__name__ = kind.__name__  # argparse names a non-number "invalid float value"
+    return parse
+
+
 def options(ap):
-    ap.add_argument("--plain", type=int, default=0,
+    ap.add_argument("--plain", type=_number(int, 0, ">= 0"), default=0,
                     help="control trials send this many requests at concurrency 64 (default: 6 at once)")
-    ap.add_argument("--switch-interval", type=float, default=None,
+    ap.add_argument("--switch-interval", type=_number(float, 1e-9, "> 0 seconds"), default=None,
                     help="every engine's sys.setswitchinterval (seconds): the measurement's amplifier")
     ap.add_argument("--status-hook", choices=("armed", "always"), default="armed",
                     help="when the agent wraps check_status: only while armed (today), or always (before 2026-12-04)")
@@ -94,8 +104,6 @@ def options(ap):
 
 def env(a) -> dict:
     """What the engines get on top of the profile's environment."""
-    if a.plain < 0 or (a.switch_interval is not None and a.switch_interval <= 0):
-        raise SystemExit("--plain >= 0 and --switch-interval > 0")
     out = {"KVCHAOS_AGENT_STATUS_HOOK": a.status_hook}
     if a.switch_interval is not None:
         out["KVCHAOS_SWITCH_INTERVAL"] = repr(a.switch_interval)
