@@ -119,22 +119,24 @@ PLANTED = {"prefix": f"pre-fix release sglang {PREFIX_VERSION} deployed like the
 
 
 def _assert_leak(ex, mode, victim, plans):
-    """The leak reproduced: every witness is the victim tenant getting another tenant's canaries with
-    HTTP 200, only oversized requests are victims, and at least half of them are (a reply decoded over
-    stale pages that happen to hold no whole canary is HTTP 200 without a witness: it happened to the
-    first oversized prompt in one CI run of 0.5.19, and to one of four in the committed replay)."""
+    """The leak reproduced: every witness is the victim tenant getting another tenant's data with
+    HTTP 200, only oversized requests are victims, at least half of them are, and at least one holds a
+    canary another tenant owns (a reply decoded over stale pages that happen to hold no whole canary is
+    HTTP 200 without a witness: it happened to the first oversized prompt in one CI run of 0.5.19, and
+    to one of four in the committed replay)."""
     iso = ex.by["isolation"]
     assert iso.status == FAIL, iso
     # a garbled recital over stale pages ('[WCZAFREN]' for another tenant's '[WCZAFREC2A]', a fresh
-    # clone's 0.5.23 replay) is a canary of unknown origin: a leak too, but it names no owner, so each
-    # victim must also hold at least one canary whose owner is another tenant
+    # clone's 0.5.23 replay) is a canary of unknown origin: a leak too, but it names no owner. A victim
+    # may hold only such canaries (one of three in CI's replay at ef8709f), so owned canaries are asked
+    # of the run, not of each victim
     assert all(w["victim_tenant"] == victim and w["status"] == 200 and w["owner_tenant"] != victim
                for w in iso.witnesses), iso.witnesses[:3]
     owned = {w["victim_rid"] for w in iso.witnesses if w["owner_tenant"] is not None}
     victims = {x["victim_rid"] for x in iso.witnesses}
-    assert victims == owned, sorted(victims - owned)
     big = {p.rid for p in plans if p.oversized}
-    assert victims <= big
+    assert victims <= big, sorted(victims - big)  # a foreign canary outside the reject path is no replay
+    assert owned, iso.witnesses[:3]
     assert 2 * len(victims) >= len(big), (sorted(victims), sorted(big))
     # a reproduction: the bug is there on purpose, and the leak and the 200s are what is required
     ex.require(planted=PLANTED[mode], isolation=FAIL, http_semantics=FAIL)
