@@ -49,6 +49,16 @@ Patches (each is a no-op when its precondition is absent):
    launchers write nothing: the unpatched method then finds the shortfall and returns None, as after
    the Triton kernel's out-of-bounds read. The allocator methods themselves are untouched (the fault
    agent hooks those).
+7. ``sglang.srt.managers.scheduler.Scheduler.on_idle`` — a PD scheduler with work parked and no batch
+   to run (prefill waiting on its KV transfers, decode on pre-allocation or a transfer) does not
+   sleep even with ``--sleep-on-idle``: 0.5.22/0.5.23 loop through ``time.sleep(0)``, 0.5.19 spins
+   outright. A GPU host gives every scheduler a core of its own; this machine has two cores, and
+   py-spy found prefill spending 44 % of the clean control there while decode, the step that
+   actually runs, waited for the CPU. With ``KVCHAOS_PARKED_POLL_MS=<ms>`` (the CPU profile sets
+   it), after each such pass the scheduler waits up to that long on the sockets ``--sleep-on-idle``
+   already polls, so a request arriving wakes it at once; a transfer finishing is seen at the next
+   poll, at most that late. A fully idle pass (already asleep in ``IdleSleeper``) and a scheduler
+   without an idle sleeper are left as they are. Unset or 0: not applied.
 """
 
 from __future__ import annotations
@@ -58,6 +68,7 @@ import importlib.machinery
 import importlib.util
 import os
 import sys
+import time
 import types
 
 # package -> exact versions this layer was written and tested against
@@ -258,7 +269,48 @@ def _patch_paged_allocator(mod) -> None:
     APPLIED.append("paged-alloc-torch")
 
 
+def parked_poll_ms() -> int:
+    """``KVCHAOS_PARKED_POLL_MS`` as a whole number of milliseconds (0: patch 7 not applied)."""
+    raw = os.environ.get("KVCHAOS_PARKED_POLL_MS", "").strip()
+    if not raw:
+        return 0
+    try:
+        ms = int(raw)
+    except ValueError:
+        ms = -1
+    if not 0 <= ms <= 1000:
+        raise CompatVersionError(f"KVCHAOS_PARKED_POLL_MS={raw!r} is not a whole number of milliseconds in 0..1000")
+    return ms
+
+
+def _patch_scheduler(mod) -> None:
+    ms = parked_poll_ms()
+    cls = getattr(mod, "Scheduler", None)
+    orig = getattr(cls, "on_idle", None)
+    if not ms or orig is None or not hasattr(cls, "is_fully_idle") or getattr(orig, "_kvchaos_parked_poll", 0):
+        return
+
+    def on_idle(self):
+        orig(self)
+        sleeper = getattr(self, "idle_sleeper", None)
+        if sleeper is None or self.is_fully_idle():
+            return
+        poller, ring = getattr(sleeper, "poller", None), getattr(sleeper, "rust_server", None)
+        if poller is not None:
+            poller.poll(ms)  # returns at once when a request is waiting on the tokenizer/rpc sockets
+        elif ring is not None:  # the embedded Rust server's sleeper parks on its request ring instead
+            ring.wait_request(ms)
+        else:
+            time.sleep(ms / 1000)
+
+    on_idle.__wrapped__ = orig
+    on_idle._kvchaos_parked_poll = ms
+    cls.on_idle = on_idle
+    APPLIED.append(f"scheduler-parked-poll-{ms}ms")
+
+
 POST_IMPORT = {
+    "sglang.srt.managers.scheduler": _patch_scheduler,
     "sglang.srt.models.deepseek_common.attention_backend_handler": _patch_mla_handler,
     "sglang.srt.mem_cache.allocator.paged": _patch_paged_allocator,
     "sglang.srt.disaggregation.mooncake.conn": _patch_mooncake_conn,
@@ -313,6 +365,7 @@ def install(check: bool = True) -> None:
         return
     if check:
         check_versions()
+    parked_poll_ms()  # a bad value stops this process now, not at the scheduler's import
     for name in list(REWRITE) + list(POST_IMPORT):
         if name in sys.modules:  # imported before us: apply post-import patches directly
             hook = POST_IMPORT.get(name)

@@ -346,3 +346,82 @@ def test_paged_allocation_on_the_releases_between(version, paged_reference):
     assert res["version"] == version
     assert ("paged-alloc-torch" in res["applied"]) == (version in ("0.5.20", "0.5.21")), res["applied"]
     assert res["steps"] == paged_reference["steps"]
+
+
+def _fake_scheduler_module():
+    import types
+
+    mod = types.ModuleType("sglang.srt.managers.scheduler")
+
+    class Poller:
+        def __init__(self):
+            self.polls = []
+
+        def poll(self, ms):
+            self.polls.append(ms)
+
+    class Scheduler:
+        def __init__(self, sleeper=True):
+            self.idle_sleeper = types.SimpleNamespace(poller=Poller()) if sleeper else None
+            self.fully_idle, self.passes = False, 0
+
+        def on_idle(self):
+            self.passes += 1
+
+        def is_fully_idle(self):
+            return self.fully_idle
+
+    mod.Scheduler = Scheduler
+    return mod
+
+
+def test_parked_scheduler_polls_instead_of_spinning(monkeypatch):
+    """Patch 7: a pass with work parked (not fully idle) waits on the idle sleeper's sockets for the
+    configured milliseconds; a fully idle pass (already asleep in IdleSleeper) and a scheduler without
+    an idle sleeper (no --sleep-on-idle) are untouched; applied once however often the module loads."""
+    monkeypatch.setattr(cpucompat, "APPLIED", [])
+    monkeypatch.setenv("KVCHAOS_PARKED_POLL_MS", "2")
+    mod = _fake_scheduler_module()
+    cpucompat._patch_scheduler(mod)
+    cpucompat._patch_scheduler(mod)
+    s = mod.Scheduler()
+    s.on_idle()
+    assert s.passes == 1 and s.idle_sleeper.poller.polls == [2]
+    s.fully_idle = True
+    s.on_idle()
+    assert s.passes == 2 and s.idle_sleeper.poller.polls == [2]
+    bare = mod.Scheduler(sleeper=False)
+    bare.on_idle()
+    assert bare.passes == 1
+    assert cpucompat.APPLIED == ["scheduler-parked-poll-2ms"]
+
+
+@pytest.mark.parametrize("value", ["", "0"])
+def test_parked_poll_off_leaves_the_scheduler_alone(monkeypatch, value):
+    monkeypatch.setenv("KVCHAOS_PARKED_POLL_MS", value)
+    mod = _fake_scheduler_module()
+    orig = mod.Scheduler.on_idle
+    cpucompat._patch_scheduler(mod)
+    assert mod.Scheduler.on_idle is orig
+
+
+@pytest.mark.parametrize("value", ["1.5", "soon", "-1", "5000"])
+def test_parked_poll_bad_value_is_refused_by_name(monkeypatch, value):
+    monkeypatch.setenv("KVCHAOS_PARKED_POLL_MS", value)
+    with pytest.raises(cpucompat.CompatVersionError, match=f"KVCHAOS_PARKED_POLL_MS={value!r}"):
+        cpucompat.parked_poll_ms()
+
+
+def test_parked_poll_wraps_the_real_scheduler(monkeypatch):
+    """On the installed SGLang: the scheduler module loads through the patch, and what it wraps is
+    there (on_idle, is_fully_idle, an IdleSleeper whose poller it waits on)."""
+    monkeypatch.setenv("KVCHAOS_PARKED_POLL_MS", "1")
+    code = ("import zmq\nfrom sglang.srt.managers import scheduler as m\n"
+            "from sglang.srt.managers.scheduler_components.idle_sleeper import IdleSleeper\n"
+            "s = zmq.Context().socket(zmq.PULL)\n"
+            "print('wrapped', getattr(m.Scheduler.on_idle, '_kvchaos_parked_poll', None),"
+            " hasattr(m.Scheduler, 'is_fully_idle'), hasattr(IdleSleeper([s]), 'poller'))\n"
+            "from kvchaos import cpucompat; print(cpucompat.APPLIED)\n")
+    ok = _py(code, compat=True)
+    assert ok.returncode == 0, ok.stderr[-2000:]
+    assert "wrapped 1 True True" in ok.stdout and "scheduler-parked-poll-1ms" in ok.stdout
