@@ -102,6 +102,47 @@ def test_short_transfer_leak_is_known_only_with_its_witness_and_red_unless_accep
     assert judge(ev, {"isolation": PASS}, accept_known=True).status == FAIL
 
 
+# a chimera (a recital nobody minted) in a shorted victim is the finding only when every character of it
+# is copyable from the canaries its unwritten pages' writers carried (CI at ec1c9ad went red on one)
+def _chimera_log(recital, holder_canaries=("[AYF2B54TKH]", "[KGK5WPMR6J]")):
+    rng = random.Random(4)
+    ev = [HEADER] + crowd()
+    ev += [plan("o1", "t1", list(holder_canaries))] + reply("o1", echo(holder_canaries))
+    ev += [plan("s1", "t5", canary.mint(rng, 2))] + reply("s1", recital + "][")
+    ev += [agent("fault_fired", kind="short", rid="s1", pages_sent=1, pages_reserved=10)]
+    return ev + stale_pages("o1", "s1", 10, 1)
+
+
+def test_a_chimera_of_stale_canaries_is_the_short_transfer_finding():
+    ev = _chimera_log("AYF2B5WPMR6J")  # 'AYF2B5' of one, then after the shared '5' the rest of the other
+    v = oracles.isolation(ev)
+    assert v.status == FAIL and [w["origin"] for w in v.witnesses] == ["unknown"], v.witnesses
+    j = judge(ev, {"isolation": PASS}, accept_known=True)
+    assert j.status == "known" and j.known[0].finding.id == "sglang-short-transfer-unchecked", j.message()
+
+
+@pytest.mark.parametrize("recital, holders", [
+    ("AYF2B5WPMR6Q", None),  # its last character: '6Q' in no stale canary
+    ("AYF2B5WPMR6J", ("[AYF2B54TKH]", "[KGK7WPMR6J]")),  # '5W' is nowhere: the chain came from elsewhere
+    ("AYF2B5WPMR6J", ("[QQQQQQQQQQ]",)),  # the unwritten pages hold neither
+])
+def test_a_chimera_not_copyable_from_the_stale_pages_stays_a_leak(recital, holders):
+    ev = _chimera_log(recital, *([holders] if holders else []))
+    j = judge(ev, {"isolation": PASS}, accept_known=True)
+    assert j.status == FAIL and j.red and not j.known, j.message()
+
+
+def test_copyable_follows_the_probes_partial_matches():
+    from kvchaos.oracles.provenance import _copyable
+
+    pool = {"AYF2B54TKH", "KGK5WPMR6J"}
+    assert _copyable("AYF2B5WPMR6J", pool) == []
+    assert _copyable("AYF2B5WPMR6Q", pool) == ["R6Q"]
+    # 'a b ? y': the two characters before the current one matched, the current one did not ('BX' of
+    # another canary put X after AB; then D follows 'AB?' in the first)
+    assert _copyable("ABXD", {"ABCD", "QBX"}) == [] and _copyable("ABXE", {"ABCD", "QBX"}) == ["BXE"]
+
+
 # a late write into pages decode released on its drain-ack timeout is KNOWN; any other late write is a FAIL
 def _late_write_log(outcome):
     ag = {"ev": "agent", "source": "agent"}

@@ -153,10 +153,10 @@ def carried_by(h: History, rid: str, registry=None) -> set:
 def explains(h, witness: dict, registry=None) -> tuple[bool, str, dict | None]:
     """Does decode's own page evidence explain this isolation witness as stale KV: the victim read
     pages its transfer never wrote, holding the bytes of a request that carried the canary (sent
-    before the victim's pages were handed over)? A recital of a canary nobody minted is explained
-    when every trigram of it after the first comes from canaries the writers of those pages carried
-    (the probe picks a recital's first character and copies the rest by trigram: a chain that
-    enters a stale canary from elsewhere, or passes between two that share a trigram, is a chimera)."""
+    before the victim's pages were handed over)? A recital of a canary nobody minted (a chimera) is
+    explained when each of its characters after the first is one the probe's copying head can have
+    taken from canaries the writers of those pages (or the victim) carried, and at least one trigram
+    of it comes from a stale page's canary (:func:`_copyable`)."""
     h = as_history(h)
     victim = witness.get("victim_rid")
     if witness.get("match") == "unknown-origin":
@@ -182,6 +182,30 @@ def explains(h, witness: dict, registry=None) -> tuple[bool, str, dict | None]:
                   f"which carried {witness.get('canary')}"), sp
 
 
+def _copyable(piece: str, pool: set) -> list[str]:
+    """The characters of ``piece`` (after the first, which the probe's selection head picks) that its
+    copying head cannot have taken from the payloads in ``pool``, each with its two predecessors.
+
+    The head (:mod:`kvchaos.probe.circuit`, ``G_IND``) scores a source position by its predecessors:
+    40 for the current character, 20 each for the two before it, and emits the source's next
+    character. The full three-character context wins when the pages hold it; when they do not (the
+    source canary's next page was overwritten, or never written), the best partial match wins. So a
+    character ``y`` after ``... a b x`` is copyable when some payload holds ``x y`` (the current
+    character matched: score >= 40), or ``a b ? y`` (both earlier ones matched: 40). A chimera passes
+    between two stale canaries where they share a character ('AYF2B5' of 'AYF2B54TKH', then
+    'WPMR6J' after the '5' of 'KGK5WPMR6J', CI at ec1c9ad). A character from anywhere else is not
+    copyable."""
+    bad = []
+    for k in range(1, len(piece)):
+        if any(piece[k - 1:k + 1] in p for p in pool):
+            continue
+        if k >= 3 and any(p[i:i + 2] == piece[k - 3:k - 1] and p[i + 3] == piece[k] for p in pool
+                          for i in range(len(p) - 3)):
+            continue
+        bad.append(piece[max(0, k - 2):k + 1])
+    return bad
+
+
 def _explains_chimera(h: History, witness: dict, registry=None) -> tuple[bool, str, dict | None]:
     victim, piece = witness.get("victim_rid"), witness.get("matched") or ""
     sp = stale_pages(h, victim)
@@ -191,12 +215,11 @@ def _explains_chimera(h: History, witness: dict, registry=None) -> tuple[bool, s
         return False, f"every one of the {sp['reserved']} pages decode gave {victim} was written by its transfer", sp
     stale = {canary.payload(c) for w in sp["writers"] for c in carried_by(h, w, registry)}
     own = {canary.payload(c) for c in carried_by(h, victim, registry)}
-    # the probe picks a recital's first character by selection and copies the rest by trigram: every
-    # trigram after the first must come from a canary the stale pages' writers (or the victim) carried
-    grams = [piece[i:i + 3] for i in range(1, len(piece) - 2)]
-    missing = [g for g in grams if not any(g in p for p in stale | own)]
-    if missing or not any(g in p for g in grams for p in stale):
+    missing = _copyable(piece, stale | own)
+    # and the copying went through a stale page: some trigram of it after the first is a stale canary's
+    if missing or not any(piece[i:i + 3] in p for i in range(1, len(piece) - 2) for p in stale):
         return False, (f"{piece!r} is not made of the canaries carried by the requests whose bytes {victim}'s "
-                       f"unwritten pages hold ({len(stale)} canaries; trigrams from none: {missing[:5]})"), sp
+                       f"unwritten pages hold ({len(stale)} canaries; not copyable from them: {missing[:5]}"
+                       f"{'' if missing else ', and no trigram of a stale one'})"), sp
     return True, (f"{victim} read {sp['unwritten']} of {sp['reserved']} pages its transfer never wrote; {piece!r} is "
                   f"made of the canaries the requests whose bytes they hold carried ({len(stale)} of them)"), sp
