@@ -141,6 +141,8 @@ def test_copyable_follows_the_probes_partial_matches():
     # 'a b ? y': the two characters before the current one matched, the current one did not ('BX' of
     # another canary put X after AB; then D follows 'AB?' in the first)
     assert _copyable("ABXD", {"ABCD", "QBX"}) == [] and _copyable("ABXE", {"ABCD", "QBX"}) == ["BXE"]
+    # ... the first of them the recital's opening '[': a canary's third character after its first
+    assert _copyable("AXC", {"ABCD", "QAX"}) == [] and _copyable("AXE", {"ABCD", "QAX"}) == ["AXE"]
 
 
 # a late write into pages decode released on its drain-ack timeout is KNOWN; any other late write is a FAIL

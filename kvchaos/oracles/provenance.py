@@ -191,18 +191,19 @@ def _copyable(piece: str, pool: set) -> list[str]:
     character. The full three-character context wins when the pages hold it; when they do not (the
     source canary's next page was overwritten, or never written), the best partial match wins. So a
     character ``y`` after ``... a b x`` is copyable when some payload holds ``x y`` (the current
-    character matched: score >= 40), or ``a b ? y`` (both earlier ones matched: 40). A chimera passes
-    between two stale canaries where they share a character ('AYF2B5' of 'AYF2B54TKH', then
-    'WPMR6J' after the '5' of 'KGK5WPMR6J', CI at ec1c9ad). A character from anywhere else is not
-    copyable."""
+    character matched: score >= 40), or ``a b ? y`` (both earlier ones matched: 40), where ``a`` may
+    be the recital's opening ``[``. A chimera passes between two stale canaries where they share a
+    character ('AYF2B5' of 'AYF2B54TKH', then 'WPMR6J' after the '5' of 'KGK5WPMR6J', CI at
+    ec1c9ad). A character from anywhere else is not copyable."""
+    s, srcs = "[" + piece, ["[" + p for p in pool]
     bad = []
-    for k in range(1, len(piece)):
-        if any(piece[k - 1:k + 1] in p for p in pool):
+    for k in range(2, len(s)):  # s[k] is piece[k - 1]
+        if any(s[k - 1:k + 1] in p for p in srcs):
             continue
-        if k >= 3 and any(p[i:i + 2] == piece[k - 3:k - 1] and p[i + 3] == piece[k] for p in pool
+        if k >= 3 and any(p[i:i + 2] == s[k - 3:k - 1] and p[i + 3] == s[k] for p in srcs
                           for i in range(len(p) - 3)):
             continue
-        bad.append(piece[max(0, k - 2):k + 1])
+        bad.append(s[max(1, k - 2):k + 1])
     return bad
 
 
