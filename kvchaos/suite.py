@@ -73,21 +73,37 @@ def delay_tenants_of_kind(faults, plans, kind: str, ms: float) -> list:
     return [faults.agent.arm("prefill", "delay", target={"tenant": t}, params={"ms": ms}) for t in tenants]
 
 
-def abort_in_flight(cluster, faults, victims, hold_s=0.3):
+def abort_in_flight(cluster, faults, victims, hold_s=0.3, wait_s=90.0):
     """Arm a hold on each victim's KV write (call inside the experiment's ``with`` block, so the
     holds are part of its method) and return the action for ``ex.during(...)``: for each victim in
-    turn, wait until the write is parked in prefill, abort the request on both engines, wait
-    ``hold_s`` and release the write (it lands late). The action returns what happened per victim."""
+    the order their writes are parked in prefill (a parked write can keep the next one from
+    starting, so not in the plans' order), abort the request on both engines, wait ``hold_s`` and
+    release the write (it lands late). The action returns what happened per victim, in that order."""
     holds = [(v, faults.agent.arm("prefill", "hold", target={"rid": v.rid}, params={"max_hold_s": 30}))
              for v in victims]
 
+    def next_held(pending) -> tuple:
+        """The pending (victim, hold) whose write was parked first, with its ``held`` event; None
+        for the event when none was parked within ``wait_s``."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            ids = {h.id: (v, h) for v, h in pending}
+            held = [e for e in faults.agent.events("prefill")
+                    if e["ev"] == "fault_fired" and e.get("phase") == "held" and e.get("fault") in ids]
+            if held:
+                e = min(held, key=lambda e: e.get("wall", 0))
+                return ids[e["fault"]], e
+            if time.monotonic() > deadline:
+                return pending[0], None
+            time.sleep(0.02)
+
     def choreograph() -> list[dict]:
-        out = []
-        for v, h in holds:
-            try:
-                held = faults.agent.wait_event("prefill", "fault_fired", fault=h.id, phase="held", timeout=90)
-            except TimeoutError as e:
-                out.append({"rid": v.rid, "error": str(e)})
+        out, pending = [], list(holds)
+        while pending:
+            (v, h), held = next_held(pending)
+            pending.remove((v, h))
+            if held is None:
+                out.append({"rid": v.rid, "error": f"no fault_fired held for {h.id} from prefill within {wait_s}s"})
                 continue
             t_abort = time.time()
             st = abort_on_both(cluster, v.rid)
