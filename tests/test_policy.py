@@ -103,7 +103,8 @@ def test_short_transfer_leak_is_known_only_with_its_witness_and_red_unless_accep
 
 
 # a chimera (a recital nobody minted) in a shorted victim is the finding only when every character of it
-# is copyable from the canaries its unwritten pages' writers carried (CI at ec1c9ad went red on one)
+# is copyable from the canaries its unwritten pages' writers carried (a fresh clone's make test at
+# ec1c9ad went red on one)
 def _chimera_log(recital, holder_canaries=("[AYF2B54TKH]", "[KGK5WPMR6J]")):
     rng = random.Random(4)
     ev = [HEADER] + crowd()

@@ -193,8 +193,8 @@ def _copyable(piece: str, pool: set) -> list[str]:
     character ``y`` after ``... a b x`` is copyable when some payload holds ``x y`` (the current
     character matched: score >= 40), or ``a b ? y`` (both earlier ones matched: 40), where ``a`` may
     be the recital's opening ``[``. A chimera passes between two stale canaries where they share a
-    character ('AYF2B5' of 'AYF2B54TKH', then 'WPMR6J' after the '5' of 'KGK5WPMR6J', CI at
-    ec1c9ad). A character from anywhere else is not copyable."""
+    character ('AYF2B5' of 'AYF2B54TKH', then 'WPMR6J' after the '5' of 'KGK5WPMR6J', a fresh
+    clone's make test at ec1c9ad). A character from anywhere else is not copyable."""
     s, srcs = "[" + piece, ["[" + p for p in pool]
     bad = []
     for k in range(2, len(s)):  # s[k] is piece[k - 1]
