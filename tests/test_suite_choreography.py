@@ -1,5 +1,5 @@
 """The abort choreography (``kvchaos.suite.abort_in_flight``) against a stand-in fault kit: it takes
-the victims in the order their writes were parked, not the plans' order. A soak run at 158030d went red
+the victims in the order their writes were parked, not the plans' order. A soak run at ce2c3d0 went red
 when the second victim's write was parked first and held up the first one's: the choreography waited
 for the first until the other's hold expired (30 s), then aborted a request that had already finished."""
 
