@@ -85,9 +85,8 @@ def abort_in_flight(cluster, faults, victims, hold_s=0.3, wait_s=90.0):
     def next_held(pending) -> tuple:
         """The pending (victim, hold) whose write was parked first, with its ``held`` event; None
         for the event when none was parked within ``wait_s``."""
-        deadline = time.monotonic() + wait_s
+        deadline, ids = time.monotonic() + wait_s, {h.id: (v, h) for v, h in pending}
         while True:
-            ids = {h.id: (v, h) for v, h in pending}
             held = [e for e in faults.agent.events("prefill")
                     if e["ev"] == "fault_fired" and e.get("phase") == "held" and e.get("fault") in ids]
             if held:
