@@ -42,6 +42,8 @@ from kvchaos.cluster.layouts import DEFAULT_LAYOUT
 from kvchaos.history import SCHEMA, History, HistoryError
 from kvchaos.oracles import FAIL, PASS, UNKNOWN  # noqa: F401 - re-exported for suites
 from kvchaos.policy import KNOWN, Context, Judgement, Policy
+from kvchaos.schedule import Schedule, build_checks, check_spec
+from kvchaos.workload.scenario import Deployment, Scenario, ScenarioError, Traffic, nemesis_from_log, plan_dict
 from kvchaos.workload import EventLog, plans_digest, run_plans
 from kvchaos.workload.snapshots import server_field, snapshot
 
@@ -72,10 +74,12 @@ class KnownFinding(Exception):
 
 
 class During:
-    """The action run beside the workload; ``result`` is what it returned, ``error`` what it raised."""
+    """The action run beside the workload; ``result`` is what it returned, ``error`` what it raised;
+    ``stop`` (optional) is called when the workload has ended, before the action is joined (a nemesis
+    schedule with ops still to come stops there: the method is over)."""
 
-    def __init__(self, fn):
-        self.fn, self.result, self.error = fn, None, None
+    def __init__(self, fn, stop=None):
+        self.fn, self.stop, self.result, self.error = fn, stop, None, None
         self.thread = threading.Thread(target=self._run, name="kvchaos-during", daemon=True)
 
     def _run(self):
@@ -132,6 +136,11 @@ class Experiment:
         self._during: During | None = None
         self.live: _LiveWatch | None = None
         self.t_start = None
+        self.t_method = self.t_method_end = None  # wall times: the workload started, ended
+        self.scenario_path: Path | None = None  # <stem>.scenario.json: this experiment as data (kvchaos.scenario)
+        self.scenario_error: str | None = None
+        self.schedule = None  # the nemesis schedule, when run from a scenario (run_scenario)
+        self.source: Scenario | None = None  # that scenario
 
     # ------------------------------------------------------------------ the with block
     def __enter__(self) -> "Experiment":
@@ -165,11 +174,12 @@ class Experiment:
             snapshot(self.cluster, self.log, "before", answer=False, settle_s=self.settle_s)
         return self
 
-    def during(self, fn) -> During:
-        """Declare the one action that runs beside the workload (started with it, joined after)."""
+    def during(self, fn, stop=None) -> During:
+        """Declare the one action that runs beside the workload (started with it, joined after; ``stop``,
+        if given, is called first, once the workload has ended)."""
         if self._during is not None:
             raise RuntimeError(f"experiment {self.name}: one during action only (compose them in one function)")
-        self._during = During(fn)
+        self._during = During(fn, stop)
         return self._during
 
     def send(self, plans, concurrency: int | None = None, timeout_s: float | None = None,
@@ -196,7 +206,7 @@ class Experiment:
             _tell("close", self, error=repr(exc))
             return False
         try:
-            self.log.emit("method", faults=self._fault_ids(), during=self._during is not None)
+            self.t_method = self.log.emit("method", faults=self._fault_ids(), during=self._during is not None)["wall"]
             if self._during:
                 self._during.thread.start()
             watch = _EngineWatch(self.cluster, self.log, grace_s=self.timeout_s + 5)
@@ -204,10 +214,16 @@ class Experiment:
             try:
                 (self.drive_fn or (lambda ex: ex.send(ex.plans)))(self)
             finally:
+                self.t_method_end = time.time()
                 self.live.stop()
                 watch.stop()
                 if self._during:
+                    if self._during.stop is not None:
+                        self._during.stop()
                     self._during.thread.join(timeout=DURING_JOIN_S)
+            if self.schedule is not None:  # rollback: the scenario's ops first, then whatever else the kit armed
+                for err in self.schedule.heal():
+                    self.log.emit("heal_failed", error=err)
             if self.faults is not None:
                 self.faults.heal_all()  # rollback before the steady-state probe: pools must drain
             snapshot(self.cluster, self.log, "after", settle_s=self.settle_s)
@@ -221,6 +237,7 @@ class Experiment:
             raise
         finally:
             self.log.close()
+        self._write_scenario()
         try:
             self.history = History(self.log.records, source=str(self.path))
         except HistoryError:  # e.g. a record written twice: every checker says it cannot judge it
@@ -318,9 +335,57 @@ class Experiment:
                "verdicts": {i.verdict.oracle: i.verdict.status for i in j.items},
                "required": {i.verdict.oracle: i.wanted for i in j.items if i.wanted},
                "events": _rel(self.path, self.run_dir), "verdicts_file": _rel(self.verdicts_path, self.run_dir),
+               "scenario": _rel(self.scenario_path, self.run_dir) if self.scenario_path else None,
+               "scenario_error": self.scenario_error,
                "wall": time.time()}
         with open(self.run_dir / "experiments.jsonl", "a") as f:
             f.write(json.dumps(rec, default=str) + "\n")
+
+    def scenario(self) -> Scenario:
+        """This experiment as data (:class:`kvchaos.scenario.Scenario`): its plans, checkers, the cluster's
+        restart knobs, and the nemesis it carried out (from its log's fault records, after the method).
+        ``origin.complete`` is false, with the reasons, where something it did is not in the schema (a
+        custom ``drive`` sends plans in its own order; a ``during`` action other than a nemesis schedule
+        does more than the aborts and releases it logged)."""
+        if self.source is not None:  # run from a scenario: that is what ran
+            sc = Scenario.from_dict(self.source.to_dict())
+            sc.origin = {**sc.origin, "test": self.test_id, "experiment": self.id, "run_seed": self.run_seed,
+                         "plans_digest": self.plans_digest, "complete": True, "why_incomplete": []}
+            return sc.validate()
+        why = []
+        if self.drive_fn is not None:
+            why.append("a custom drive function sent the plans (their order and timing are not data)")
+        if self._during is not None and self.schedule is None:
+            why.append(f"a during action ({getattr(self._during.fn, '__name__', 'callable')}) ran beside the "
+                       "workload: only the aborts and releases it logged are ops")
+        checks = []
+        for c in self.checks.checkers:
+            try:
+                checks.append(check_spec(c))
+            except ScenarioError as e:
+                why.append(str(e))
+        spec = getattr(self.cluster, "spec", None)
+        head = next((e for e in self.log.records if e.get("ev") == "experiment"), {})
+        version = (head.get("engine") or {}).get("version")
+        dep = Deployment.from_spec(spec, self.kv_layout, version) if spec is not None else Deployment()
+        ops = nemesis_from_log(self.log.records, self.t_method or self.t_start or 0.0, self.t_method_end, skipped=why)
+        sc = Scenario(name=self.name, seed=self.seed, deployment=dep,
+                      traffic=Traffic([plan_dict(p) for p in self.plans], self.concurrency, float(self.timeout_s), self.via),
+                      nemesis=ops, checks=checks,
+                      origin={"test": self.test_id, "experiment": self.id, "run_seed": self.run_seed,
+                              "plans_digest": self.plans_digest, "complete": not why, "why_incomplete": why})
+        return sc.validate()
+
+    def _write_scenario(self) -> None:
+        """``<stem>.scenario.json`` beside the event log; a scenario that cannot be written is said in the
+        experiment's record (``scenario_error``), never silently missing."""
+        if not self.record:
+            return
+        try:
+            self.scenario_path = self.scenario().save(_scenario_for(self.path))
+        except Exception as e:  # noqa: BLE001 - the run's verdicts stand; the record says what is missing
+            self.scenario_error = f"{type(e).__name__}: {e}"[:600]
+            warnings.warn(f"experiment {self.name}: no scenario.json: {self.scenario_error}", stacklevel=2)
 
     def _fault_ids(self) -> list[str]:
         if self.faults is None or self.faults.log is None:
@@ -359,6 +424,12 @@ def _fresh(path: Path) -> Path:
         n += 1
         path = path.with_name(f"{base}-{n}{suffix}")
     return path
+
+
+def _scenario_for(events_path: Path) -> Path:
+    name = events_path.name
+    return events_path.with_name((name[:-len(".events.jsonl")] if name.endswith(".events.jsonl") else events_path.stem)
+                                 + ".scenario.json")
 
 
 def _verdicts_for(events_path: Path) -> Path:
@@ -561,3 +632,33 @@ def _layout(cluster) -> dict:
     return {"kv_layout": kv_layout(cluster),
             "spec": {k: getattr(spec, k) for k in keep if spec is not None and hasattr(spec, k)},
             "endpoints": ep.as_dict() if ep is not None and hasattr(ep, "as_dict") else None}
+
+
+def run_scenario(experiment, scenario: Scenario, kit, cluster, *, reference_server=None, **kw) -> Experiment:
+    """Run ``scenario`` through the runner: its plans and checkers, its live knobs armed at 0 s and its
+    nemesis ops at their times (:class:`kvchaos.nemesis.Schedule`), every op healed in a ``finally``.
+    ``experiment``: the factory (the pytest fixture ``experiment``, or ``functools.partial(Experiment,
+    cluster=..., run_dir=..., faults=kit)``). The cluster must run the scenario's restart knobs: one it
+    does not is refused by name, before anything is sent."""
+    spec = getattr(cluster, "spec", None)
+    if spec is not None and scenario.deployment.restart:
+        have = Deployment.from_spec(spec, kv_layout(cluster), _engine(cluster)["version"])
+        wrong = scenario.deployment.differs(have)
+        if wrong:
+            raise ScenarioError(f"scenario {scenario.name}: the cluster does not run its deployment: " + "; ".join(wrong))
+    checks = build_checks(scenario, reference_server)
+    schedule = Schedule(scenario.ops(), kit, cluster)
+    ex = experiment(scenario.name, scenario.traffic.request_plans(), checks, seed=scenario.seed,
+                    concurrency=scenario.traffic.concurrency, timeout_s=scenario.traffic.timeout_s,
+                    via=scenario.traffic.via, **kw)
+    ex.schedule, ex.source = schedule, scenario
+    errors = []
+    try:
+        with ex:
+            schedule.start()
+            ex.during(schedule.run, stop=schedule.stop.set)
+    finally:
+        errors = schedule.heal()
+    if errors:
+        raise RuntimeError(f"scenario {scenario.name}: " + "; ".join(errors))
+    return ex

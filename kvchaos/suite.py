@@ -24,6 +24,7 @@ import time
 import httpx
 
 from kvchaos.cluster import Cluster
+from kvchaos.schedule import abort_on_both, single_server_reference  # noqa: F401 - suites import them from here
 from kvchaos.selftest import planted_leak_selftest
 from kvchaos.workload import Workload
 from kvchaos.workload.snapshots import server_field  # noqa: F401 - suites import it from here
@@ -115,34 +116,6 @@ def abort_in_flight(cluster, faults, victims, hold_s=0.3, wait_s=90.0):
 
     choreograph.holds = holds
     return choreograph
-
-
-def single_server_reference(server, plans, timeout_s: float = 120.0):
-    """``Differential``'s reference: each plan's prompt served alone, greedy, with its own
-    ``max_new_tokens``, by ``server`` (a clean single server), when the checker runs (after the run)."""
-    def ref(_events):
-        out = {}
-        for p in plans:
-            r = httpx.post(server.endpoints.router + "/generate", timeout=timeout_s,
-                           json={"text": p.prompt, "sampling_params": {"max_new_tokens": p.max_new_tokens,
-                                                                       "temperature": 0}})
-            r.raise_for_status()
-            out[p.rid] = r.json()
-        return out
-    return ref
-
-
-def abort_on_both(cluster, rid: str) -> dict:
-    """``POST /abort_request {"rid": rid}`` to prefill and to decode (sglang-router has no abort
-    endpoint); role -> HTTP status, or the error."""
-    out = {}
-    for role in ("prefill", "decode"):
-        try:
-            out[role] = httpx.post(f"{getattr(cluster.endpoints, role)}/abort_request", json={"rid": rid},
-                                   timeout=10).status_code
-        except httpx.HTTPError as e:
-            out[role] = repr(e)
-    return out
 
 
 # where each stage's victim is held, and by what (faults/agent: ``park`` stages, the transfer ``hold``)

@@ -2,16 +2,19 @@
 with the armed fault ids, the faults' own records copied in, one log per experiment, the during
 action's error, and judging before running."""
 
+import functools
 import json
 import time
 
 import httpx
 import pytest
 
-from kvchaos.experiment import Experiment, VerdictsNotMet
+from kvchaos.cluster.spec import ClusterSpec
+from kvchaos.experiment import Experiment, VerdictsNotMet, run_scenario
 from kvchaos.oracles import PASS, Isolation, Liveness
 from kvchaos.policy import Policy
 from kvchaos.workload import EventLog, Workload
+from kvchaos.workload.scenario import Deployment, Op, Scenario, ScenarioError, Traffic, plan_dict
 from tests.fake_engine import FakeEngine
 
 
@@ -183,3 +186,67 @@ def test_no_watch_where_nothing_can_be_restarted():
     w = exp_mod._EngineWatch(object(), EventLog(), grace_s=0.1)
     assert w._thread is None
     w.stop()
+
+
+# ------------------------------------------------------------------ every experiment as data (kvchaos.workload.scenario)
+def test_every_experiment_writes_its_scenario_with_the_faults_it_armed(tmp_path, fake):
+    flog = EventLog()
+    kit = Kit(flog)
+    ex = _ex(tmp_path, fake, faults=kit)
+    with ex:
+        flog.emit("fault", action="armed", fault="delay-2", kind="delay", injector="agent", role="prefill",
+                  target={"tenant": "t001"}, params={"ms": 40}, count=None)
+    sc = Scenario.load(ex.scenario_path)
+    assert ex.scenario_path.name == "exp.scenario.json" and sc.name == "exp" and sc.seed == 3
+    assert [p["rid"] for p in sc.traffic.plans] == [p.rid for p in ex.plans] and sc.traffic.concurrency == ex.concurrency
+    (op,) = sc.nemesis
+    assert (op.kind, op.role, op.target, op.params, op.at_s) == ("delay", "prefill", {"tenant": "t001"}, {"ms": 40}, 0.0)
+    assert {c["name"] for c in sc.checks} >= {"isolation", "liveness"}
+    assert sc.origin["complete"] is True and sc.origin["test"] == "t::x"
+    rec = [json.loads(x) for x in (tmp_path / "experiments.jsonl").read_text().splitlines()][-1]
+    assert rec["scenario"] == "suites/exp.scenario.json" and rec["scenario_error"] is None
+
+
+def test_a_scenario_says_what_of_the_experiment_it_cannot_hold(tmp_path, fake):
+    ex = _ex(tmp_path, fake, drive=lambda e: e.send(e.plans[:3]))
+    with ex:
+        ex.during(lambda: None)
+    sc = Scenario.load(ex.scenario_path)
+    assert sc.origin["complete"] is False
+    assert any("custom drive" in w for w in sc.origin["why_incomplete"])
+    assert any("during action" in w for w in sc.origin["why_incomplete"])
+
+
+def test_a_scenario_runs_through_the_runner_and_every_op_is_healed(tmp_path, fake):
+    plans = Workload(3, n_tenants=4, prefix="rs").mix(24)
+    sc = Scenario(name="from-data", seed=3, traffic=Traffic([plan_dict(p) for p in plans], 4, 10.0),
+                  deployment=Deployment({}, {"deferred_release_timeout_s": 2.0}),
+                  nemesis=[Op(at_s=0, injector="agent", role="prefill", kind="delay", target={"tenant": "t001"},
+                              params={"ms": 5}),
+                           Op(at_s=60, injector="agent", role="decode", kind="fail")],  # after the traffic: never armed
+                  checks=[{"name": "isolation"}, {"name": "liveness", "bound_s": 30.0}])
+    armed, healed = [], []
+
+    class Agent:
+        def arm(self, role, kind, target=None, params=None, count=None):
+            h = type("H", (), {"id": f"{kind}-{len(armed)}", "heal": lambda s: healed.append(s.id)})()
+            armed.append((role, kind, target, params))
+            return h
+
+    kit = Kit(EventLog())
+    kit.agent, kit.net, kit.proc = Agent(), None, None
+    factory = functools.partial(Experiment, cluster=fake, run_dir=tmp_path, faults=kit, settle_s=0, policy=Policy())
+    ex = run_scenario(factory, sc, kit, fake)
+    assert armed == [("decode", "deferred_release_timeout", None, {"s": 2.0}),
+                     ("prefill", "delay", {"tenant": "t001"}, {"ms": 5})]
+    assert sorted(healed) == sorted(f"{k}-{i}" for i, (_r, k, _t, _p) in enumerate(armed))
+    assert ex.verdicts and Scenario.load(ex.scenario_path).digest() == sc.digest()
+
+
+def test_a_scenario_for_another_deployment_is_refused_before_anything_is_sent(tmp_path, fake):
+    fake.spec = ClusterSpec.load("cpu")
+    sc = Scenario(name="big-pool", traffic=Traffic([plan_dict(p) for p in Workload(3).mix(2)]),
+                  deployment=Deployment({"pool_tokens": 8192}, {}))
+    with pytest.raises(ScenarioError, match="pool_tokens: the scenario wants 8192, the cluster has 2048"):
+        run_scenario(functools.partial(Experiment, cluster=fake, run_dir=tmp_path), sc, Kit(EventLog()), fake)
+    assert not (tmp_path / "experiments.jsonl").exists()

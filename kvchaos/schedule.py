@@ -1,0 +1,242 @@
+"""A scenario's nemesis schedule carried out, and its checkers built (the runner's side of
+:mod:`kvchaos.workload.scenario`). The schedule: each op armed at its time, healed at its own
+``heal_s`` and, whatever happens, every op still armed healed in :meth:`Schedule.heal` (the runner calls
+it in a ``finally``).
+
+It drives the fault injectors through the handles of the kit it is given (``faults.FaultKit``: the
+agent client, the network proxy, process faults) and aborts requests through the cluster; it imports
+none of them (``faults`` imports ``kvchaos``, never the reverse). Every wait is bounded: an op that
+waits for another (``after``: an abort once a hold parked its request) gives up after ``wait_s`` with
+a :class:`NemesisError` naming both ops.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import httpx
+
+from kvchaos import oracles
+from kvchaos.workload.scenario import CHECKS, Op, Scenario, ScenarioError
+
+
+def single_server_reference(server, plans, timeout_s: float = 120.0):
+    """``Differential``'s reference: each plan's prompt served alone, greedy, with its own
+    ``max_new_tokens``, by ``server`` (a clean single server), when the checker runs (after the run)."""
+    def ref(_events):
+        out = {}
+        for p in plans:
+            r = httpx.post(server.endpoints.router + "/generate", timeout=timeout_s,
+                           json={"text": p.prompt, "sampling_params": {"max_new_tokens": p.max_new_tokens,
+                                                                       "temperature": 0}})
+            r.raise_for_status()
+            out[p.rid] = r.json()
+        return out
+    ref.rids = [p.rid for p in plans]  # what a scenario records of it (kvchaos.scenario.check_spec)
+    return ref
+
+
+def abort_on_both(cluster, rid: str) -> dict:
+    """``POST /abort_request {"rid": rid}`` to prefill and to decode (sglang-router has no abort
+    endpoint); role -> HTTP status, or the error."""
+    out = {}
+    for role in ("prefill", "decode"):
+        try:
+            out[role] = httpx.post(f"{getattr(cluster.endpoints, role)}/abort_request", json={"rid": rid},
+                                   timeout=10).status_code
+        except httpx.HTTPError as e:
+            out[role] = repr(e)
+    return out
+
+
+class NemesisError(RuntimeError):
+    pass
+
+
+class Schedule:
+    """``ops`` (:class:`kvchaos.scenario.Op`, a scenario's :meth:`~kvchaos.scenario.Scenario.ops`) on
+    ``kit`` (``.agent``, ``.net``, ``.proc``) and ``cluster`` (for ``action`` aborts). Times are seconds
+    after :meth:`start`."""
+
+    def __init__(self, ops: list[Op], kit, cluster=None, *, wait_s: float = 60.0, clock=time.monotonic,
+                 abort=None):
+        self.ops, self.kit, self.cluster = list(ops), kit, cluster
+        self.wait_s, self.clock = wait_s, clock
+        self.handles: dict[int, object] = {}
+        self.healed: set[int] = set()
+        self.records: list[dict] = []  # what happened, op by op: armed / healed / action / error
+        self.t0: float | None = None
+        self.stop = threading.Event()
+        self._abort = abort
+        self._lock = threading.Lock()
+
+    # ------------------------------------------------------------------ the timeline
+    def start(self) -> None:
+        """Time 0, and every op due at 0 with nothing to wait for armed now (before traffic starts)."""
+        self.t0 = self.clock()
+        for i, op in enumerate(self.ops):
+            if op.at_s == 0 and op.after is None:
+                self._arm(i)
+
+    def run(self) -> list[dict]:
+        """Arm and heal the rest in time order (the experiment's ``during`` action). Returns the records."""
+        if self.t0 is None:
+            self.start()
+        steps = [(op.at_s, 0, i) for i, op in enumerate(self.ops) if i not in self.handles]
+        steps += [(op.heal_s, 1, i) for i, op in enumerate(self.ops) if op.heal_s is not None]
+        for at, what, i in sorted(steps):
+            if self.stop.is_set():
+                break
+            self._until(at)
+            if self.stop.is_set():
+                break
+            if what == 0:
+                self._arm(i)
+            else:
+                self._heal_one(i)
+        return self.records
+
+    def _until(self, at_s: float) -> None:
+        delay = self.t0 + at_s - self.clock()
+        if delay > 0:
+            self.stop.wait(delay)
+
+    # ------------------------------------------------------------------ one op
+    def _arm(self, i: int) -> None:
+        op = self.ops[i]
+        if op.after is not None:
+            self._wait_for(i, op.after)
+        t = round(self.clock() - self.t0, 3)
+        if op.injector == "agent":
+            h = self._need("agent").arm(op.role, op.kind, target=op.target, params=dict(op.params), count=op.count)
+        elif op.injector == "proxy":
+            h = self._need("net").toxic(op.proxy, op.kind, stream=op.stream, toxicity=op.toxicity, **op.params)
+        elif op.injector == "process":
+            proc = self._need("proc")
+            h = {"kill": proc.kill, "stop": proc.stop, "restart": proc.restart}[op.kind](op.role)
+        else:
+            h = None
+            if op.kind == "abort":
+                out = {rid: self._abort_one(rid) for rid in op.rids}
+                self.records.append({"op": i, "what": "action", "kind": "abort", "at_s": t, "status": out})
+                return
+            held = self.handles.get(op.after)
+            if held is None:
+                raise NemesisError(f"op {i}: release of op {op.after}, which was never armed")
+            held.release()
+            self.records.append({"op": i, "what": "action", "kind": "release", "of": op.after, "at_s": t})
+            return
+        with self._lock:
+            self.handles[i] = h
+        self.records.append({"op": i, "what": "armed", "injector": op.injector, "kind": op.kind, "at_s": t,
+                             "id": getattr(h, "id", None)})
+
+    def _abort_one(self, rid: str):
+        if self._abort is not None:
+            return self._abort(self.cluster, rid)
+        if self.cluster is None:  # the default: POST /abort_request to both servers
+            raise NemesisError("an abort action needs the cluster")
+        return abort_on_both(self.cluster, rid)
+
+    def _wait_for(self, i: int, j: int) -> None:
+        """Op ``i`` waits until op ``j`` armed and, for a hold or park, parked a request."""
+        deadline = self.clock() + self.wait_s
+        while j not in self.handles:
+            if self.stop.is_set() or self.clock() > deadline:
+                raise NemesisError(f"op {i} waits for op {j}, which was not armed within {self.wait_s} s")
+            self.stop.wait(0.02)
+        dep = self.ops[j]
+        if dep.injector == "agent" and dep.kind in ("hold", "park"):
+            left = max(0.0, deadline - self.clock())
+            try:
+                self.kit.agent.wait_event(dep.role, "fault_fired", timeout=left, fault=self.handles[j].id, phase="held")
+            except TimeoutError:
+                raise NemesisError(f"op {i} waits for op {j} ({dep.kind} on {dep.role}) to park a request: "
+                                   f"nothing parked within {self.wait_s} s") from None
+
+    def _heal_one(self, i: int) -> None:
+        with self._lock:
+            h = self.handles.get(i)
+            if h is None or i in self.healed:
+                return
+            self.healed.add(i)
+        heal = getattr(h, "heal", None)
+        if heal is not None:
+            heal()
+        self.records.append({"op": i, "what": "healed", "at_s": round(self.clock() - self.t0, 3)})
+
+    def _need(self, what: str):
+        need = getattr(self.kit, "need", None)
+        if need is not None:
+            return need(what)
+        got = getattr(self.kit, what, None)
+        if got is None:
+            raise NemesisError(f"the scenario needs the {what!r} injector, and the kit has none")
+        return got
+
+    # ------------------------------------------------------------------ rollback
+    def heal(self) -> list[str]:
+        """Stop the timeline and heal every op still armed, newest first; every heal is tried. Returns
+        the errors (empty when all healed)."""
+        self.stop.set()
+        errors = []
+        for i in sorted(self.handles, reverse=True):
+            try:
+                self._heal_one(i)
+            except Exception as e:  # noqa: BLE001 - heal the others, report every failure
+                errors.append(f"op {i} ({self.ops[i].injector} {self.ops[i].kind}): heal failed: {e!r}")
+        return errors
+
+
+# --------------------------------------------------------------------------- checkers
+def check_spec(checker) -> dict:
+    """A built checker (``kvchaos.oracles``) as a scenario's ``checks`` entry: its name and the options
+    bound at its construction. Differential's reference (outputs) becomes the rids it covers; an
+    isolation floor other than the default is refused (the schema has no field for it yet)."""
+    name = checker.name
+    if name not in CHECKS:
+        raise ScenarioError(f"checker {name!r}: a scenario can name {sorted(CHECKS)}")
+    out = {"name": name}
+    for k, v in vars(checker).items():
+        if k.startswith("_"):
+            continue
+        if name == "differential" and k == "reference":
+            rids = sorted(v) if isinstance(v, dict) else getattr(v, "rids", None)
+            if not rids:
+                raise ScenarioError("checker differential: its reference names no plans (build it with "
+                                    "kvchaos.suite.single_server_reference, which says which it serves)")
+            out["reference_rids"] = list(rids)
+            continue
+        if k == "floor":
+            if v != oracles.DEFAULT_FLOOR:
+                raise ScenarioError(f"checker {name}: a sensitivity floor other than the default ({v!r}) "
+                                    "is not in the scenario schema")
+            continue
+        if k in CHECKS[name]:
+            out[k] = v
+    return out
+
+
+
+
+def build_checks(scenario: Scenario, reference_server=None) -> list:
+    """The scenario's checkers, built (``kvchaos.oracles``) with their options; ``differential``'s
+    reference is its plans served alone by ``reference_server`` (a clean single server) when it judges."""
+    plans = {p.rid: p for p in scenario.traffic.request_plans()}
+    out = []
+    for c in scenario.checks:
+        n, opts = c["name"], {k: v for k, v in c.items() if k != "name"}
+        if n == "differential":
+            if reference_server is None:
+                raise ScenarioError("checks: differential needs a reference server (a clean single server)")
+            out.append(oracles.Differential(single_server_reference(reference_server,
+                                                                    [plans[r] for r in opts["reference_rids"]])))
+            continue
+        cls = {"isolation": oracles.Isolation, "sensitivity": oracles.Sensitivity,
+               "http_semantics": oracles.HttpSemantics, "liveness": oracles.Liveness,
+               "kv_lifecycle": oracles.KVLifecycle, "abort_semantics": oracles.AbortSemantics,
+               "retraction": oracles.Retraction, "cache_isolation": oracles.CacheIsolation,
+               "timing_isolation": oracles.TimingIsolation}[n]
+        out.append(cls(**opts))
+    return out

@@ -1,0 +1,411 @@
+"""The scenario schema (kvchaos.workload.scenario): every fault kind, toxic, process fault, action,
+deployment knob and checker round-trips through JSON; bad documents are refused by field; the kind
+tables agree with the injectors' own registries; a run's log becomes its nemesis schedule; the
+schedule arms, waits and heals on time and always heals; every experiment writes its scenario."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import threading
+import time
+
+import pytest
+
+from faults.agent import control as agent_control
+from faults.proxy import toxics
+from kvchaos.cluster.spec import ClusterSpec
+from kvchaos.oracles import (AbortSemantics, CacheIsolation, Differential, HttpSemantics, Isolation, KVLifecycle,
+                             Liveness, Retraction, Sensitivity, SensitivityFloor, TimingIsolation)
+from kvchaos.schedule import NemesisError, Schedule, build_checks, check_spec
+from kvchaos.workload import Workload
+from kvchaos.workload.plan import RequestPlan
+from kvchaos.workload.scenario import (AGENT_KINDS, CHECKS, LIVE_KNOBS, PLAN_FIELDS, PROCESS_KINDS, RESTART_KNOBS,
+                                       SCHEMA, TOXIC_TYPES, Deployment, Op, Scenario, ScenarioError, Traffic,
+                                       nemesis_from_log, plan_dict)
+
+
+def _plans(n=4):
+    return Workload(5, n_tenants=3, prefix="sc").mix(n)
+
+
+def _scenario(**kw) -> Scenario:
+    plans = _plans()
+    base = dict(name="s", seed=5, traffic=Traffic([plan_dict(p) for p in plans], 4, 30.0, "router"),
+                checks=[{"name": "isolation"}, {"name": "liveness", "bound_s": 30.0}])
+    base.update(kw)
+    return Scenario(**base)
+
+
+def _roundtrip(sc: Scenario) -> Scenario:
+    back = Scenario.from_json(sc.to_json())
+    assert back.to_dict() == sc.validate().to_dict()
+    assert back.to_json() == Scenario.from_json(back.to_json()).to_json()  # stable
+    return back
+
+
+# ------------------------------------------------------------------ the tables agree with the injectors
+def test_agent_kinds_are_the_agents_registry():
+    assert set(AGENT_KINDS) == set(agent_control.FAULT_KINDS)
+    for knob, (_role, kind, _param, _t, _lo) in LIVE_KNOBS.items():
+        assert kind in agent_control.FAULT_KINDS, knob
+
+
+def test_toxic_types_are_the_proxys():
+    assert set(TOXIC_TYPES) == set(toxics.TOXIC_TYPES)
+    for t, attrs in TOXIC_TYPES.items():
+        assert set(attrs) == set(toxics.TOXIC_TYPES[t]), t
+
+
+def test_plan_fields_are_request_plans():
+    assert set(PLAN_FIELDS) == {f.name for f in dataclasses.fields(RequestPlan)}
+
+
+def test_checks_take_the_checkers_options():
+    built = {"isolation": Isolation(), "sensitivity": Sensitivity(), "http_semantics": HttpSemantics(),
+             "liveness": Liveness(bound_s=5), "kv_lifecycle": KVLifecycle(), "abort_semantics": AbortSemantics(),
+             "retraction": Retraction(), "cache_isolation": CacheIsolation(), "timing_isolation": TimingIsolation()}
+    assert set(built) | {"differential"} == set(CHECKS)
+    for name, c in built.items():
+        opts = {k for k in vars(c) if not k.startswith("_") and k != "floor"}
+        assert opts == set(CHECKS[name]), name
+
+
+# ------------------------------------------------------------------ round trips
+@pytest.mark.parametrize("kind", AGENT_KINDS)
+def test_every_agent_kind_round_trips(kind):
+    plans = _plans()
+    op = Op(at_s=0.5, injector="agent", role="prefill", kind=kind, target={"rid": plans[0].rid},
+            params={"ms": 250, "nested": {"a": [1, 2.5, None]}}, count=3, heal_s=2.0)
+    sc = _roundtrip(_scenario(traffic=Traffic([plan_dict(p) for p in plans]), nemesis=[op]))
+    assert sc.nemesis[0] == op
+
+
+@pytest.mark.parametrize("ttype", sorted(TOXIC_TYPES))
+def test_every_toxic_round_trips(ttype):
+    params = {a: 7 for a in TOXIC_TYPES[ttype]} | {"seed": 11}
+    op = Op(at_s=1.0, injector="proxy", kind=ttype, proxy="client", stream="upstream", toxicity=0.25, params=params)
+    assert _roundtrip(_scenario(nemesis=[op])).nemesis[0] == op
+
+
+@pytest.mark.parametrize("kind", PROCESS_KINDS)
+def test_every_process_fault_round_trips(kind):
+    op = Op(at_s=3.0, injector="process", kind=kind, role="decode", heal_s=9.0)
+    assert _roundtrip(_scenario(nemesis=[op])).nemesis[0] == op
+
+
+def test_actions_round_trip():
+    plans = _plans()
+    hold = Op(at_s=0, injector="agent", role="prefill", kind="hold", target={"rid": plans[1].rid})
+    abort = Op(at_s=0, injector="action", kind="abort", rids=[plans[1].rid], after=0)
+    release = Op(at_s=0.5, injector="action", kind="release", after=0)
+    sc = _roundtrip(_scenario(traffic=Traffic([plan_dict(p) for p in plans]), nemesis=[hold, abort, release]))
+    assert sc.nemesis == [hold, abort, release]
+
+
+@pytest.mark.parametrize("knob", sorted(RESTART_KNOBS))
+def test_every_restart_knob_round_trips(knob):
+    t, allowed, _ = RESTART_KNOBS[knob]
+    v = {"engine_version": "0.5.19", "layout": "mla-p64-bf16"}.get(knob, allowed[-1] if allowed else
+                                                                     (True if t is bool else 1024 if t is int else "x"))
+    sc = _roundtrip(_scenario(deployment=Deployment({knob: v}, {})))
+    assert sc.deployment.restart == {knob: v}
+
+
+@pytest.mark.parametrize("knob", sorted(LIVE_KNOBS))
+def test_every_live_knob_round_trips_and_becomes_an_agent_op(knob):
+    role, kind, param, t, _lo = LIVE_KNOBS[knob]
+    v = t(256)
+    sc = _roundtrip(_scenario(deployment=Deployment({}, {knob: v})))
+    (op,) = sc.ops()
+    assert (op.injector, op.role, op.kind, op.params[param], op.at_s, op.knob) == ("agent", role, kind, v, 0.0, knob)
+    if kind == "retract":
+        assert op.params["interval"] == 0  # the reservation alone, no test-trigger retraction
+
+
+def test_every_check_round_trips():
+    plans = _plans()
+    checks = [{"name": n} for n in CHECKS if n not in ("liveness", "differential")]
+    checks += [{"name": "liveness", "bound_s": 12.0, "pool_tolerance_tokens": 3},
+               {"name": "differential", "reference_rids": [plans[0].rid]}]
+    sc = _roundtrip(_scenario(traffic=Traffic([plan_dict(p) for p in plans]), checks=checks,
+                              expect={"isolation": "pass", "liveness": "fail"}))
+    assert [c["name"] for c in sc.checks] == [c["name"] for c in checks]
+
+
+def test_built_checkers_come_back_as_the_same_checks():
+    plans = _plans()
+    ref = lambda events: {}  # noqa: E731 - a reference that names its plans, as single_server_reference's do
+    ref.rids = [plans[0].rid]
+    built = [Isolation(partial_len=6), Liveness(bound_s=20, pool_tolerance_tokens=2), Retraction(min_retractions=4),
+             CacheIsolation(min_hits=2, min_cross=1), TimingIsolation(alpha=0.01, min_n=9), Differential(ref)]
+    specs = [check_spec(c) for c in built]
+    sc = _roundtrip(_scenario(traffic=Traffic([plan_dict(p) for p in plans]), checks=specs))
+    again = build_checks(sc, reference_server=object())
+    assert [check_spec(c) for c in again] == specs
+
+
+def test_a_checker_the_schema_cannot_say_is_refused_by_name():
+    with pytest.raises(ScenarioError, match="floor"):
+        check_spec(Isolation(floor=SensitivityFloor(min_samples=3)))
+    with pytest.raises(ScenarioError, match="names no plans"):
+        check_spec(Differential(lambda events: {}))
+    with pytest.raises(ScenarioError, match="reference server"):
+        build_checks(_scenario(checks=[{"name": "differential", "reference_rids": [_plans()[0].rid]}]))
+
+
+def test_plans_come_back_as_request_plans():
+    plans = _plans(6)
+    plans[3].after = plans[1].rid
+    plans[2].abort_after_ms = 120.0
+    sc = _roundtrip(_scenario(traffic=Traffic([plan_dict(p) for p in plans], via="pd")))
+    assert sc.traffic.request_plans() == plans
+
+
+def test_save_and_load(tmp_path):
+    sc = _scenario()
+    p = sc.save(tmp_path / "x.scenario.json")
+    assert Scenario.load(p).to_dict() == sc.to_dict()
+    d = tmp_path / "run"
+    d.mkdir()
+    sc.save(d)
+    assert Scenario.load(d).digest() == sc.digest()
+
+
+def test_digest_is_content_only():
+    a, b = _scenario(), _scenario(name="other", origin={"test": "x"})
+    assert a.digest() == b.digest()
+    assert a.digest() != _scenario(seed=6).digest()
+
+
+# ------------------------------------------------------------------ refused, by field
+def _doc(**patch):
+    d = _scenario(nemesis=[Op(at_s=0, injector="agent", role="prefill", kind="delay", params={"ms": 5})]).to_dict()
+    for k, v in patch.items():
+        cur = d
+        keys = k.split("__")
+        for kk in keys[:-1]:
+            cur = cur[int(kk)] if kk.isdigit() else cur[kk]
+        cur[keys[-1]] = v
+    return d
+
+
+@pytest.mark.parametrize("patch, where", [
+    ({"schema": "kvchaos.scenario/2"}, "newer kvchaos"),
+    ({"schema": None}, "schema=None"),
+    ({"colour": 1}, r"unknown field\(s\) \['colour'\]"),
+    ({"name": "a/b"}, "name='a/b'"),
+    ({"seed": "7"}, "seed='7': must be an integer"),
+    ({"nemesis__0__kind": "explode"}, r"nemesis\[0\].kind='explode'"),
+    ({"nemesis__0__role": "router"}, r"nemesis\[0\].role='router'"),
+    ({"nemesis__0__at_s": -1}, r"nemesis\[0\].at_s=-1"),
+    ({"nemesis__0__heal_s": 0}, r"nemesis\[0\].heal_s=0"),
+    ({"nemesis__0__count": 0}, r"nemesis\[0\].count=0"),
+    ({"nemesis__0__target": {"rid": "x", "tenant": "t"}}, "exactly one"),
+    ({"nemesis__0__target": {"rid_regex": "("}}, "not a regular expression"),
+    ({"nemesis__0__target": {"rid": "nobody"}}, "no plan's rid"),
+    ({"nemesis__0__params": {"ms": float("inf")}}, "finite"),
+    ({"nemesis__0__stream": "up"}, r"unknown field\(s\) \['stream'\]"),
+    ({"traffic__concurrency": 0}, "concurrency=0"),
+    ({"traffic__via": "carrier pigeon"}, "traffic.via"),
+    ({"traffic__timeout_s": True}, "timeout_s=True"),
+    ({"traffic__plans__0__endpoint": "grpc"}, r"plans\[0\].endpoint='grpc'"),
+    ({"traffic__plans__1__after": "later"}, r"plans\[1\].after='later'"),
+    ({"traffic__plans__0__colour": 1}, r"plans\[0\]: unknown"),
+    ({"checks": [{"name": "isolation"}, {"name": "isolation"}]}, "given twice"),
+    ({"checks": [{"name": "liveness"}]}, "needs bound_s"),
+    ({"checks": [{"name": "isolation", "partial_len": "8"}]}, "partial_len='8'"),
+    ({"checks": [{"name": "oracle of delphi"}]}, r"checks\[0\].name"),
+    ({"expect": {"sensitivity": "pass"}}, "no check named"),
+    ({"expect": {"isolation": "green"}}, "expect.isolation='green'"),
+    ({"deployment": {"restart": {"pool_tokens": 0}}}, "pool_tokens=0"),
+    ({"deployment": {"restart": {"layout": "mha-p3-fp8"}}}, "restart.layout"),
+    ({"deployment": {"restart": {"engine_version": "latest"}}}, "engine_version='latest'"),
+    ({"deployment": {"restart": {"router": "nginx"}}}, "restart.router='nginx'"),
+    ({"deployment": {"restart": {"warp": 9}}}, r"unknown field\(s\) \['warp'\]"),
+    ({"deployment": {"live": {"decode_reservation": 0}}}, "decode_reservation=0"),
+    ({"deployment": {"live": {"chunked_prefill": 1.5}}}, "chunked_prefill=1.5"),
+])
+def test_bad_documents_are_refused_by_field(patch, where):
+    with pytest.raises(ScenarioError, match=where):
+        Scenario.from_dict(_doc(**patch))
+
+
+def test_actions_are_refused_without_what_they_need():
+    plans = _plans()
+    traffic = Traffic([plan_dict(p) for p in plans])
+    delay = Op(at_s=0, injector="agent", role="prefill", kind="delay")
+    for ops, msg in [([Op(at_s=0, injector="action", kind="abort", rids=[])], "non-empty list"),
+                     ([Op(at_s=0, injector="action", kind="abort", rids=["ghost"])], "no plan's rid"),
+                     ([delay, Op(at_s=0, injector="action", kind="release", after=0)], "hold or park"),
+                     ([Op(at_s=0, injector="action", kind="release", after=0)], "index of an earlier op"),
+                     ([Op(at_s=0, injector="action", kind="abort", rids=[plans[0].rid], after=1), delay],
+                      "index of an earlier op")]:
+        with pytest.raises(ScenarioError, match=msg):
+            _scenario(traffic=traffic, nemesis=ops).validate()
+
+
+def test_not_json_and_missing_file(tmp_path):
+    with pytest.raises(ScenarioError, match="not JSON"):
+        Scenario.from_json("{", "x.json")
+    with pytest.raises(ScenarioError, match="no such scenario file"):
+        Scenario.load(tmp_path / "nope.json")
+
+
+# ------------------------------------------------------------------ deployment <-> cluster spec
+def test_restart_knobs_set_the_spec_and_read_back_from_it():
+    base = ClusterSpec.load("cpu")
+    dep = Deployment({"pool_tokens": 1024, "context_length": 8192, "allow_auto_truncate": True,
+                      "decode_radix_cache": True, "chunked_prefill_size": 256, "retraction_backup": "none",
+                      "deferred_release": False, "router": "mini-lb"}, {})
+    spec = dataclasses.replace(base, **dep.spec_overrides(base))
+    assert "--allow-auto-truncate" in spec.common_args and spec.prefill_args[-2:] == ["--chunked-prefill-size", "256"]
+    assert spec.decode_args.count("--disaggregation-decode-retraction-backup") == 1  # the profile's value replaced
+    assert spec.env["SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE"] == "0"
+    back = Deployment.from_spec(spec)
+    assert {k: back.restart[k] for k in dep.restart} == dep.restart
+    assert dep.differs(back) == []
+    assert Deployment({"pool_tokens": 4096}, {}).differs(back) == ["pool_tokens: the scenario wants 4096, the cluster has 1024"]
+    assert Deployment({"pool_tokens": 1024}, {}).restart_key() != Deployment({"pool_tokens": 2048}, {}).restart_key()
+
+
+# ------------------------------------------------------------------ a run's log -> its schedule
+def test_the_log_becomes_the_schedule_it_carried_out():
+    t0 = 1000.0
+    recs = [
+        {"ev": "fault", "action": "armed", "injector": "agent", "fault": "hold-1", "kind": "hold", "role": "prefill",
+         "target": {"rid": "r1"}, "params": {"max_hold_s": 30, "seed": 4}, "count": None, "at": t0 - 0.2},
+        {"ev": "fault", "action": "armed", "injector": "agent", "fault": "delay-2", "kind": "delay", "role": "prefill",
+         "target": {"any": True}, "params": {"ms": 50}, "count": None, "at": t0 + 1.0},
+        {"ev": "fault", "action": "abort_request", "kind": "abort", "rid": "r1", "held": True, "at": t0 + 1.5},
+        {"ev": "fault", "action": "released", "fault": "hold-1", "kind": "hold", "target": {"rid": "r1"}, "at": t0 + 2.0},
+        {"ev": "fault", "action": "healed", "fault": "delay-2", "kind": "delay", "at": t0 + 3.0},
+        {"ev": "fault", "action": "armed", "injector": "proxy", "fault": "lat-3", "kind": "latency", "proxy": "client",
+         "stream": "downstream", "toxicity": 0.5, "attributes": {"latency": 100, "seed": 2}, "at": t0 + 4.0},
+        {"ev": "fault", "injector": "process", "action": "fired", "kind": "sigkill", "role": "prefill", "at": t0 + 5.0},
+        {"ev": "fault", "injector": "process", "action": "healed", "kind": "restart", "role": "prefill", "at": t0 + 9.0},
+        {"ev": "fault", "action": "healed", "fault": "hold-1", "kind": "hold", "at": t0 + 20.0},  # the rollback
+        {"ev": "end", "rid": "r1", "wall": t0 + 10},
+    ]
+    ops = nemesis_from_log(recs, t0, t_end=t0 + 10.0)
+    assert [(o.injector, o.kind, o.at_s, o.heal_s, o.after) for o in ops] == [
+        ("agent", "hold", 0.0, None, None), ("agent", "delay", 1.0, 3.0, None), ("action", "abort", 1.5, None, 0),
+        ("action", "release", 2.0, None, 0), ("proxy", "latency", 4.0, None, None), ("process", "kill", 5.0, 9.0, None)]
+    assert ops[1].target is None and ops[0].target == {"rid": "r1"} and ops[3].rids == ["r1"]
+    plans = [plan_dict(RequestPlan(rid="r1", tenant="t000", prompt="x"))]
+    _roundtrip(_scenario(traffic=Traffic(plans), nemesis=ops))
+
+
+# ------------------------------------------------------------------ the schedule, with a kit of stand-ins
+class _Handle:
+    def __init__(self, log, kind):
+        self.log, self.kind, self.id = log, kind, f"{kind}-{len(log)}"
+        self.healed = False
+
+    def heal(self):
+        if not self.healed:
+            self.healed = True
+            self.log.append(("heal", self.id, time.monotonic()))
+
+    def release(self):
+        self.log.append(("release", self.id, time.monotonic()))
+
+
+class _Agent:
+    def __init__(self, log, park_after_s=0.05, never_parks=False):
+        self.log, self.park_after_s, self.never_parks = log, park_after_s, never_parks
+
+    def arm(self, role, kind, target=None, params=None, count=None):
+        h = _Handle(self.log, kind)
+        self.log.append(("arm", h.id, time.monotonic()))
+        return h
+
+    def wait_event(self, role, ev, timeout=30.0, **match):
+        if self.never_parks:
+            time.sleep(min(timeout, 0.2))
+            raise TimeoutError("never")
+        time.sleep(self.park_after_s)
+        return {"ev": ev, **match}
+
+
+class _Kit:
+    def __init__(self, **kw):
+        self.log = []
+        self.agent = _Agent(self.log, **kw)
+        self.net = None
+        self.proc = None
+
+
+def test_ops_are_armed_on_time_healed_at_heal_s_and_the_rest_in_the_rollback():
+    plans = _plans()
+    sc = _scenario(traffic=Traffic([plan_dict(p) for p in plans]), deployment=Deployment({}, {"decode_reservation": 64}),
+                   nemesis=[Op(at_s=0, injector="agent", role="prefill", kind="hold", target={"rid": plans[0].rid}),
+                            Op(at_s=0.3, injector="agent", role="decode", kind="delay", heal_s=0.5),
+                            Op(at_s=0, injector="action", kind="abort", rids=[plans[0].rid], after=1),
+                            Op(at_s=0.05, injector="action", kind="release", after=1)])
+    kit, aborted = _Kit(), []
+    s = Schedule(sc.ops(), kit, cluster="c", abort=lambda c, rid: aborted.append((rid, time.monotonic())) or 200)
+    s.start()
+    assert [x[0] for x in kit.log] == ["arm", "arm"]  # the knob and the hold: due at 0, before traffic
+    t0 = s.t0
+    s.run()
+    arms = [x for x in kit.log if x[0] == "arm"]
+    assert len(arms) == 3 and 0.28 < arms[2][2] - t0 < 0.5  # the delay at 0.3 s
+    heals = [x for x in kit.log if x[0] == "heal"]
+    assert [h[1] for h in heals] == [arms[2][1]] and 0.48 < heals[0][2] - t0 < 0.7  # healed at its heal_s
+    assert aborted and aborted[0][0] == plans[0].rid and aborted[0][1] - t0 >= 0.05  # after the hold parked
+    assert any(x[0] == "release" for x in kit.log)
+    assert s.heal() == []
+    assert {h[1] for h in kit.log if h[0] == "heal"} == {a[1] for a in arms}  # every op healed, once
+
+
+def test_a_wait_that_never_ends_is_an_error_naming_both_ops_and_heal_still_heals():
+    plans = _plans()
+    ops = [Op(at_s=0, injector="agent", role="prefill", kind="hold", target={"rid": plans[0].rid}),
+           Op(at_s=0, injector="action", kind="abort", rids=[plans[0].rid], after=0)]
+    kit = _Kit(never_parks=True)
+    s = Schedule(ops, kit, cluster="c", wait_s=0.2, abort=lambda c, rid: 200)
+    with pytest.raises(NemesisError, match="op 1 waits for op 0"):
+        s.run()
+    assert s.heal() == [] and all(h.healed for h in s.handles.values())
+
+
+def test_stop_ends_the_timeline_and_heal_reports_every_failure():
+    ops = [Op(at_s=0, injector="agent", role="prefill", kind="delay"),
+           Op(at_s=0, injector="agent", role="decode", kind="delay"),
+           Op(at_s=30, injector="agent", role="decode", kind="fail")]
+    kit = _Kit()
+    s = Schedule(ops, kit)
+    th = threading.Thread(target=s.run)
+    th.start()
+    time.sleep(0.1)
+    s.stop.set()
+    th.join(2)
+    assert not th.is_alive() and len(s.handles) == 2  # the op at 30 s never armed
+
+    def boom():
+        raise RuntimeError("agent gone")
+    s.handles[0].heal = boom
+    errs = s.heal()
+    assert len(errs) == 1 and "op 0" in errs[0] and s.handles[1].healed
+
+
+def test_an_injector_the_kit_lacks_is_named():
+    s = Schedule([Op(at_s=0, injector="proxy", kind="latency", proxy="client", stream="downstream", toxicity=1.0)],
+                 _Kit())
+    with pytest.raises(NemesisError, match="'net'"):
+        s.start()
+
+
+def test_schema_constant_is_versioned():
+    assert SCHEMA == "kvchaos.scenario/1"
+    assert json.loads(_scenario().to_json())["schema"] == SCHEMA
+
+
+def test_a_record_that_is_no_op_is_said_not_dropped_silently():
+    skipped = []
+    recs = [{"ev": "fault", "action": "armed", "injector": "proxy", "fault": "lat-1", "kind": "latency", "at": 5.0},
+            {"ev": "fault", "action": "armed", "injector": "agent", "fault": "x-2", "kind": "teleport", "role": "prefill",
+             "target": {"any": True}, "params": {}, "at": 6.0}]
+    assert nemesis_from_log(recs, 0.0, 10.0, skipped=skipped) == []
+    assert len(skipped) == 2 and "lat-1" in skipped[0] and "teleport" in skipped[1]
