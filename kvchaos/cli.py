@@ -19,6 +19,8 @@ its subparser, options and body; this builds the parser from them and runs the o
                                                         engine failures per run and per 1,000 requests
   kvchaos judge  LOG [LOG ...] [--bound-s S] [--accept-known] [--checkers A,B] [--json]
                                                         judge event logs on disk with the default checkers
+  kvchaos fuzz   [--budget D] [--seed N] [--corpus DIR] [--strategy guided|random|both] [--engine-version V]
+                 | --replay SCENARIO [--times N]        search scenarios for engine bugs: KNOWN or NEW, with repros
 
 Configuration: ``--config FILE`` (a TOML file with a ``[kvchaos]`` or ``[tool.kvchaos]`` table, or the
 keys at top level); without it ``[tool.kvchaos]`` of ./pyproject.toml. Flags override the file. Every
@@ -29,7 +31,8 @@ Exit status: ``run``/``repro`` pytest's; ``bisect`` 0 every trial measured, 3 so
 ``report`` 0 pass or accepted KNOWN only, 1 fail, 3 unknown or no chaos verdict (``kvchaos.policy.EXIT``); ``replay`` 0 every repetition
 reproduced, 1 not; ``shrink`` 0 shrunk, 1 the failure did not re-run; ``digests`` 0 no scenario's plans differ between the runs, 1 some do; ``soak`` 0 no test red
 in any run, 1 otherwise; ``judge`` 0 every log PASS (or KNOWN accepted), 1 any log FAIL,
-3 otherwise (UNKNOWN, or KNOWN not accepted); 2 for bad input everywhere. docs/reference/cli.md has
+3 otherwise (UNKNOWN, or KNOWN not accepted); ``fuzz`` 0 no NEW find confirmed, 1 one was (``--replay``:
+1 when a run's verdicts differ from the first's); 2 for bad input everywhere. docs/reference/cli.md has
 every command's options; :mod:`kvchaos.commands.judge` how ``judge`` judges.
 """
 

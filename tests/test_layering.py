@@ -44,7 +44,7 @@ LAYERS = {
     "checkers": ["kvchaos.oracles"],
     "nemesis": ["faults"],
     "policy": ["kvchaos.policy"],
-    "runner": ["kvchaos.experiment", "kvchaos.schedule", "kvchaos.selftest", "kvchaos.shrink", "kvchaos.releases", "kvchaos.suite",
+    "runner": ["kvchaos.experiment", "kvchaos.schedule", "kvchaos.fuzz", "kvchaos.selftest", "kvchaos.shrink", "kvchaos.releases", "kvchaos.suite",
                "kvchaos.audit", "kvchaos.provoke"],
     "report": ["kvchaos.report", "kvchaos.replay", "kvchaos.soak"],
     "face": ["kvchaos.plugin", "kvchaos.commands", "kvchaos.cli", "kvchaos.__main__"],

@@ -10,6 +10,6 @@ Every module here is imported for ``kvchaos --help``: heavy imports (the cluster
 rich, aiohttp) stay inside the ``run`` functions that need them.
 """
 
-from kvchaos.commands import audit, bisect, digests, judge, replay, report, repro, run, shrink, soak, up
+from kvchaos.commands import audit, bisect, digests, fuzz, judge, replay, report, repro, run, shrink, soak, up
 
-COMMANDS = (up, run, repro, bisect, audit, report, replay, shrink, digests, soak, judge)
+COMMANDS = (up, run, repro, bisect, audit, report, replay, shrink, digests, soak, judge, fuzz)

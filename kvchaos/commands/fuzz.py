@@ -1,0 +1,173 @@
+"""``kvchaos fuzz``: search the space of deployments, traffic and fault schedules for engine behaviour no
+suite names (:mod:`kvchaos.fuzz`). Exit status: 0 nothing NEW was confirmed, 1 a NEW find was confirmed
+(or, with ``--replay``, the scenario's non-PASS verdicts did not come back in every run), 2 bad input."""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from pathlib import Path
+
+from kvchaos.commands._common import REPO, UsageError, subparser, usage_errors
+
+NAME = "fuzz"
+HELP = "search scenarios (deployment x traffic x faults) for engine bugs: KNOWN or NEW, with repros"
+DESCRIPTION = " ".join("""
+Generates and mutates scenarios, runs them on reused clusters grouped by deployment, keeps those whose
+engine events show a new state, and triages every verdict that is not PASS against the findings
+registry (KNOWN) or as NEW (confirmed by reruns and a control, written to OUT/finds/). --strategy both
+runs guided then random with the same budget and seed and prints them side by side. --replay FILE runs
+one scenario --times times, each on a fresh cluster.
+""".split())
+_UNITS = {"s": 1, "m": 60, "h": 3600}
+
+
+def parse_budget(text: str) -> float:
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([smh]?)\s*", str(text))
+    if not m or float(m.group(1)) <= 0:
+        raise UsageError(f"--budget {text!r}: a positive duration such as 90s, 30m or 1h")
+    return float(m.group(1)) * _UNITS[m.group(2) or "s"]
+
+
+def add_parser(sub, cfg: dict):
+    sp = subparser(sub, NAME, help=HELP, description=DESCRIPTION)
+    sp.add_argument("--budget", default="3m", help="wall time of the search, e.g. 90s, 30m, 1h [3m]")
+    sp.add_argument("--seed", type=int, default=1)
+    sp.add_argument("--corpus", help="corpus directory to resume and grow (default: OUT/corpus)")
+    sp.add_argument("--engine-version", help="an SGLang release (its environment: scripts/setup-engine.sh)")
+    sp.add_argument("--strategy", choices=("guided", "random", "both"), default="guided")
+    sp.add_argument("--profile", default=cfg.get("profile", "cpu"))
+    sp.add_argument("--layout", help="a KV layout (default: the profile's own)")
+    sp.add_argument("--out", help="output directory (default: reports/fuzz/<stamp>)")
+    sp.add_argument("--replay", metavar="SCENARIO", help="run this scenario.json instead of searching")
+    sp.add_argument("--times", type=int, default=3, help="with --replay: runs, each on a fresh cluster [3]")
+    return sp
+
+
+def launch(profile: str, layout: str | None, workdir: Path, say=print):
+    """``(start, stop)`` for :class:`kvchaos.fuzz.loop.Clusters`: a cluster of the profile with a
+    deployment's restart knobs, the in-engine agent and the fault proxy, its own planted-leak self-test
+    gating the policy (a cluster whose model cannot show a leak never passes anything)."""
+    import dataclasses
+
+    # imported here: the cluster, the fault proxy and the engines are heavy, and ``kvchaos --help``
+    # imports every command module
+    from faults import AGENT_MODULE, FaultKit, open_network_proxy
+    from kvchaos.cluster import Cluster, ClusterSpec
+    from kvchaos.cluster.layouts import apply, parse
+    from kvchaos.policy import Policy, load_policy_table
+    from kvchaos.releases import engine_python
+    from kvchaos.selftest import planted_leak_selftest
+    from kvchaos.workload import EventLog
+
+    spec0 = ClusterSpec.load(profile)
+    if layout:
+        spec0 = ClusterSpec.from_dict(apply(spec0.to_dict(), parse(layout)), source=f"{profile} + {layout}")
+    prof = Path(profile) if str(profile).endswith(".toml") else REPO / "kvchaos" / "profiles" / f"{profile}.toml"
+    table = load_policy_table(prof)
+    n = {"i": 0}
+
+    def start(dep):
+        spec = spec0
+        if dep.restart.get("layout"):
+            spec = ClusterSpec.from_dict(apply(spec.to_dict(), parse(dep.restart["layout"])), source="fuzz")
+        spec = dataclasses.replace(spec, **dep.spec_overrides(spec))
+        if dep.restart.get("engine_version"):
+            spec = dataclasses.replace(spec, engine_python=engine_python(dep.restart["engine_version"]))
+        n["i"] += 1
+        wd = workdir / f"cluster-{n['i']}"
+        t0 = time.monotonic()
+        c = Cluster(spec, wd, proxy_factory=open_network_proxy, agent_module=AGENT_MODULE).start()
+        try:
+            policy = Policy(accept_known=table.get("accept_known", False))
+            policy.selftest = planted_leak_selftest(c, wd, policy)
+            kit = FaultKit(c, EventLog())
+        except BaseException:
+            c.stop()
+            raise
+        say(f"cluster {n['i']} up in {time.monotonic() - t0:.0f} s ({dep.restart_key()}); planted-leak "
+            f"self-test: {(policy.selftest or {}).get('status')}")
+        return c, kit, policy
+
+    def stop(cur):
+        c, kit, _policy = cur
+        try:
+            kit.heal_all()
+        finally:
+            c.stop()
+
+    return start, stop
+
+
+def run(args) -> int:
+    # imported here: the cluster, the fault proxy and the engines are heavy, and ``kvchaos --help``
+    # imports every command module
+    from kvchaos.fuzz.corpus import Corpus, CorpusError
+    from kvchaos.fuzz.loop import Clusters, Fuzzer, FuzzError, table
+    from kvchaos.policy import Registry
+    from kvchaos.workload.scenario import Deployment, Scenario, ScenarioError
+
+    with usage_errors("fuzz", ScenarioError, CorpusError, FuzzError):
+        budget = parse_budget(args.budget)
+        if args.times < 1:
+            raise UsageError(f"--times {args.times}: at least 1")
+        out = Path(args.out) if args.out else REPO / "reports" / "fuzz" / time.strftime("%Y%m%d-%H%M%S")
+        out.mkdir(parents=True, exist_ok=True)
+        if args.replay:
+            return _replay(Scenario.load(args.replay), args, out)
+        registry = Registry.load()
+        runs = []
+        for strategy in (("guided", "random") if args.strategy == "both" else (args.strategy,)):
+            sub = out / strategy if args.strategy == "both" else out
+            corpus = Corpus(args.corpus or sub / "corpus")
+            start, stop = launch(args.profile, args.layout, sub / "clusters")
+            clusters = Clusters(start, stop)
+            first = start_base(clusters, Deployment({"engine_version": args.engine_version} if args.engine_version
+                                                    else {}, {}))
+            print(f"kvchaos fuzz: {strategy}, budget {budget:.0f} s, seed {args.seed}, corpus {corpus.dir} "
+                  f"({len(corpus)} entries{', resumed' if corpus.resumed else ''}); out {sub}", flush=True)
+            fz = Fuzzer(clusters=clusters, base=first, registry=registry, out=sub, corpus=corpus, seed=args.seed,
+                        budget_s=budget, strategy=strategy, engine_version=args.engine_version,
+                        say=lambda m: print(m, flush=True))
+            runs.append(fz.run())
+        print(table(runs))
+        (out / "summary.txt").write_text(table(runs) + "\n")
+        confirmed = [s for r in runs for s, n in r["new"].items() if n.get("confirmed")]
+        print(f"kvchaos fuzz: {sum(r['execs'] for r in runs)} scenarios run; known findings "
+              f"{sorted({k for r in runs for k in r['known']})}; NEW confirmed {confirmed}; {out}")
+        return 1 if confirmed else 0
+
+
+def start_base(clusters, dep):
+    """Start the first cluster and read the numbers the search's edges come from off its engines."""
+    from kvchaos.fuzz.grammar import Base  # imported here: see run
+
+    (cluster, _kit, _policy), _ = clusters.get(dep)
+    return Base.of_cluster(cluster)
+
+
+def _replay(sc, args, out: Path) -> int:
+    """Run one scenario ``--times`` times, each on a fresh cluster of its deployment; reproduced when
+    every run's non-PASS verdicts are the first run's (a PASS scenario: PASS every time)."""
+    import functools
+
+    from kvchaos.experiment import Experiment, run_scenario  # imported here: see run
+
+    start, stop = launch(args.profile, args.layout, out / "clusters")
+    seen = []
+    for i in range(args.times):
+        cur = start(sc.deployment)
+        c, kit, policy = cur
+        try:
+            ex = run_scenario(functools.partial(Experiment, cluster=c, run_dir=out / f"replay-{i + 1}", faults=kit,
+                                                policy=policy, test_id=f"fuzz-replay::{sc.name}"), sc, kit, c)
+            got = {v.oracle: v.status for v in ex.verdicts if v.status != "pass"}
+        finally:
+            stop(cur)
+        seen.append(got)
+        print(f"replay {i + 1}/{args.times}: {got or 'every verdict PASS'}", flush=True)
+    same = sum(g == seen[0] for g in seen)
+    (out / "replay.json").write_text(json.dumps({"scenario": sc.digest(), "runs": seen, "same_as_first": same}, indent=1))
+    print(f"kvchaos fuzz --replay: {same}/{args.times} runs gave the first run's verdicts; {out}")
+    return 0 if same == args.times else 1

@@ -1,0 +1,309 @@
+"""The search space as a weighted grammar: :func:`generate` draws a whole scenario, :func:`mutate`
+changes one part of a corpus entry, :func:`splice` joins the traffic of one entry with the nemesis of
+another. Every draw comes from the ``random.Random`` it is given: the same seed, the same scenarios.
+
+What it draws (:data:`WEIGHTS` says how often):
+
+- **deployment** — live knobs mostly (prefill's input limit, chunked-prefill size, decode's
+  deferred-release timeout and per-request reservation: free on a running cluster), restart knobs
+  rarely (pool vs context, ``--allow-auto-truncate``, decode's radix cache, the retraction backup: each
+  new combination is a cluster start, which the loop schedules);
+- **traffic** — 2-12 tenants, 6-40 plans over every request kind and endpoint, shared prefixes and
+  salts, prompt lengths at the deployment's edges (decode's admission edge ``pool − reservation``,
+  prefill's input limit, the pool, the context) as well as inside them, aborts and disconnects,
+  through the router or straight to prefill and decode;
+- **nemesis** — timed agent faults (delay, fail, short, hold, park, stall_status_read), proxy
+  toxics on the client and server legs, process stop/kill of a role, and aborts of held requests.
+
+It never arms a planted engine bug (``AGENT_MUTATIONS``): the search looks for the engine's own.
+"""
+
+from __future__ import annotations
+
+import copy
+import random
+
+from kvchaos.workload import Workload
+from kvchaos.workload.snapshots import server_field
+from kvchaos.workload.scenario import (AGENT_MUTATIONS, LIVE_KNOBS, TOXIC_TYPES, Deployment, Op, Scenario, Traffic,
+                                       plan_dict)
+
+PARK_STAGES = ("decode_prealloc", "prefill_waiting", "decode_waiting")  # faults.wire.PARK_STAGES
+FAULTS = {"delay": 5, "fail": 2, "short": 2, "hold": 2, "park": 2, "stall_status_read": 1}
+TOXICS = {"latency": 3, "slicer": 1, "limit_data": 1, "reset_peer": 1, "timeout": 1, "bandwidth": 1, "slow_close": 1}
+WEIGHTS = {
+    "live_knob": 0.5,      # per live knob: chance it is set
+    "restart_knob": 0.08,  # per restart knob: chance it differs from the base deployment
+    "oversized": 0.35,     # chance a scenario sends prompts at the deployment's edges
+    "abort": 0.2,          # share of abort/disconnect kinds in the mix
+    "stream": 0.25,
+    "salts": 0.4,          # chance tenants carry cache salts
+    "via_pd": 0.25,        # straight to prefill + decode (SGLang's mini load balancer's way)
+    "agent_ops": (0, 4),   # how many agent faults
+    "proxy_ops": (0, 2),
+    "process_op": 0.08,    # chance of a stop or kill of a role
+}
+MUTATORS = {"knob": 3, "op_param": 4, "op_time": 3, "add_op": 3, "drop_op": 2, "traffic": 3, "restart_knob": 1}
+
+
+class Base:
+    """The deployment a search starts from (a running cluster's numbers: pool, context, reservation,
+    input limit, page size), which the edges are computed from."""
+
+    def __init__(self, pool: int = 2048, context: int = 4096, reservation: int = 512, input_limit: int | None = None,
+                 page_size: int = 1, restart: dict | None = None):
+        self.pool, self.context, self.reservation, self.page_size = pool, context, reservation, page_size
+        self.input_limit = input_limit if input_limit is not None else pool - 6
+        self.restart = dict(restart or {})
+
+    def edges(self, dep: Deployment) -> list[int]:
+        """Prompt lengths where the engine changes path: each limit, one under and one over it."""
+        pool = dep.restart.get("pool_tokens", self.pool)
+        ctx = dep.restart.get("context_length", self.context)
+        res = dep.live.get("decode_reservation", self.reservation)
+        lim = dep.live.get("prefill_input_limit", min(self.input_limit, pool - 6))
+        out = set()
+        for e in (pool - res, lim, pool, ctx, (pool + ctx) // 2):
+            out |= {e - 1, e, e + 1}
+        return sorted(x for x in out if 64 <= x <= 2 * ctx)
+
+    def expect(self, n: int, dep: Deployment) -> str:
+        """What the deployment's published limits say a prompt of ``n`` tokens gets (as
+        ``suites/test_oversized_prompt.py`` labels them): ``answer`` up to decode's admission edge,
+        ``hang_band`` between it and prefill's input limit, ``reject`` from the limit on."""
+        pool = dep.restart.get("pool_tokens", self.pool)
+        res = dep.live.get("decode_reservation", self.reservation)
+        lim = dep.live.get("prefill_input_limit", min(self.input_limit, pool - 6))
+        if n <= min(pool - res, lim):
+            return "answer"
+        return "hang_band" if n < lim else "reject"
+
+    @classmethod
+    def of_cluster(cls, cluster) -> "Base":
+        """The numbers a running cluster reports (``/server_info``), not the profile's."""
+        pf, dc = cluster.server_info("prefill"), cluster.server_info("decode")
+        spec = cluster.spec
+        return cls(pool=min(server_field(pf, "max_total_num_tokens"), server_field(dc, "max_total_num_tokens")),
+                   context=server_field(dc, "context_length"), reservation=server_field(dc, "num_reserved_decode_tokens"),
+                   input_limit=min(server_field(pf, "max_req_input_len"), server_field(dc, "max_req_input_len")),
+                   page_size=spec.page_size)
+
+
+def _knobs(rng: random.Random, base: Base, restart_p: float, live_p: float) -> Deployment:
+    live = {}
+    for k in LIVE_KNOBS:
+        if rng.random() < live_p:
+            live[k] = {"prefill_input_limit": lambda: rng.choice((256, 512, 1024, base.input_limit - 256)),
+                       "chunked_prefill": lambda: base.page_size * rng.choice((16, 64, 128, 256)),
+                       "deferred_release_timeout_s": lambda: rng.choice((0.5, 1.0, 3.0)),
+                       "decode_reservation": lambda: rng.choice((16, 64, 128, 256))}[k]()
+    restart = dict(base.restart)
+    if rng.random() < restart_p:
+        restart["allow_auto_truncate"] = not restart.get("allow_auto_truncate", False)
+    if rng.random() < restart_p:
+        restart["decode_radix_cache"] = not restart.get("decode_radix_cache", False)
+    if rng.random() < restart_p:
+        restart["pool_tokens"] = rng.choice((1024, 2048, 3072))
+    return Deployment(restart, live)
+
+
+def _traffic(rng: random.Random, base: Base, dep: Deployment, seed: int) -> Traffic:
+    n_tenants = rng.randint(2, 12)
+    # salts from the scenario's seed, not Workload's per-object nonce: the same seed draws the same scenario
+    salts = {f"t{i:03d}": f"fz{seed}-{i}" for i in range(n_tenants)} if rng.random() < WEIGHTS["salts"] else None
+    wl = Workload(seed, n_tenants=n_tenants, prefix=f"fz{seed % 100000}-", salts=salts, page_size=base.page_size)
+    ab = WEIGHTS["abort"]
+    weights = {"plain": 1 - ab - WEIGHTS["stream"], "stream": WEIGHTS["stream"], "abort_after": ab / 2,
+               "disconnect_before_first_token": ab / 2}
+    n = rng.randint(6, 40)
+    hi = max(128, min(dep.restart.get("pool_tokens", base.pool) - dep.live.get("decode_reservation", base.reservation),
+                      900))
+    plans = wl.mix(n, weights=weights, lengths=(64, hi), endpoints=("generate", "generate", "completions", "chat"))
+    if rng.random() < WEIGHTS["oversized"]:
+        victim = rng.choice(wl.tenants)
+        for size in rng.sample(base.edges(dep), k=min(3, len(base.edges(dep)))):
+            label = base.expect(size, dep)
+            p = wl.request(victim, "oversized" if label == "reject" else "plain", n_tokens=size, n_canaries=3)
+            p.extra["probe"] = label
+            plans.insert(rng.randrange(len(plans) + 1), p)
+        _fix_order(plans)
+    return Traffic([plan_dict(p) for p in plans], concurrency=rng.choice((2, 4, 8, 16)),
+                   timeout_s=30.0, via="pd" if rng.random() < WEIGHTS["via_pd"] else "router")
+
+
+def _fix_order(plans) -> None:
+    """A plan that waits for another (``after``) must come after it: move the waiting one there."""
+    seen = set()
+    i = 0
+    while i < len(plans):
+        p = plans[i]
+        if p.after is not None and p.after not in seen:
+            j = next(k for k, q in enumerate(plans) if q.rid == p.after)
+            plans.insert(j + 1, plans.pop(i))
+            continue
+        seen.add(p.rid)
+        i += 1
+
+
+def _agent_op(rng: random.Random, rids: list[str], tenants: list[str], horizon: float) -> Op:
+    kind = rng.choices(list(FAULTS), list(FAULTS.values()))[0]
+    role = "decode" if kind == "park" and rng.random() < 0.7 else "prefill"
+    target = rng.choice(({"rid": rng.choice(rids)}, {"tenant": rng.choice(tenants)}, None))
+    params = {"delay": lambda: {"ms": rng.choice((20, 100, 300, 1000)), "jitter_ms": rng.choice((0, 50))},
+              "fail": dict, "short": lambda: {"pages": rng.choice((0, 1, 2))},
+              "hold": lambda: {"max_hold_s": rng.choice((1, 3, 10))},
+              "park": lambda: {"stage": rng.choice(PARK_STAGES)},
+              "stall_status_read": lambda: {"ms": rng.choice((50, 200))}}[kind]()
+    if kind == "park":
+        role = {"decode_prealloc": "decode", "decode_waiting": "decode", "prefill_waiting": "prefill"}[params["stage"]]
+    at = 0.0 if rng.random() < 0.5 else round(rng.uniform(0, horizon), 2)
+    heal = round(at + rng.uniform(0.5, horizon), 2) if rng.random() < 0.3 else None
+    count = rng.choice((None, 1, 3)) if target is not None else rng.choice((None, 2))
+    return Op(at_s=at, heal_s=heal, injector="agent", role=role, kind=kind, target=target, params=params, count=count)
+
+
+def _proxy_op(rng: random.Random, horizon: float) -> Op:
+    kind = rng.choices(list(TOXICS), list(TOXICS.values()))[0]
+    params = {a: rng.choice({"latency": (50, 200), "jitter": (0, 50), "rate": (64, 512), "delay": (10, 100),
+                             "timeout": (200, 1000), "bytes": (200, 2000), "average_size": (16, 256),
+                             "size_variation": (0, 8)}[a]) for a in TOXIC_TYPES[kind]}
+    at = round(rng.uniform(0, horizon / 2), 2)
+    return Op(at_s=at, heal_s=round(at + rng.uniform(1, horizon), 2), injector="proxy", kind=kind,
+              proxy=rng.choice(("client", "client", "prefill", "decode")), stream=rng.choice(("downstream", "upstream")),
+              toxicity=rng.choice((0.1, 0.3, 1.0)), params=params)
+
+
+def _nemesis(rng: random.Random, traffic: Traffic) -> list[Op]:
+    rids = [p["rid"] for p in traffic.plans]
+    tenants = sorted({p["tenant"] for p in traffic.plans})
+    horizon = 2.0 + len(rids) * 0.3
+    ops = [_agent_op(rng, rids, tenants, horizon) for _ in range(rng.randint(*WEIGHTS["agent_ops"]))]
+    ops += [_proxy_op(rng, horizon) for _ in range(rng.randint(*WEIGHTS["proxy_ops"]))]
+    if rng.random() < WEIGHTS["process_op"]:
+        at = round(rng.uniform(0.5, horizon), 2)
+        kind = rng.choice(("stop", "kill"))
+        ops.append(Op(at_s=at, heal_s=round(at + rng.uniform(1, 5), 2), injector="process", kind=kind,
+                      role=rng.choice(("prefill", "decode"))))
+    for i, op in enumerate(list(ops)):  # abort some requests a hold or park has parked
+        if op.kind in ("hold", "park") and op.target and "rid" in op.target and rng.random() < 0.5:
+            ops.append(Op(at_s=0.0, injector="action", kind="abort", rids=[op.target["rid"]], after=i))
+    return ops
+
+
+def generate(rng: random.Random, base: Base, name: str, restart_p: float | None = None) -> Scenario:
+    """A whole scenario drawn from the grammar."""
+    seed = rng.randrange(1, 2**31)
+    dep = _knobs(rng, base, WEIGHTS["restart_knob"] if restart_p is None else restart_p, WEIGHTS["live_knob"])
+    traffic = _traffic(rng, base, dep, seed)
+    sc = Scenario(name=name, seed=seed, deployment=dep, traffic=traffic, nemesis=_nemesis(rng, traffic),
+                  checks=default_checks(traffic), origin={"by": "generate"})
+    return sc.validate()
+
+
+def default_checks(traffic: Traffic) -> list[dict]:
+    """Every oracle that needs nothing but the log (the policy adds the leak checkers that always run)."""
+    bound = traffic.timeout_s + 5
+    return [{"name": "isolation"}, {"name": "http_semantics"}, {"name": "liveness", "bound_s": bound},
+            {"name": "kv_lifecycle"}, {"name": "abort_semantics"}]
+
+
+# ------------------------------------------------------------------ mutation
+def mutate(rng: random.Random, sc: Scenario, base: Base, name: str) -> Scenario:
+    """One change to ``sc``: a knob, an op's parameter or time, an op added or dropped, the traffic
+    redrawn in part, rarely a restart knob."""
+    new = Scenario.from_dict(copy.deepcopy(sc.to_dict()))
+    new.name, new.origin = name, {"by": "mutate", "parent": sc.digest()}
+    how = rng.choices(list(MUTATORS), list(MUTATORS.values()))[0]
+    if how in ("op_param", "op_time", "drop_op") and not new.nemesis:
+        how = "add_op"
+    if how == "knob":
+        k = rng.choice(list(LIVE_KNOBS))
+        if k in new.deployment.live and rng.random() < 0.4:
+            del new.deployment.live[k]
+        else:
+            new.deployment.live[k] = _knobs(random.Random(rng.random()), base, 0.0, 1.0).live[k]
+    elif how == "restart_knob":
+        new.deployment = Deployment(_knobs(rng, base, 1.0, 0.0).restart, new.deployment.live)
+    elif how == "op_param":
+        i = rng.randrange(len(new.nemesis))
+        op = new.nemesis[i]
+        rids = [p["rid"] for p in new.traffic.plans]
+        if op.injector == "agent":
+            new.nemesis[i] = _keep_links(op, _agent_op(rng, rids, sorted({p["tenant"] for p in new.traffic.plans}), 10.0))
+        elif op.injector == "proxy":
+            new.nemesis[i] = _keep_time(op, _proxy_op(rng, 10.0))
+    elif how == "op_time":
+        op = new.nemesis[rng.randrange(len(new.nemesis))]
+        op.at_s = round(max(0.0, op.at_s * rng.choice((0.0, 0.5, 2.0)) + rng.uniform(0, 1)), 2)
+        if op.heal_s is not None and op.heal_s <= op.at_s:
+            op.heal_s = round(op.at_s + 1.0, 2)
+    elif how == "drop_op":
+        _drop(new, rng.randrange(len(new.nemesis)))
+    elif how == "add_op":
+        new.nemesis.append(_agent_op(rng, [p["rid"] for p in new.traffic.plans],
+                                     sorted({p["tenant"] for p in new.traffic.plans}), 10.0))
+    else:  # traffic: redraw it, keeping the ops whose targets survive
+        t = _traffic(rng, base, new.deployment, new.seed or 1)
+        keep = {p["rid"] for p in t.plans}
+        new.traffic = t
+        new.nemesis = [o for o in new.nemesis if not _names_missing(o, keep)]
+        _reindex(new)
+        new.checks = default_checks(t)
+    return new.validate()
+
+
+def _keep_links(old: Op, new: Op) -> Op:
+    new.at_s, new.heal_s = old.at_s, old.heal_s
+    if old.kind in ("hold", "park") and new.kind not in ("hold", "park"):
+        return old  # an abort waits on this op: keep its kind
+    return new
+
+
+def _keep_time(old: Op, new: Op) -> Op:
+    new.at_s, new.heal_s = old.at_s, old.heal_s
+    return new
+
+
+def _names_missing(op: Op, rids: set) -> bool:
+    if op.rids and any(r not in rids for r in op.rids):
+        return True
+    return bool(op.target and "rid" in op.target and op.target["rid"] not in rids)
+
+
+def _drop(sc: Scenario, i: int) -> None:
+    """Remove op ``i`` and every op that waits for it; the rest keep pointing at the same ops."""
+    gone = {i} | {j for j, o in enumerate(sc.nemesis) if o.after == i}
+    sc.nemesis = [o if j not in gone else None for j, o in enumerate(sc.nemesis)]
+    _reindex(sc)
+
+
+def _reindex(sc: Scenario) -> None:
+    """Drop ``None`` entries and ops whose ``after`` lost its op; renumber the rest's ``after``."""
+    old = sc.nemesis
+    new_index, out = {}, []
+    for j, o in enumerate(old):
+        if o is None or (o.after is not None and o.after not in new_index):
+            continue
+        new_index[j] = len(out)
+        if o.after is not None:
+            o.after = new_index[o.after]
+        out.append(o)
+    sc.nemesis = out
+
+
+def splice(rng: random.Random, a: Scenario, b: Scenario, name: str) -> Scenario:
+    """``a``'s deployment and traffic with ``b``'s agent and proxy ops retargeted onto ``a``'s requests."""
+    new = Scenario.from_dict(copy.deepcopy(a.to_dict()))
+    new.name, new.origin = name, {"by": "splice", "parents": [a.digest(), b.digest()]}
+    rids = [p["rid"] for p in new.traffic.plans]
+    tenants = sorted({p["tenant"] for p in new.traffic.plans})
+    for o in b.nemesis:
+        if o.injector not in ("agent", "proxy") or o.mutation or o.kind in AGENT_MUTATIONS:
+            continue
+        o = copy.deepcopy(o)
+        if o.target and "rid" in o.target:
+            o.target = {"rid": rng.choice(rids)}
+        elif o.target and "tenant" in o.target:
+            o.target = {"tenant": rng.choice(tenants)}
+        new.nemesis.append(o)
+    return new.validate()

@@ -1,0 +1,285 @@
+"""The fuzz loop: generate or mutate a scenario, run it on a cluster of its deployment, keep it if the
+engines did something new, triage what is not PASS, and confirm, shrink and write up what is NEW.
+
+Clusters (:class:`Clusters`) are the expensive part: a scenario whose restart knobs differ from the
+running cluster's waits in a queue of its deployment until that queue is worth a restart
+(:data:`SWITCH_AFTER` scenarios), or the running deployment went :data:`STALE_AFTER` runs without a new
+feature; otherwise the loop runs what fits the cluster it has. Live knobs cost nothing: they are agent
+ops of the scenario.
+
+``strategy="random"`` uses the same generator with no feedback (every scenario drawn fresh, the corpus
+only counts coverage), so guidance can be measured against it with the same budget and seed.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import random
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kvchaos.experiment import Experiment, run_scenario
+from kvchaos.policy.core import is_leak_checker
+from kvchaos.workload.scenario import Deployment, Scenario
+
+from .corpus import Corpus
+from .feedback import features
+from .grammar import Base, generate, mutate, splice
+from .triage import Find, triage
+
+SWITCH_AFTER = 3
+STALE_AFTER = 12
+MUTATE_P = 0.8
+SPLICE_P = 0.15
+CONFIRM_RUNS = 3  # a NEW find must show its mechanism again in 2 of 3 runs
+CONFIRM_NEEDED = 2
+
+
+class FuzzError(RuntimeError):
+    pass
+
+
+@dataclass
+class Stats:
+    execs: int = 0
+    restarts: int = 0
+    errors: int = 0
+    blind: int = 0
+    timeline: list = field(default_factory=list)  # {t, execs, features, corpus, restarts, finds}
+    first_known: dict = field(default_factory=dict)  # finding id -> {t, scenario, oracle}
+    new: dict = field(default_factory=dict)  # signature -> {...}
+
+
+class Clusters:
+    """One running cluster at a time, for one deployment; ``start(deployment)`` returns
+    ``(cluster, kit, policy)``, ``stop()`` stops it. The default is :func:`launch_clusters`."""
+
+    def __init__(self, start, stop):
+        self._start, self._stop = start, stop
+        self.key: str | None = None
+        self.current = None
+
+    def get(self, dep: Deployment):
+        if self.current is not None and dep.restart_key() == self.key:
+            return self.current, False
+        self.close()
+        self.current = self._start(dep)
+        self.key = dep.restart_key()
+        return self.current, True
+
+    def close(self):
+        if self.current is not None:
+            try:
+                self._stop(self.current)
+            finally:
+                self.current, self.key = None, None
+
+
+class Fuzzer:
+    def __init__(self, *, clusters: Clusters, base: Base, registry, out: Path, corpus: Corpus, seed: int,
+                 budget_s: float, strategy: str = "guided", clock=time.monotonic, say=print,
+                 engine_version: str | None = None):
+        if strategy not in ("guided", "random"):
+            raise FuzzError(f"strategy {strategy!r}: guided or random")
+        if budget_s <= 0:
+            raise FuzzError(f"budget {budget_s} s: must be > 0")
+        self.clusters, self.base, self.registry = clusters, base, registry
+        self.out, self.corpus = Path(out), corpus
+        self.rng = random.Random(seed)
+        self.seed, self.budget_s, self.strategy = seed, budget_s, strategy
+        self.clock, self.say = clock, say
+        self.stats = Stats()
+        self.queues: dict[str, list[Scenario]] = {}
+        self.since_new = 0
+        self.engine_version = engine_version
+        self.t0 = None
+        self.out.mkdir(parents=True, exist_ok=True)
+
+    # ------------------------------------------------------------------ the loop
+    def elapsed(self) -> float:
+        return self.clock() - self.t0
+
+    def run(self) -> dict:
+        self.t0 = self.clock()
+        try:
+            while self.elapsed() < self.budget_s:
+                sc = self._next()
+                self._exec(sc)
+        finally:
+            self.clusters.close()
+        return self.summary()
+
+    def _name(self) -> str:
+        return f"fz{self.stats.execs:05d}"
+
+    def _draw(self) -> Scenario:
+        name = self._name()
+        if self.strategy == "guided" and len(self.corpus) and self.rng.random() < MUTATE_P:
+            parent = self.corpus.pick(self.rng)
+            if len(self.corpus) > 1 and self.rng.random() < SPLICE_P:
+                return splice(self.rng, parent, self.corpus.pick(self.rng), name)
+            return mutate(self.rng, parent, self.base, name)
+        return generate(self.rng, self.base, name)
+
+    def _next(self) -> Scenario:
+        """A scenario for the running cluster if there is one; a deployment change only when its queue
+        is worth it (module doc)."""
+        for _ in range(50):
+            sc = self._draw()
+            if self.engine_version:
+                sc.deployment.restart["engine_version"] = self.engine_version
+            key = sc.deployment.restart_key()
+            if self.clusters.key is None or key == self.clusters.key:
+                return sc
+            q = self.queues.setdefault(key, [])
+            q.append(sc)
+            if len(q) >= SWITCH_AFTER or self.since_new >= STALE_AFTER:
+                self.since_new = 0
+                return q.pop(0)
+        # nothing drawn fits: run the longest queue
+        key = max(self.queues, key=lambda k: len(self.queues[k]))
+        return self.queues[key].pop(0)
+
+    def _exec(self, sc: Scenario) -> None:
+        (cluster, kit, policy), started = self.clusters.get(sc.deployment)
+        if started:
+            self.stats.restarts += 1
+        run_dir = self.out / "execs"
+        t = self.elapsed()
+        try:
+            ex = self._run(sc, cluster, kit, policy, run_dir)
+        except Exception as e:  # noqa: BLE001 - a scenario the engines or faults refused: counted, not fatal
+            self.stats.errors += 1
+            self.say(f"  {sc.name}: not run: {type(e).__name__}: {str(e)[:200]}")
+            self.stats.execs += 1
+            self.clusters.close()  # whatever broke, the next scenario gets a fresh cluster
+            return
+        self.stats.execs += 1
+        # both strategies count coverage the same way; only guided draws from what the corpus kept
+        kept = self.corpus.add(sc, features(ex.events), t, run=str(ex.path))
+        self.since_new = 0 if kept else self.since_new + 1
+        finds = triage(ex.verdicts, ex.context(), self.registry, ex.events)
+        for f in finds:
+            self._note(f, sc, ex, t, cluster, kit, policy, run_dir)
+        self.stats.timeline.append({"t": round(self.elapsed(), 1), "execs": self.stats.execs,
+                                    "features": len(self.corpus.seen), "corpus": len(self.corpus),
+                                    "restarts": self.stats.restarts, "known": len(self.stats.first_known),
+                                    "new": len(self.stats.new)})
+        verdicts = {v.oracle: v.status for v in ex.verdicts}
+        self.say(f"  {sc.name} [{self.elapsed():6.0f} s] {len(sc.traffic.plans)} plans, {len(sc.nemesis)} ops"
+                 f"{', kept' if kept else ''}: {verdicts}"
+                 + "".join(f"  {f.kind.upper()} {f.finding or f.signature} ({f.oracle})" for f in finds if f.kind != "blind"))
+
+    def _run(self, sc, cluster, kit, policy, run_dir):
+        factory = functools.partial(Experiment, cluster=cluster, run_dir=run_dir, faults=kit, policy=policy,
+                                    test_id=f"fuzz::{sc.name}")
+        return run_scenario(factory, sc, kit, cluster)
+
+    # ------------------------------------------------------------------ finds
+    def _note(self, f: Find, sc, ex, t, cluster, kit, policy, run_dir) -> None:
+        if f.kind == "blind":
+            self.stats.blind += 1
+            return
+        if f.kind == "known":
+            if f.finding not in self.stats.first_known:
+                self.stats.first_known[f.finding] = {"t": round(t, 1), "scenario": sc.digest(), "oracle": f.oracle,
+                                                     "events": str(ex.path)}
+                self._write_find(f"known-{f.finding}", sc, f, ex)
+            return
+        if f.signature in self.stats.new:
+            self.stats.new[f.signature]["seen"] += 1
+            return
+        rec = {"t": round(t, 1), "oracle": f.oracle, "status": f.status, "mechanism": f.mechanism, "seen": 1,
+               "leak": is_leak_checker(f.oracle) and f.status == "fail", "scenario": sc.digest(),
+               "why_not_known": f.why_not_known}
+        self.stats.new[f.signature] = rec
+        rec.update(self._confirm(f, sc, cluster, kit, policy, run_dir))
+        self._write_find(f"new-{f.signature}", sc, f, ex, rec)
+
+    def _same(self, f: Find, ex) -> bool:
+        return any(g.signature == f.signature for g in triage(ex.verdicts, ex.context(), self.registry, ex.events))
+
+    def _confirm(self, f: Find, sc: Scenario, cluster, kit, policy, run_dir) -> dict:
+        """Rerun the scenario (2 of 3 must show the same mechanism, the first run counted) and its
+        control — the same traffic with no nemesis op and no live knob — which must not show it."""
+        again = 1
+        for i in range(CONFIRM_RUNS - 1):
+            if again >= CONFIRM_NEEDED:
+                break
+            try:
+                rerun = self._run(Scenario.from_dict({**sc.to_dict(), "name": f"{sc.name}-confirm{i + 1}"}), cluster,
+                                  kit, policy, run_dir)
+                again += self._same(f, rerun)
+            except Exception as e:  # noqa: BLE001
+                self.say(f"  confirm run of {sc.name} failed: {e}")
+        ctrl = Scenario.from_dict({**sc.to_dict(), "name": f"{sc.name}-control", "nemesis": [],
+                                   "deployment": {"restart": sc.deployment.restart, "live": {}}})
+        control_shows = None
+        try:
+            control_shows = self._same(f, self._run(ctrl, cluster, kit, policy, run_dir))
+        except Exception as e:  # noqa: BLE001
+            self.say(f"  control run of {sc.name} failed: {e}")
+        return {"reproduced": f"{again}/{CONFIRM_RUNS}", "confirmed": again >= CONFIRM_NEEDED,
+                "control_shows_it": control_shows, "control": ctrl.to_dict() if control_shows is False else None}
+
+    def _write_find(self, key: str, sc: Scenario, f: Find, ex, rec: dict | None = None) -> None:
+        d = self.out / "finds" / key
+        d.mkdir(parents=True, exist_ok=True)
+        sc.save(d / "scenario.json")
+        (d / "find.json").write_text(json.dumps({**f.to_dict(), **(rec or {}), "events": str(ex.path)}, indent=1,
+                                                default=str) + "\n")
+        lines = [f"# {f.kind.upper()}: {f.finding or f.signature} ({f.oracle} {f.status.upper()})", "",
+                 f.summary, "", "Mechanism (from the verdict's witnesses and the engines' events):", "",
+                 "```json", json.dumps(f.mechanism, indent=1), "```", "",
+                 f"Scenario: `scenario.json` (digest {sc.digest()}); its event log: `{ex.path}`.", "",
+                 f"Re-run it: `kvchaos fuzz --replay {d / 'scenario.json'}`"]
+        if rec:
+            lines += ["", f"Reproduced {rec.get('reproduced')}; the control (no faults, no live knobs) "
+                      f"showed it: {rec.get('control_shows_it')}."]
+            if f.why_not_known:
+                lines += ["", f"Why no registered finding covers it: {f.why_not_known}"]
+        (d / "BUG.md").write_text("\n".join(lines) + "\n")
+
+    # ------------------------------------------------------------------ the summary
+    def summary(self) -> dict:
+        el = max(self.elapsed(), 1e-9)
+        s = {"strategy": self.strategy, "seed": self.seed, "budget_s": self.budget_s, "elapsed_s": round(el, 1),
+             "execs": self.stats.execs, "execs_per_min": round(60 * self.stats.execs / el, 2),
+             "cluster_restarts": self.stats.restarts, "errors": self.stats.errors, "blind": self.stats.blind,
+             "features": len(self.corpus.seen), "corpus": len(self.corpus), "corpus_resumed": self.corpus.resumed,
+             "known": self.stats.first_known, "new": self.stats.new, "timeline": self.stats.timeline}
+        (self.out / "fuzz.json").write_text(json.dumps(s, indent=1, default=str) + "\n")
+        return s
+
+
+def table(runs: list[dict]) -> str:
+    """Side by side (guided vs random): executions, coverage, restarts, time to the first find of each
+    finding; and which is ahead, on distinct findings, then on coverage."""
+    ids = sorted({k for r in runs for k in r["known"]})
+    head = f"{'':34s}" + "".join(f"{r['strategy']:>14s}" for r in runs)
+    rows = [head,
+            f"{'executions (per minute)':34s}" + "".join(f"{r['execs']:>7d} ({r['execs_per_min']:4.1f})" for r in runs),
+            f"{'features (engine states seen)':34s}" + "".join(f"{r['features']:>14d}" for r in runs),
+            f"{'corpus':34s}" + "".join(f"{r['corpus']:>14d}" for r in runs),
+            f"{'cluster restarts':34s}" + "".join(f"{r['cluster_restarts']:>14d}" for r in runs),
+            f"{'distinct known findings':34s}" + "".join(f"{len(r['known']):>14d}" for r in runs),
+            f"{'NEW (confirmed)':34s}" + "".join(
+                f"{sum(1 for n in r['new'].values() if n.get('confirmed')):>14d}" for r in runs)]
+    for i in ids:
+        rows.append(f"  first {i[:30]:30s}" + "".join(
+            f"{(str(r['known'][i]['t']) + ' s') if i in r['known'] else '-':>14s}" for r in runs))
+    if len(runs) == 2:
+        a, b = runs
+        da, db = len(a["known"]), len(b["known"])
+        if da != db:
+            w = a if da > db else b
+            rows.append(f"ahead: {w['strategy']} on distinct findings ({max(da, db)} vs {min(da, db)})")
+        elif a["features"] != b["features"]:
+            w = a if a["features"] > b["features"] else b
+            rows.append(f"ahead: {w['strategy']} on coverage ({w['features']} vs "
+                        f"{min(a['features'], b['features'])} features), equal on distinct findings ({da})")
+        else:
+            rows.append("ahead: neither (same distinct findings and coverage)")
+    return "\n".join(rows)

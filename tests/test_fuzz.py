@@ -1,0 +1,267 @@
+"""kvchaos fuzz without a cluster: the grammar (deterministic, valid, covers the space, never plants a
+bug), mutation and splicing (always valid, links kept), the engine-state feedback, the corpus (keeps
+only the new, resumes, refuses damage by name), triage (KNOWN / NEW / blind, dedup by mechanism), and
+the loop's scheduling, confirmation and summary with a stand-in cluster."""
+
+from __future__ import annotations
+
+import json
+import random
+from types import SimpleNamespace
+
+import pytest
+
+from kvchaos.commands._common import UsageError
+from kvchaos.commands.fuzz import parse_budget
+from kvchaos.fuzz import loop as fuzz_loop
+from kvchaos.fuzz.corpus import Corpus, CorpusError
+from kvchaos.fuzz.feedback import features, request_states
+from kvchaos.fuzz.grammar import FAULTS, Base, generate, mutate, splice
+from kvchaos.fuzz.loop import Clusters, Fuzzer, table
+from kvchaos.fuzz.triage import mechanism, signature, triage
+from kvchaos.oracles import FAIL, PASS, UNKNOWN, Verdict
+from kvchaos.workload.scenario import AGENT_MUTATIONS, Deployment, Scenario
+
+BASE = Base(pool=2048, context=4096, reservation=512, input_limit=2042)
+
+
+def _many(n=120, seed=7):
+    rng = random.Random(seed)
+    return [generate(rng, BASE, f"g{i}") for i in range(n)]
+
+
+# ------------------------------------------------------------------ the grammar
+def test_same_seed_same_scenarios():
+    a = [s.to_dict() for s in _many(20, 3)]
+    b = [s.to_dict() for s in _many(20, 3)]
+    assert a == b and a != [s.to_dict() for s in _many(20, 4)]
+
+
+def test_generated_scenarios_cover_the_space_and_never_plant_a_bug():
+    scs = _many(200)
+    kinds = {o.kind for s in scs for o in s.nemesis if o.injector == "agent"}
+    assert set(FAULTS) <= kinds
+    assert not kinds & set(AGENT_MUTATIONS)
+    assert {o.injector for s in scs for o in s.nemesis} == {"agent", "proxy", "process", "action"}
+    assert {k for s in scs for k in s.deployment.live} == {"prefill_input_limit", "chunked_prefill",
+                                                          "deferred_release_timeout_s", "decode_reservation"}
+    restarts = sum(bool(s.deployment.restart) for s in scs)
+    assert 0 < restarts < len(scs) / 2  # deployment changes are drawn, and rarely
+    assert {s.traffic.via for s in scs} == {"router", "pd"}
+    labels = {p["extra"].get("probe") for s in scs for p in s.traffic.plans if p["extra"].get("probe")}
+    assert labels == {"answer", "hang_band", "reject"}
+    endpoints = {p["endpoint"] for s in scs for p in s.traffic.plans}
+    assert endpoints == {"generate", "completions", "chat"}
+    assert {p["kind"] for s in scs for p in s.traffic.plans} >= {"plain", "stream", "abort_after", "oversized"}
+
+
+def test_edge_labels_follow_the_deployments_limits():
+    dep = Deployment({}, {"decode_reservation": 64})
+    assert BASE.expect(1984, dep) == "answer" and BASE.expect(1985, dep) == "hang_band"
+    assert BASE.expect(2042, dep) == "reject"
+    assert BASE.expect(1537, Deployment()) == "hang_band" and BASE.expect(1536, Deployment()) == "answer"
+    assert 1535 in BASE.edges(Deployment()) and 4097 in BASE.edges(Deployment())
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_mutations_and_splices_stay_valid_and_keep_their_links(seed):
+    rng = random.Random(seed)
+    pool = _many(10, seed)
+    for i in range(150):
+        parent = rng.choice(pool)
+        child = (splice(rng, parent, rng.choice(pool), f"m{i}") if i % 5 == 0 else mutate(rng, parent, BASE, f"m{i}"))
+        assert child.validate() is not None
+        for j, op in enumerate(child.nemesis):
+            assert op.after is None or (op.after < j and child.nemesis[op.after].injector == "agent")
+        assert not any(o.mutation for o in child.nemesis)
+        assert child.origin["by"] in ("mutate", "splice")
+        pool.append(child)
+    assert len({s.digest() for s in pool}) > 100  # mutations change things
+
+
+# ------------------------------------------------------------------ feedback
+def _log(*agent, ends=()):
+    recs = [{"ev": "send", "rid": r, "wall": 1.0} for r, *_ in ends]
+    recs += [{"ev": "end", "rid": r, "status": st, "outcome": oc, "wall": 9.0} for r, st, oc in ends]
+    recs += [{"ev": "agent", "wall": w, **a} for w, a in agent]
+    return recs
+
+
+def test_engine_states_name_what_happened_to_each_request():
+    recs = _log((2.0, {"agent_ev": "kv_prealloc", "rid": "a", "total_prefix_len": 0, "dst_pages": [1, 2, 3]}),
+                (3.0, {"agent_ev": "kv_released", "rid": "a", "room": 7, "deferred_release_enabled": False}),
+                (4.0, {"agent_ev": "write_end", "rid": "a", "room": 7, "ret": 0}),
+                (2.5, {"agent_ev": "fault_fired", "rid": "b", "kind": "short"}),
+                (2.6, {"agent_ev": "prefix_match", "rid": "b", "cached_tokens": 64, "cache_salt": "x",
+                       "lookup_salt": "y"}),
+                ends=[("a", 200, "ok"), ("b", 200, "ok")])
+    st = request_states(recs)
+    assert "late_write=yes" in st["a"] and "release=immediate" in st["a"] and "status=2xx" in st["a"]
+    assert "xfer=short" in st["b"] and "cache_hit=other_salt" in st["b"]
+    f = features(recs)
+    assert "late_writes_band:1" in f and "in_flight_band:2" in f and "decode_pool_band:2" in f
+    assert features(recs) == f  # a function of the log
+
+
+def test_a_new_state_is_a_new_feature():
+    base = _log(ends=[("a", 200, "ok")])
+    more = _log((2.0, {"agent_ev": "kv_retracted", "rid": "a"}), ends=[("a", 200, "ok")])
+    assert features(more) - features(base)
+
+
+# ------------------------------------------------------------------ the corpus
+def test_the_corpus_keeps_only_what_is_new_and_resumes(tmp_path):
+    c = Corpus(tmp_path / "c")
+    a, b = _many(2)
+    assert c.add(a, {"x", "y"}, 1.0) and not c.add(b, {"x"}, 2.0) and c.add(b, {"x", "z"}, 3.0)
+    assert len(c) == 2 and set(c.seen) == {"x", "y", "z"}
+    again = Corpus(tmp_path / "c")
+    assert again.resumed and len(again) == 2 and set(again.seen) == {"x", "y", "z"}
+    assert again.pick(random.Random(1)).digest() in {a.digest(), b.digest()}
+    assert not again.add(a, {"y"}, 4.0)
+
+
+def test_a_damaged_corpus_is_refused_by_name(tmp_path):
+    c = Corpus(tmp_path / "c")
+    c.add(_many(1)[0], {"x"}, 1.0)
+    bad = next((tmp_path / "c" / "entries").glob("*.json"))
+    bad.write_text('{"scenario": {"schema": "kvchaos.scenario/9"}}')
+    with pytest.raises(CorpusError, match=bad.name):
+        Corpus(tmp_path / "c")
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "seen.json").write_text("{")
+    with pytest.raises(CorpusError, match="seen.json"):
+        Corpus(tmp_path / "d")
+    with pytest.raises(CorpusError, match="empty"):
+        Corpus(tmp_path / "e").pick(random.Random(0))
+
+
+# ------------------------------------------------------------------ triage
+class _Registry:
+    def __init__(self, known=None):
+        self.known = known or {}
+
+    def classify(self, v, ctx):
+        fid = self.known.get(v.oracle)
+        return (SimpleNamespace(id=fid), "matched") if fid else (None, "no finding covers it")
+
+
+def _v(oracle, status, witnesses=()):
+    return Verdict(oracle, status, f"{oracle} {status}", list(witnesses), {})
+
+
+def test_triage_known_new_and_blind():
+    w = [{"victim_rid": "r1", "owner_rid": "r2", "status": 200}]
+    vs = [_v("isolation", FAIL, w), _v("liveness", FAIL, [{"rid": "r3", "outcome": "timeout"}]),
+          _v("kv_lifecycle", UNKNOWN), _v("http_semantics", PASS)]
+    finds = triage(vs, None, _Registry({"liveness": "sglang-pd-hang-band"}), [])
+    assert [(f.oracle, f.kind, f.finding) for f in finds] == [("isolation", "new", None),
+                                                              ("liveness", "known", "sglang-pd-hang-band"),
+                                                              ("kv_lifecycle", "blind", None)]
+    assert finds[0].why_not_known == "no finding covers it"
+
+
+def test_the_same_mechanism_on_other_victims_is_one_find():
+    recs = [{"ev": "agent", "agent_ev": "fault_fired", "rid": r, "kind": "short"} for r in ("a", "c")]
+    one = _v("isolation", FAIL, [{"victim_rid": "a", "owner_rid": "b", "status": 200}])
+    two = _v("isolation", FAIL, [{"victim_rid": "c", "owner_rid": "d", "status": 200}])
+    other = _v("isolation", FAIL, [{"victim_rid": "c", "owner_rid": None, "origin": "unknown", "status": 200}])
+    assert signature(mechanism(one, recs)) == signature(mechanism(two, recs))
+    assert signature(mechanism(one, recs)) != signature(mechanism(other, recs))
+    assert mechanism(one, recs)["faults_on_victims"] == ["short:fired"]
+
+
+# ------------------------------------------------------------------ the loop, with stand-ins
+class _Clock:
+    def __init__(self):
+        self.t = 0.0
+
+    def __call__(self):
+        return self.t
+
+
+def _fuzzer(tmp_path, outcomes, strategy="guided", budget=100.0):
+    """A Fuzzer whose runs take 10 s of a fake clock and return ``outcomes(scenario)``: (features-making
+    records, verdicts)."""
+    clock = _Clock()
+    started = []
+    clusters = Clusters(lambda dep: started.append(dep.restart_key()) or ("cluster", "kit", "policy"),
+                        lambda cur: None)
+    fz = Fuzzer(clusters=clusters, base=BASE, registry=_Registry({"liveness": "sglang-pd-hang-band"}),
+                out=tmp_path / "out", corpus=Corpus(tmp_path / "corpus"), seed=5, budget_s=budget,
+                strategy=strategy, clock=clock, say=lambda m: None)
+
+    def run(sc, cluster, kit, policy, run_dir):
+        clock.t += 10.0
+        recs, verdicts = outcomes(sc)
+        return SimpleNamespace(events=recs, verdicts=verdicts, path=tmp_path / f"{sc.name}.events.jsonl",
+                               context=lambda: None)
+    fz._run = run
+    return fz, started
+
+
+def test_the_loop_spends_its_budget_counts_restarts_and_keeps_the_new(tmp_path):
+    def outcomes(sc):
+        recs = _log(*[(2.0, {"agent_ev": "fault_fired", "rid": "r", "kind": o.kind}) for o in sc.nemesis
+                      if o.injector == "agent"], ends=[("r", 200, "ok")])
+        return recs, [_v("isolation", PASS)]
+    fz, started = _fuzzer(tmp_path, outcomes)
+    s = fz.run()
+    assert s["execs"] == 10 and s["elapsed_s"] == 100.0 and s["execs_per_min"] == 6.0
+    assert s["cluster_restarts"] == len(started) >= 1 and 0 < s["corpus"] <= s["execs"]
+    assert len(s["timeline"]) == 10 and json.loads((tmp_path / "out" / "fuzz.json").read_text())["execs"] == 10
+
+
+def test_a_new_find_is_confirmed_by_reruns_and_a_control_and_written_up(tmp_path):
+    leak = [{"victim_rid": "v", "owner_rid": "o", "status": 200}]
+
+    def outcomes(sc):  # the leak needs the faults: the control (no ops) does not show it
+        bad = bool(sc.nemesis) or bool(sc.deployment.live)
+        return _log(ends=[("v", 200, "ok")]), [_v("isolation", FAIL if bad else PASS, leak if bad else [])]
+    fz, _ = _fuzzer(tmp_path, outcomes, budget=30.0)
+    s = fz.run()
+    (sig, rec), = s["new"].items()
+    assert rec["confirmed"] and rec["reproduced"] == "2/3" and rec["control_shows_it"] is False and rec["leak"]
+    d = tmp_path / "out" / "finds" / f"new-{sig}"
+    assert (d / "BUG.md").read_text().startswith("# NEW") and Scenario.load(d / "scenario.json")
+    assert json.loads((d / "find.json").read_text())["why_not_known"] == "no finding covers it"
+
+
+def test_a_known_finding_is_timed_once(tmp_path):
+    def outcomes(sc):
+        return _log(ends=[("r", None, "timeout")]), [_v("liveness", FAIL, [{"rid": "r", "outcome": "timeout"}])]
+    fz, _ = _fuzzer(tmp_path, outcomes, budget=50.0)
+    s = fz.run()
+    assert list(s["known"]) == ["sglang-pd-hang-band"] and s["known"]["sglang-pd-hang-band"]["t"] == 0.0
+    assert (tmp_path / "out" / "finds" / "known-sglang-pd-hang-band" / "BUG.md").exists() and not s["new"]
+
+
+def test_random_never_draws_from_the_corpus(tmp_path, monkeypatch):
+    monkeypatch.setattr(Corpus, "pick", lambda self, rng: pytest.fail("random strategy picked from the corpus"))
+    fz, _ = _fuzzer(tmp_path, lambda sc: (_log(ends=[("r", 200, "ok")]), [_v("isolation", PASS)]), strategy="random")
+    assert fz.run()["execs"] == 10
+
+
+def test_deployment_changes_wait_in_a_queue(tmp_path, monkeypatch):
+    monkeypatch.setattr(fuzz_loop, "SWITCH_AFTER", 2)
+    fz, started = _fuzzer(tmp_path, lambda sc: (_log(ends=[("r", 200, "ok")]), [_v("isolation", PASS)]), budget=300)
+    fz.run()
+    # every switch was queued for first; never one restart per odd scenario
+    assert len(started) <= 1 + fz.stats.execs // 2
+
+
+def test_the_side_by_side_table_says_who_is_ahead():
+    g = {"strategy": "guided", "execs": 10, "execs_per_min": 2.0, "features": 40, "corpus": 9, "cluster_restarts": 1,
+         "known": {"a": {"t": 5.0}, "b": {"t": 9.0}}, "new": {}}
+    r = {**g, "strategy": "random", "features": 30, "known": {"a": {"t": 7.0}}}
+    assert "ahead: guided on distinct findings (2 vs 1)" in table([g, r])
+    assert "ahead: guided on coverage (40 vs 30 features)" in table([g, {**r, "known": g["known"]}])
+
+
+def test_budget_parsing(capsys):
+    assert parse_budget("30m") == 1800 and parse_budget("90s") == 90 and parse_budget("1.5h") == 5400
+    assert parse_budget("45") == 45
+    for bad in ("0s", "-1m", "soon", "3 days"):
+        with pytest.raises(UsageError) as e:
+            parse_budget(bad)
+        assert e.value.code == 2 and f"--budget {bad!r}" in capsys.readouterr().err
