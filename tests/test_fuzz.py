@@ -265,3 +265,42 @@ def test_budget_parsing(capsys):
         with pytest.raises(UsageError) as e:
             parse_budget(bad)
         assert e.value.code == 2 and f"--budget {bad!r}" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------ shrinking
+def test_shrink_keeps_what_the_find_needs_and_drops_the_rest():
+    from kvchaos.fuzz.shrink import shrink
+    rng = random.Random(11)
+    sc = next(s for s in (generate(rng, BASE, f"s{i}") for i in range(200))
+              if len(s.traffic.plans) >= 12 and any(o.kind == "hold" and o.target and "rid" in (o.target or {})
+                                                    for o in s.nemesis))
+    hold = next(o for o in sc.nemesis if o.kind == "hold" and o.target and "rid" in o.target)
+    filler = [p["rid"] for p in sc.traffic.plans[:3]]  # the "earlier traffic that filled the pages"
+
+    def shows(cand):  # the find needs the hold and the three first plans
+        rids = {p["rid"] for p in cand.traffic.plans}
+        return any(o.kind == "hold" and o.target == hold.target for o in cand.nemesis) and set(filler) <= rids
+    small, stats = shrink(sc, shows, max_attempts=400, budget_s=1e9)
+    assert shows(small) and set(filler) <= {p["rid"] for p in small.traffic.plans}
+    assert len(small.traffic.plans) < len(sc.traffic.plans) and len(small.nemesis) <= len(sc.nemesis)
+    assert not small.deployment.live and stats["after"]["plans"] == len(small.traffic.plans)
+    assert small.origin["by"] == "shrink" and small.validate()
+
+
+def test_shrink_keeps_nothing_a_flaky_run_did_not_confirm():
+    from kvchaos.fuzz.shrink import shrink
+    sc = _many(1, 3)[0]
+    calls = {"n": 0}
+
+    def flaky(cand):  # shows the find every other run: no step may be accepted on one lucky run
+        calls["n"] += 1
+        return calls["n"] % 2 == 1
+    small, stats = shrink(sc, flaky, runs_per_attempt=2, max_attempts=60, budget_s=1e9)
+    assert small.digest() == sc.digest() and stats["accepted"] == []
+
+
+def test_shrink_stops_at_its_bounds():
+    from kvchaos.fuzz.shrink import shrink
+    sc = _many(1, 4)[0]
+    _small, stats = shrink(sc, lambda c: True, max_attempts=3, budget_s=1e9)
+    assert stats["attempts"] == 3

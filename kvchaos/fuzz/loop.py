@@ -27,6 +27,7 @@ from kvchaos.workload.scenario import Deployment, Scenario
 from .corpus import Corpus
 from .feedback import features
 from .grammar import Base, generate, mutate, splice
+from .shrink import shrink
 from .triage import Find, triage
 
 SWITCH_AFTER = 3
@@ -35,6 +36,7 @@ MUTATE_P = 0.8
 SPLICE_P = 0.15
 CONFIRM_RUNS = 3  # a NEW find must show its mechanism again in 2 of 3 runs
 CONFIRM_NEEDED = 2
+SHRINK_SHARE = 0.25  # at most this share of the budget shrinks one find
 
 
 class FuzzError(RuntimeError):
@@ -196,7 +198,10 @@ class Fuzzer:
                "why_not_known": f.why_not_known}
         self.stats.new[f.signature] = rec
         rec.update(self._confirm(f, sc, cluster, kit, policy, run_dir))
-        self._write_find(f"new-{f.signature}", sc, f, ex, rec)
+        minimal = None
+        if rec["confirmed"]:
+            minimal, rec["shrink"] = self._shrink(f, sc, cluster, kit, policy, run_dir)
+        self._write_find(f"new-{f.signature}", sc, f, ex, rec, minimal)
 
     def _same(self, f: Find, ex) -> bool:
         return any(g.signature == f.signature for g in triage(ex.verdicts, ex.context(), self.registry, ex.events))
@@ -224,17 +229,32 @@ class Fuzzer:
         return {"reproduced": f"{again}/{CONFIRM_RUNS}", "confirmed": again >= CONFIRM_NEEDED,
                 "control_shows_it": control_shows, "control": ctrl.to_dict() if control_shows is False else None}
 
-    def _write_find(self, key: str, sc: Scenario, f: Find, ex, rec: dict | None = None) -> None:
+    def _shrink(self, f: Find, sc: Scenario, cluster, kit, policy, run_dir):
+        """The find shrunk (kvchaos.fuzz.shrink), within a quarter of the search's budget."""
+        def shows(cand):
+            try:
+                return self._same(f, self._run(cand, cluster, kit, policy, run_dir))
+            except Exception as e:  # noqa: BLE001 - a candidate the engines refused does not show the find
+                self.say(f"  shrink attempt failed: {e}")
+                return False
+        minimal, stats = shrink(sc, shows, budget_s=SHRINK_SHARE * self.budget_s, clock=self.clock)
+        return minimal, stats
+
+    def _write_find(self, key: str, sc: Scenario, f: Find, ex, rec: dict | None = None,
+                    minimal: Scenario | None = None) -> None:
         d = self.out / "finds" / key
         d.mkdir(parents=True, exist_ok=True)
         sc.save(d / "scenario.json")
+        if minimal is not None:
+            minimal.save(d / "minimal.json")
         (d / "find.json").write_text(json.dumps({**f.to_dict(), **(rec or {}), "events": str(ex.path)}, indent=1,
                                                 default=str) + "\n")
         lines = [f"# {f.kind.upper()}: {f.finding or f.signature} ({f.oracle} {f.status.upper()})", "",
                  f.summary, "", "Mechanism (from the verdict's witnesses and the engines' events):", "",
                  "```json", json.dumps(f.mechanism, indent=1), "```", "",
                  f"Scenario: `scenario.json` (digest {sc.digest()}); its event log: `{ex.path}`.", "",
-                 f"Re-run it: `kvchaos fuzz --replay {d / 'scenario.json'}`"]
+                 f"Re-run it: `kvchaos fuzz --replay {d / 'scenario.json'}`"
+                 + (f"; the shrunk one: `kvchaos fuzz --replay {d / 'minimal.json'} --times 10`" if minimal else "")]
         if rec:
             lines += ["", f"Reproduced {rec.get('reproduced')}; the control (no faults, no live knobs) "
                       f"showed it: {rec.get('control_shows_it')}."]

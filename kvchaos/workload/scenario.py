@@ -71,7 +71,7 @@ TOXIC_TYPES = {
     "limit_data": ("bytes",),
     "slicer": ("average_size", "size_variation", "delay"),
 }
-PROXIES = ("client", "prefill", "decode")  # client -> router, router -> each server
+PROXIES = ("client", "prefill", "decode", "bootstrap")  # client -> router, router -> each server, decode -> bootstrap
 STREAMS = ("upstream", "downstream")
 PROCESS_KINDS = ("kill", "stop", "restart")
 PROCESS_ROLES = ("prefill", "decode")
