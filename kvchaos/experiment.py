@@ -43,8 +43,8 @@ from kvchaos.history import SCHEMA, History, HistoryError
 from kvchaos.oracles import FAIL, PASS, UNKNOWN  # noqa: F401 - re-exported for suites
 from kvchaos.policy import KNOWN, Context, Judgement, Policy
 from kvchaos.schedule import Schedule, build_checks, check_spec
-from kvchaos.workload.scenario import Deployment, Scenario, ScenarioError, Traffic, nemesis_from_log, plan_dict
 from kvchaos.workload import EventLog, plans_digest, run_plans
+from kvchaos.workload.scenario import Deployment, Scenario, ScenarioError, Traffic, nemesis_from_log, plan_dict
 from kvchaos.workload.snapshots import server_field, snapshot
 
 VIAS = ("router", "pd")  # how plans reach the engines: the router, or prefill + decode directly
@@ -137,7 +137,7 @@ class Experiment:
         self.live: _LiveWatch | None = None
         self.t_start = None
         self.t_method = self.t_method_end = None  # wall times: the workload started, ended
-        self.scenario_path: Path | None = None  # <stem>.scenario.json: this experiment as data (kvchaos.scenario)
+        self.scenario_path: Path | None = None  # <stem>.scenario.json: this experiment as data (kvchaos.workload.scenario)
         self.scenario_error: str | None = None
         self.schedule = None  # the nemesis schedule, when run from a scenario (run_scenario)
         self.source: Scenario | None = None  # that scenario
@@ -342,7 +342,7 @@ class Experiment:
             f.write(json.dumps(rec, default=str) + "\n")
 
     def scenario(self) -> Scenario:
-        """This experiment as data (:class:`kvchaos.scenario.Scenario`): its plans, checkers, the cluster's
+        """This experiment as data (:class:`kvchaos.workload.scenario.Scenario`): its plans, checkers, the cluster's
         restart knobs, and the nemesis it carried out (from its log's fault records, after the method).
         ``origin.complete`` is false, with the reasons, where something it did is not in the schema (a
         custom ``drive`` sends plans in its own order; a ``during`` action other than a nemesis schedule
@@ -636,7 +636,7 @@ def _layout(cluster) -> dict:
 
 def run_scenario(experiment, scenario: Scenario, kit, cluster, *, reference_server=None, **kw) -> Experiment:
     """Run ``scenario`` through the runner: its plans and checkers, its live knobs armed at 0 s and its
-    nemesis ops at their times (:class:`kvchaos.nemesis.Schedule`), every op healed in a ``finally``.
+    nemesis ops at their times (:class:`kvchaos.schedule.Schedule`), every op healed in a ``finally``.
     ``experiment``: the factory (the pytest fixture ``experiment``, or ``functools.partial(Experiment,
     cluster=..., run_dir=..., faults=kit)``). The cluster must run the scenario's restart knobs: one it
     does not is refused by name, before anything is sent."""

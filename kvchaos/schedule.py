@@ -8,6 +8,9 @@ agent client, the network proxy, process faults) and aborts requests through the
 none of them (``faults`` imports ``kvchaos``, never the reverse). Every wait is bounded: an op that
 waits for another (``after``: an abort once a hold parked its request) gives up after ``wait_s`` with
 a :class:`NemesisError` naming both ops.
+
+The two client calls a scenario's ops and checkers need live here too (suites import them from
+:mod:`kvchaos.suite`): :func:`abort_on_both` and :func:`single_server_reference`.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ def single_server_reference(server, plans, timeout_s: float = 120.0):
             r.raise_for_status()
             out[p.rid] = r.json()
         return out
-    ref.rids = [p.rid for p in plans]  # what a scenario records of it (kvchaos.scenario.check_spec)
+    ref.rids = [p.rid for p in plans]  # what a scenario records of it (check_spec, below)
     return ref
 
 
@@ -55,9 +58,9 @@ class NemesisError(RuntimeError):
 
 
 class Schedule:
-    """``ops`` (:class:`kvchaos.scenario.Op`, a scenario's :meth:`~kvchaos.scenario.Scenario.ops`) on
-    ``kit`` (``.agent``, ``.net``, ``.proc``) and ``cluster`` (for ``action`` aborts). Times are seconds
-    after :meth:`start`."""
+    """``ops`` (:class:`kvchaos.workload.scenario.Op`: a scenario's
+    :meth:`~kvchaos.workload.scenario.Scenario.ops`) on ``kit`` (``.agent``, ``.net``, ``.proc``) and
+    ``cluster`` (for ``action`` aborts). Times are seconds after :meth:`start`."""
 
     def __init__(self, ops: list[Op], kit, cluster=None, *, wait_s: float = 60.0, clock=time.monotonic,
                  abort=None):
