@@ -304,3 +304,23 @@ def test_shrink_stops_at_its_bounds():
     sc = _many(1, 4)[0]
     _small, stats = shrink(sc, lambda c: True, max_attempts=3, budget_s=1e9)
     assert stats["attempts"] == 3
+
+
+def test_a_failure_the_scenarios_own_faults_explain_is_expected_but_a_leak_never_is():
+    recs = [{"ev": "plan", "rid": "cut", "kind": "abort_after", "abort_after_ms": 50},
+            {"ev": "send", "rid": "k", "wall": 1.0}, {"ev": "end", "rid": "k", "wall": 5.0},
+            {"ev": "send", "rid": "late", "wall": 20.0}, {"ev": "end", "rid": "late", "wall": 21.0},
+            {"ev": "fault", "injector": "process", "action": "fired", "kind": "sigkill", "role": "decode", "at": 2.0},
+            {"ev": "fault", "injector": "process", "action": "healed", "kind": "restart", "role": "decode", "at": 9.0},
+            {"ev": "agent", "agent_ev": "fault_fired", "rid": "f", "kind": "fail"}]
+    reg = _Registry()
+    live = _v("liveness", FAIL, [{"rid": "k", "outcome": "error"}, {"rid": "cut", "outcome": "cut"},
+                                 {"rid": "f", "outcome": "error"}])
+    assert [f.kind for f in triage([live], None, reg, recs)] == ["expected"]
+    after = _v("liveness", FAIL, [{"rid": "late", "outcome": "timeout"}])  # sent after the restart: not explained
+    assert [f.kind for f in triage([after], None, reg, recs)] == ["new"]
+    leak = _v("isolation", FAIL, [{"victim_rid": "k", "owner_rid": "f", "status": 200}])
+    assert [f.kind for f in triage([leak], None, reg, recs)] == ["new"]  # a leak is never the fault's doing
+    no_rid = _v("liveness", FAIL, [{"problem": "cluster did not answer after the run"}])
+    assert [f.kind for f in triage([no_rid], None, reg, recs)] == ["expected"]  # a role was killed
+    assert [f.kind for f in triage([no_rid], None, reg, recs[:5])] == ["new"]  # nothing was

@@ -49,6 +49,7 @@ class Stats:
     restarts: int = 0
     errors: int = 0
     blind: int = 0
+    expected: int = 0  # non-leak FAILs the scenario's own faults explain (kvchaos.fuzz.triage)
     timeline: list = field(default_factory=list)  # {t, execs, features, corpus, restarts, finds}
     first_known: dict = field(default_factory=dict)  # finding id -> {t, scenario, oracle}
     new: dict = field(default_factory=dict)  # signature -> {...}
@@ -172,7 +173,8 @@ class Fuzzer:
         verdicts = {v.oracle: v.status for v in ex.verdicts}
         self.say(f"  {sc.name} [{self.elapsed():6.0f} s] {len(sc.traffic.plans)} plans, {len(sc.nemesis)} ops"
                  f"{', kept' if kept else ''}: {verdicts}"
-                 + "".join(f"  {f.kind.upper()} {f.finding or f.signature} ({f.oracle})" for f in finds if f.kind != "blind"))
+                 + "".join(f"  {f.kind.upper()} {f.finding or f.signature} ({f.oracle})" for f in finds
+                           if f.kind in ("known", "new")))
 
     def _run(self, sc, cluster, kit, policy, run_dir):
         factory = functools.partial(Experiment, cluster=cluster, run_dir=run_dir, faults=kit, policy=policy,
@@ -181,8 +183,8 @@ class Fuzzer:
 
     # ------------------------------------------------------------------ finds
     def _note(self, f: Find, sc, ex, t, cluster, kit, policy, run_dir) -> None:
-        if f.kind == "blind":
-            self.stats.blind += 1
+        if f.kind in ("blind", "expected"):
+            setattr(self.stats, f.kind, getattr(self.stats, f.kind) + 1)
             return
         if f.kind == "known":
             if f.finding not in self.stats.first_known:
@@ -268,6 +270,7 @@ class Fuzzer:
         s = {"strategy": self.strategy, "seed": self.seed, "budget_s": self.budget_s, "elapsed_s": round(el, 1),
              "execs": self.stats.execs, "execs_per_min": round(60 * self.stats.execs / el, 2),
              "cluster_restarts": self.stats.restarts, "errors": self.stats.errors, "blind": self.stats.blind,
+             "expected": self.stats.expected,
              "features": len(self.corpus.seen), "corpus": len(self.corpus), "corpus_resumed": self.corpus.resumed,
              "known": self.stats.first_known, "new": self.stats.new, "timeline": self.stats.timeline}
         (self.out / "fuzz.json").write_text(json.dumps(s, indent=1, default=str) + "\n")

@@ -2,9 +2,13 @@
 
 Each verdict that is not PASS is matched against the findings registry exactly as the policy matches
 a suite's (same signatures, same power rule: :meth:`kvchaos.policy.findings.Registry.classify`), so it
-becomes **KNOWN** with the finding's id, or **NEW**. An isolation UNKNOWN without witnesses is a blind
-run (the workload did not give the power to see a leak), neither: counted, never a find. The registry
-only triages; it never steers what is generated.
+becomes **KNOWN** with the finding's id, or **NEW**. An UNKNOWN without witnesses is a blind run (the
+workload did not give the power to see a leak): counted, never a find. A FAIL of a checker that is not a
+leak checker (liveness, http_semantics, abort_semantics) whose every witness is a request the scenario
+broke on purpose — a fault fired on it, it was in flight while a role was killed or stopped or a toxic
+sat on the wire, the client aborted or cut it — is **expected**: the fault did what it does. A leak
+checker's FAIL is never expected, whatever was injected. The registry only triages; it never steers
+what is generated.
 
 A NEW verdict is deduplicated by its *mechanism*, not by who the victim was: the checker, its status,
 and what its witnesses say happened (the kind of problem, the HTTP status class, the canary's origin,
@@ -26,7 +30,7 @@ from kvchaos.policy.core import is_leak_checker
 class Find:
     oracle: str
     status: str
-    kind: str            # known | new | blind
+    kind: str            # known | new | blind | expected
     finding: str | None  # the registry id when known
     signature: str       # the mechanism's id (dedup key)
     mechanism: dict = field(default_factory=dict)
@@ -71,6 +75,63 @@ def signature(mech: dict) -> str:
     return hashlib.sha256(json.dumps(mech, sort_keys=True).encode()).hexdigest()[:12]
 
 
+CLIENT_CUTS = ("abort_after", "disconnect_before_first_token")
+
+
+def broken_on_purpose(records) -> tuple[set, bool]:
+    """The requests the scenario itself broke (module doc), and whether a role was killed or stopped."""
+    rids, windows, node = set(), [], False
+    sends, ends = {}, {}
+    open_at: dict = {}
+    for e in records:
+        ev = e.get("ev")
+        if ev == "plan" and (e.get("kind") in CLIENT_CUTS or e.get("abort_after_ms") is not None):
+            rids.add(e["rid"])
+        elif ev == "send":
+            sends[e["rid"]] = e.get("wall", 0)
+        elif ev == "end":
+            ends[e["rid"]] = e.get("wall", 0)
+        elif ev == "agent" and e.get("agent_ev") == "fault_fired" and e.get("rid"):
+            rids.add(e["rid"])
+        elif ev == "fault":
+            at = e.get("at", e.get("wall", 0))
+            if e.get("action") == "abort_request" and e.get("rid"):
+                rids.add(e["rid"])
+            elif e.get("injector") == "process" and e.get("action") == "fired":
+                node = True
+                open_at[("process", e.get("role"))] = at
+            elif e.get("injector") == "process" and e.get("action") == "healed":
+                start = open_at.pop(("process", e.get("role")), None)
+                if start is not None:
+                    windows.append((start, at))
+            elif e.get("injector") == "proxy" and e.get("action") == "armed":
+                open_at[("proxy", e.get("fault"))] = at
+            elif e.get("injector") == "proxy" and e.get("action") == "healed":
+                start = open_at.pop(("proxy", e.get("fault")), None)
+                if start is not None:
+                    windows.append((start, at))
+    windows += [(start, float("inf")) for start in open_at.values()]  # never healed in the log: to the end
+    for rid, t0 in sends.items():
+        t1 = ends.get(rid, float("inf"))
+        if any(t0 <= b and a <= t1 for a, b in windows):
+            rids.add(rid)
+    return rids, node
+
+
+def _expected(v, records) -> bool:
+    if is_leak_checker(v.oracle) or v.status != FAIL or not v.witnesses:
+        return False
+    broken, node = broken_on_purpose(records)
+    for w in v.witnesses:
+        rid = w.get("rid") or w.get("victim_rid") if isinstance(w, dict) else None
+        if rid is None:
+            if not node:  # a cluster-wide problem (no answer after the run, pool not back) needs a node fault
+                return False
+        elif rid not in broken:
+            return False
+    return True
+
+
 def triage(verdicts, ctx, registry, records) -> list[Find]:
     """A :class:`Find` per verdict that is not PASS."""
     out = []
@@ -85,6 +146,8 @@ def triage(verdicts, ctx, registry, records) -> list[Find]:
         f, why = registry.classify(v, ctx)
         if f is not None:
             out.append(Find(v.oracle, v.status, "known", f.id, sig, mech, v.summary))
+        elif _expected(v, records):
+            out.append(Find(v.oracle, v.status, "expected", None, sig, mech, v.summary))
         else:
             out.append(Find(v.oracle, v.status, "new", None, sig, mech, v.summary, why))
     return out
