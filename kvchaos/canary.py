@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import random
 import re
+from array import array
 from dataclasses import dataclass
 
 ALPHABET = "ABCDEFGHIJKLMNOPQRSTUVWXYZ234567"
@@ -125,6 +126,9 @@ class Registry:
         self._lock = threading.Lock()
         self._by_canary: dict[str, Minted] = {}
         self._carriers: dict[str, set] = {}
+        # rid -> what its KV holds on decode, for pages another request later reads unwritten
+        # (kvchaos.oracles.provenance.context_text): its prompt, its reply, decode's kv_prealloc of it
+        self._pages: dict[str, dict] = {}
 
     def add(self, c: str, rid: str, tenant: str | None, source: str) -> None:
         """``c`` was sent in ``rid``'s prompt (the first request that carried it stays its owner)."""
@@ -149,10 +153,34 @@ class Registry:
             self.add(c, rid or "", None, source)
 
     def add_plans(self, plans: dict, source: str) -> None:
-        """``plans``: rid -> plan record (the event log's ``plan`` events)."""
+        """``plans``: rid -> plan record (the event log's ``plan`` events); a plan's prompt is kept too."""
         for rid, p in plans.items():
             for c in p.get("canaries") or []:
                 self.add(c, rid, p.get("tenant"), source)
+            if isinstance(p.get("prompt"), str):
+                with self._lock:
+                    self._pages.setdefault(rid, {})["prompt"] = p["prompt"]
+
+    def add_page_evidence(self, records) -> None:
+        """From one experiment's log: each request's reply text and decode's ``kv_prealloc`` of it (the
+        first), so a later experiment on the same cluster can tell what those requests left in the pages
+        it reads unwritten."""
+        with self._lock:
+            for e in records:
+                rid = e.get("rid")
+                if not rid:
+                    continue
+                if e.get("ev") == "body" and isinstance(e.get("text"), str):
+                    self._pages.setdefault(rid, {}).setdefault("output", e["text"])
+                elif e.get("ev") == "agent" and e.get("agent_ev") == "kv_prealloc" and e.get("dst_pages"):
+                    rec = {k: e.get(k) for k in ("dst_pages_total", "page_size", "room")}
+                    rec["dst_pages"] = array("l", e["dst_pages"])  # a session's worth: 8 bytes a page, not 36
+                    self._pages.setdefault(rid, {}).setdefault("prealloc", rec)
+
+    def page_record(self, rid: str) -> dict:
+        """What :meth:`add_plans` and :meth:`add_page_evidence` kept of ``rid`` (empty when nothing)."""
+        with self._lock:
+            return dict(self._pages.get(rid) or {})
 
     def carried_by(self, rid: str) -> set:
         """The canaries ``rid`` carried in its prompt."""

@@ -160,7 +160,7 @@ class Experiment:
         # (a Mooncake transfer thread died in the last experiment of the same test) is restarted now,
         # or this one would run on it and go red with no witness of its own
         healed_before = _heal_engine_errors(self.cluster)
-        self.canaries.add_plans({p.rid: {"canaries": p.canaries, "tenant": p.tenant} for p in self.plans},
+        self.canaries.add_plans({p.rid: {"canaries": p.canaries, "tenant": p.tenant, "prompt": p.prompt} for p in self.plans},
                                 f"experiment {self.name}")
         self.log = EventLog(self.path)
         self.log.emit("experiment", schema=SCHEMA, id=self.id, name=self.name, test=self.test_id, seed=self.seed,
@@ -229,6 +229,8 @@ class Experiment:
             snapshot(self.cluster, self.log, "after", settle_s=self.settle_s)
             if self.faults is not None:
                 self._copy_fault_records()
+            # what this experiment's requests left in decode's pages, for the experiments after it on the cluster
+            self.canaries.add_page_evidence(self.log.records)
             self.engine_errors = watch.seen + _engine_errors(self.cluster)
             for e in self.engine_errors:
                 self.log.emit("engine_error", **{k: v for k, v in e.items() if k != "healed"})

@@ -146,6 +146,67 @@ def test_copyable_follows_the_probes_partial_matches():
     assert _copyable("AXC", {"ABCD", "QAX"}) == [] and _copyable("AXE", {"ABCD", "QAX"}) == ["AXE"]
 
 
+# the same chimera read page by page: a stale canary cut short where its next page holds another request's
+# byte, the recital going on with what the copying head's partial match finds there. Soak run of
+# 2026-12-04 at 2232160: 'QGGVIPO5FKMQ67', the stale 'QGGVIPU6UA' written by an EARLIER experiment's
+# request on the same cluster, cut after 'P' in the victim's pages; 'O' from '...DIYO...' (x_{j-2} = 'I')
+def _spliced_logs():
+    e_prompt = "aa [QGGVIPU6UA] bb"
+    o_prompt = "cc [QXXSDIYO5H] dd"
+    e_pages = list(range(2000, 2000 + len(e_prompt)))
+    o_pages = list(range(3000, 3000 + len(o_prompt)))
+    earlier = [HEADER, plan("e1", "t7", ["[QGGVIPU6UA]"], prompt=e_prompt)] + reply("e1", "QGGVIPU6UA][")
+    earlier += [agent("kv_prealloc", rid="e1", room=9, dst_pages=e_pages, dst_pages_total=len(e_pages), page_size=1,
+                      prev_holders=[])]
+    cut = [e_pages[e_prompt.index("[QGGVIP") + i] for i in range(7)]  # '[QGGVIP' and not the rest
+    mid = [o_pages[o_prompt.index("[QXX") + i] for i in range(12)]  # '[QXXSDIYO5H]'
+    victim_pages = [5000] + cut + mid
+    ev = [HEADER] + crowd()
+    ev += [plan("o1", "t1", ["[QXXSDIYO5H]"], prompt=o_prompt)] + reply("o1", "QXXSDIYO5H][")
+    ev += [agent("kv_prealloc", rid="o1", room=1, dst_pages=o_pages, dst_pages_total=len(o_pages), page_size=1,
+                 prev_holders=[]),
+           agent("write_end", rid="o1", room=1, pages=len(o_pages), dst_pages=o_pages, dst_pages_total=len(o_pages),
+                 dst_page_offset=0, ret=0, wall=100.2)]
+    rng = random.Random(5)
+    own = canary.mint(rng, 1)
+    ev += [plan("s1", "t5", own, prompt="z" * len(victim_pages))] + reply("s1", "QGGVIPO5H][")
+    ev += [agent("fault_fired", kind="short", rid="s1", pages_sent=1, pages_reserved=len(victim_pages)),
+           agent("kv_prealloc", rid="s1", room=2, dst_pages=victim_pages, dst_pages_total=len(victim_pages),
+                 page_size=1, prev_holders=[[1, len(cut), "e1"], [1 + len(cut), len(mid), "o1"]], wall=100.3),
+           agent("write_end", rid="s1", room=2, pages=1, dst_pages=[5000], dst_pages_total=1, dst_page_offset=0,
+                 ret=0, wall=100.4)]
+    return earlier, ev
+
+
+def test_a_chimera_read_off_the_pages_as_they_sat_is_the_finding_with_the_clusters_evidence():
+    earlier, ev = _spliced_logs()
+    reg = canary.Registry()
+    for log in (earlier, ev):
+        h = History(log)
+        reg.add_plans(h.plans, "test")
+        reg.add_page_evidence(h.records)
+    j = judge(ev, {"isolation": PASS}, registry=reg, accept_known=True)
+    assert j.status == "known" and j.known[0].finding.id == "sglang-short-transfer-unchecked", j.message()
+    # the victim's log alone cannot tell what the earlier request left in those pages: it stays a leak
+    alone = canary.Registry()
+    alone.add_plans(History(ev).plans, "test")
+    j = judge(ev, {"isolation": PASS}, registry=alone, accept_known=True)
+    assert j.status == FAIL and j.red, j.message()
+
+
+def test_the_context_reading_follows_the_copying_heads_best_match():
+    from kvchaos.oracles.provenance import UNKNOWN_CHAR, _copied_from_context
+
+    ctx = "xx [QGGVIP[QXXSDIYO5H] yy"
+    assert _copied_from_context("QGGVIPO5H", ctx) == []  # cut after P: the partial match 'I?O' wins
+    assert _copied_from_context("QGGVIPU", ctx) == ["VIPU"[1:]]  # 'U' is in no page the victim read
+    # where 'P' is followed by a payload character, that one wins (score 80), not the partial match
+    assert _copied_from_context("QGGVIPO", "xx [QGGVIPU6UA] [QXXSDIYO5H]") == ["IPO"]
+    # an unreadable page may hold anything, but never stands in where no page matches at all
+    assert _copied_from_context("QGGVIPO", "xx [QGGVIP" + UNKNOWN_CHAR * 3) == []
+    assert _copied_from_context("ZZZ", UNKNOWN_CHAR * 20) == ["ZZ", "ZZZ"]
+
+
 # a late write into pages decode released on its drain-ack timeout is KNOWN; any other late write is a FAIL
 def _late_write_log(outcome):
     ag = {"ev": "agent", "source": "agent"}

@@ -112,6 +112,7 @@ def _judge(args, names: list[str] | None, logs: dict, warnings: dict) -> list[tu
     reg = canary.Registry()
     for path, h in logs.items():
         reg.add_plans(h.plans, path)
+        reg.add_page_evidence(h.records)  # what its requests left in decode's pages, for the logs after it
     with usage_errors("judge", PolicyError):
         policy = Policy(accept_known=bool(args.accept_known))
     results = []

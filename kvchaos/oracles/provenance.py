@@ -155,8 +155,9 @@ def explains(h, witness: dict, registry=None) -> tuple[bool, str, dict | None]:
     pages its transfer never wrote, holding the bytes of a request that carried the canary (sent
     before the victim's pages were handed over)? A recital of a canary nobody minted (a chimera) is
     explained when each of its characters after the first is one the probe's copying head can have
-    taken from canaries the writers of those pages (or the victim) carried, and at least one trigram
-    of it comes from a stale page's canary (:func:`_copyable`)."""
+    taken from canaries the writers of those pages (or the victim) carried (:func:`_copyable`), or
+    from the victim's pages read as they sat (:func:`context_text`, :func:`_copied_from_context`), and
+    at least one trigram of it comes from a stale page's canary."""
     h = as_history(h)
     victim = witness.get("victim_rid")
     if witness.get("match") == "unknown-origin":
@@ -195,6 +196,17 @@ def _copyable(piece: str, pool: set) -> list[str]:
     be the recital's opening ``[``. A chimera passes between two stale canaries where they share a
     character ('AYF2B5' of 'AYF2B54TKH', then 'WPMR6J' after the '5' of 'KGK5WPMR6J', a fresh
     clone's make test at ec1c9ad). A character from anywhere else is not copyable."""
+    return [_label(piece, k) for k in _not_copyable(piece, pool)]
+
+
+def _label(piece: str, k: int) -> str:
+    """The character at ``k`` of ``"[" + piece`` with its two predecessors (how a miss is named)."""
+    s = "[" + piece
+    return s[max(1, k - 2):k + 1]
+
+
+def _not_copyable(piece: str, pool: set) -> list[int]:
+    """:func:`_copyable`'s misses, as positions in ``"[" + piece``."""
     s, srcs = "[" + piece, ["[" + p for p in pool]
     bad = []
     for k in range(2, len(s)):  # s[k] is piece[k - 1]
@@ -203,7 +215,102 @@ def _copyable(piece: str, pool: set) -> list[str]:
         if k >= 3 and any(p[i:i + 2] == s[k - 3:k - 1] and p[i + 3] == s[k] for p in srcs
                           for i in range(len(p) - 3)):
             continue
-        bad.append(s[max(1, k - 2):k + 1])
+        bad.append(k)
+    return bad
+
+
+UNKNOWN_CHAR = "\x00"
+
+
+def _chars_at(h: History, rid: str, registry=None) -> dict | None:
+    """decode page -> the character ``rid``'s KV holds there (page size 1: a page is a token, and the
+    probe's tokens are characters): its prompt's, then its reply's, in the order of decode's
+    ``kv_prealloc`` of it. From this history, else from the registry (an earlier experiment's request
+    on the same cluster); None when neither has its pages and its prompt."""
+    rec = registry.page_record(rid) if registry is not None and hasattr(registry, "page_record") else {}
+    pre = prealloc(h, rid) or rec.get("prealloc")
+    plan = h.plans.get(rid) or {}
+    prompt = plan.get("prompt") if isinstance(plan.get("prompt"), str) else rec.get("prompt")
+    if not pre or not isinstance(prompt, str) or (pre.get("page_size") or 1) != 1:
+        return None
+    text = prompt + ((h.bodies.get(rid) or {}).get("text") or rec.get("output") or "")
+    return {page: text[k] for k, page in enumerate(pre.get("dst_pages") or []) if k < len(text)}
+
+
+def context_text(h, rid: str, registry=None) -> str | None:
+    """What ``rid`` attended over, page by page in its own page order (page size 1): its prompt where its
+    transfer wrote, and where it did not, the character the page's writer (:func:`writer`, decode's own
+    holder evidence) left there; ``UNKNOWN_CHAR`` where that cannot be told. Pages of a fragmented pool
+    put pieces of different requests side by side, so a stale canary can be read cut short and followed
+    by another's characters: the text as it sat in the pages, not the canaries as they were sent. None
+    without the evidence."""
+    h = as_history(h)
+    pre = prealloc(h, rid)
+    done = written_pages(h, rid)
+    plan = h.plans.get(rid) or {}
+    if pre is None or done is None or (pre.get("page_size") or 1) != 1 or not isinstance(plan.get("prompt"), str):
+        return None
+    pages, held, own = list(pre.get("dst_pages") or []), holders(pre), plan["prompt"]
+    cache: dict = {}
+    out = []
+    for i, page in enumerate(pages):
+        if i in done:
+            out.append(own[i] if i < len(own) else UNKNOWN_CHAR)
+            continue
+        w = writer(h, page, held[i] if i < len(held) else None)
+        if w not in cache:
+            cache[w] = _chars_at(h, w, registry) if w is not None else None
+        out.append((cache[w] or {}).get(page, UNKNOWN_CHAR))
+    return "".join(out)
+
+
+G_IND = (40, 20, 20)  # kvchaos.probe.circuit: the copying head's weights (current, previous, the one before)
+
+
+def _copied_from_context(piece: str, ctx: str) -> list[str]:
+    return [_label(piece, k) for k in _not_from_context(piece, ctx)]
+
+
+def _not_from_context(piece: str, ctx: str) -> list[int]:
+    """The characters of ``piece`` (after the first) the copying head would not have emitted reading
+    ``ctx``, the victim's pages as they were (:func:`context_text`), each with its two predecessors.
+
+    The head scores each payload position ``j`` of the context by how its predecessors match the
+    recital's last three characters (``G_IND``: 40 for the current one, 20 each for the two before) and
+    emits the best-scoring position's character. Where a stale canary is cut short (its next page
+    holds another request's byte), no position scores 40 and a partial match of 20 wins: the recital
+    goes on with that character. ``UNKNOWN_CHAR`` pages could hold anything: they may match and may be
+    emitted (the bound is taken in the recital's favour only there), but never where no known position
+    matches at all."""
+    s = "[" + piece
+    payload = set(canary.ALPHABET)
+    bad = []
+    for k in range(2, len(s)):
+        best, cands, wild = 0, set(), False
+        scored = []
+        for j in range(3, len(ctx)):
+            y = ctx[j]
+            if y not in payload and y != UNKNOWN_CHAR:
+                continue
+            lo = hi = 0
+            for w, (a, b) in zip(G_IND, ((ctx[j - 1], s[k - 1]), (ctx[j - 2], s[k - 2]),
+                                         (ctx[j - 3], s[k - 3] if k >= 3 else None))):
+                if a == b:
+                    lo += w
+                    hi += w
+                elif a == UNKNOWN_CHAR:
+                    hi += w
+            if hi:
+                scored.append((lo, hi, y))
+                best = max(best, lo)
+        for lo, hi, y in scored:
+            if hi >= best and best > 0:
+                if y == UNKNOWN_CHAR:
+                    wild = True
+                else:
+                    cands.add(y)
+        if not (s[k] in cands or wild):
+            bad.append(k)
     return bad
 
 
@@ -216,7 +323,13 @@ def _explains_chimera(h: History, witness: dict, registry=None) -> tuple[bool, s
         return False, f"every one of the {sp['reserved']} pages decode gave {victim} was written by its transfer", sp
     stale = {canary.payload(c) for w in sp["writers"] for c in carried_by(h, w, registry)}
     own = {canary.payload(c) for c in carried_by(h, victim, registry)}
-    missing = _copyable(piece, stale | own)
+    # the text as it sat in the victim's pages (a stale canary cut short and followed by another
+    # request's characters is read that way), beside the canaries as their writers sent them
+    ctx = context_text(h, victim, registry)
+    miss = _not_copyable(piece, stale | own)
+    if miss and ctx and ctx.strip(UNKNOWN_CHAR):  # a character either reading explains is explained
+        miss = sorted(set(miss) & set(_not_from_context(piece, ctx)))
+    missing = [_label(piece, k) for k in miss]
     # and the copying went through a stale page: some trigram of it after the first is a stale canary's
     if missing or not any(piece[i:i + 3] in p for i in range(1, len(piece) - 2) for p in stale):
         return False, (f"{piece!r} is not made of the canaries carried by the requests whose bytes {victim}'s "
