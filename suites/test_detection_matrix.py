@@ -273,7 +273,15 @@ def scenario_prefix_collision(experiment, seeds, faults, cluster, trial, mutate)
         seconds.append(b)
     # the mutated arm is the pairs alone (the colliding lookup picks the latest cached sequence that
     # parts where the request's own match stops: only the pair-mate); the clean arm adds the background
-    plans = [*firsts, *seconds, *([] if mutate else wl.mix(background(False) // 2, lengths=(200, 500), sharing=SHARED_MIX))]
+    # and three prompts resent under another salt once the first ended: cache_isolation's cross-salt
+    # chances (>= 3) whatever the background draws (a soak seed of 2026-12-04 drew 2: UNKNOWN, red)
+    cross = []
+    for i in range(0 if mutate else 3):
+        a, b = wl.identical([wl.tenants[i], wl.tenants[i + 1]], n_tokens=240)  # salts i % 4 and (i + 1) % 4
+        b.after = a.rid
+        cross += [a, b]
+    plans = [*firsts, *seconds, *cross,
+             *([] if mutate else wl.mix(background(False) // 2, lengths=(200, 500), sharing=SHARED_MIX))]
     with experiment(f"matrix_prefix_collision_{'mut' if mutate else 'clean'}_{trial}", plans,
                     [Isolation(), CacheIsolation(), Liveness(bound_s=BOUND_S)], seed=wl.seed,
                     concurrency=CACHE_CONCURRENCY, timeout_s=BOUND_S, via="pd") as ex:
