@@ -207,14 +207,14 @@ class Deployment:
         if "engine_version" in restart and not re.fullmatch(r"\d+\.\d+\.\d+(\.\w+)?", restart["engine_version"]):
             raise ScenarioError(f"{where}.restart.engine_version={restart['engine_version']!r}: a release "
                                 "number such as 0.5.23")
-        pool, ctx = restart.get("pool_tokens"), restart.get("context_length")
+        ctx = restart.get("context_length")
         live = dict(_obj(f"{where}.live", d.get("live", {}), LIVE_KNOBS))
         for k, v in live.items():
             _role, _kind, _param, t, lo = LIVE_KNOBS[k]
             live[k] = _check_type(f"{where}.live.{k}", v, t)
             if live[k] < lo:
                 raise ScenarioError(f"{where}.live.{k}={v!r}: must be >= {lo}")
-        if pool is not None and ctx is not None and "prefill_input_limit" in live and live["prefill_input_limit"] > ctx:
+        if ctx is not None and live.get("prefill_input_limit", 0) > ctx:
             raise ScenarioError(f"{where}.live.prefill_input_limit={live['prefill_input_limit']}: over the "
                                 f"context length {ctx} (the engine's own limit stays below it)")
         return cls(restart, live)
