@@ -73,8 +73,9 @@ def launch(profile: str, layout: str | None, workdir: Path, say=print):
         if dep.restart.get("layout"):
             spec = ClusterSpec.from_dict(apply(spec.to_dict(), parse(dep.restart["layout"])), source="fuzz")
         spec = dataclasses.replace(spec, **dep.spec_overrides(spec))
-        if dep.restart.get("engine_version"):
-            spec = dataclasses.replace(spec, engine_python=engine_python(dep.restart["engine_version"]))
+        want = dep.restart.get("engine_version")
+        if want and want != _installed_sglang():  # another release: its own environment
+            spec = dataclasses.replace(spec, engine_python=engine_python(want))
         n["i"] += 1
         wd = workdir / f"cluster-{n['i']}"
         t0 = time.monotonic()
@@ -98,6 +99,16 @@ def launch(profile: str, layout: str | None, workdir: Path, say=print):
             c.stop()
 
     return start, stop
+
+
+def _installed_sglang() -> str | None:
+    """The SGLang release of the harness's own environment (what a profile without engine_python runs)."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("sglang")
+    except metadata.PackageNotFoundError:
+        return None
 
 
 def run(args) -> int:
@@ -154,6 +165,9 @@ def _replay(sc, args, out: Path) -> int:
 
     from kvchaos.experiment import Experiment, run_scenario  # imported here: see run
 
+    if not sc.origin.get("complete", True):
+        print(f"kvchaos fuzz --replay: warning: {sc.name} is not the whole experiment it came from: "
+              + "; ".join(sc.origin.get("why_incomplete") or []), flush=True)
     start, stop = launch(args.profile, args.layout, out / "clusters")
     seen = []
     for i in range(args.times):
