@@ -324,3 +324,24 @@ def test_a_failure_the_scenarios_own_faults_explain_is_expected_but_a_leak_never
     no_rid = _v("liveness", FAIL, [{"problem": "cluster did not answer after the run"}])
     assert [f.kind for f in triage([no_rid], None, reg, recs)] == ["expected"]  # a role was killed
     assert [f.kind for f in triage([no_rid], None, reg, recs[:5])] == ["new"]  # nothing was
+
+
+def test_a_refused_scenario_costs_no_restart_but_a_broken_cluster_is_replaced(tmp_path):
+    class Kit:
+        def __init__(self, left):
+            self.left = left
+
+        def heal_all(self):
+            return self.left
+    for left, restarts in (([], 1), (["an engine process died"], 3)):
+        clock = _Clock()
+        clusters = Clusters(lambda dep: ("cluster", Kit(left), "policy"), lambda cur: None)
+        fz = Fuzzer(clusters=clusters, base=BASE, registry=_Registry(), out=tmp_path / f"o{restarts}",
+                    corpus=Corpus(tmp_path / f"c{restarts}"), seed=1, budget_s=30, clock=clock, say=lambda m: None)
+
+        def refuse(*a, **k):
+            clock.t += 10
+            raise RuntimeError("op 1 waits for op 0: nothing parked")
+        fz._run = refuse
+        s = fz.run()
+        assert s["errors"] == 3 and s["cluster_restarts"] == restarts, s

@@ -174,7 +174,10 @@ def _proxy_op(rng: random.Random, horizon: float) -> Op:
 
 
 def _nemesis(rng: random.Random, traffic: Traffic) -> list[Op]:
-    rids = [p["rid"] for p in traffic.plans]
+    # faults aim at requests that reach a KV transfer (a prompt over the limit is rejected first, an
+    # abort or disconnect may end before one): a hold on one that never transfers only waits out its bound
+    rids = [p["rid"] for p in traffic.plans if p.get("kind", "plain") in ("plain", "stream") and not p.get("oversized")]
+    rids = rids or [p["rid"] for p in traffic.plans]
     tenants = sorted({p["tenant"] for p in traffic.plans})
     horizon = 2.0 + len(rids) * 0.3
     ops = [_agent_op(rng, rids, tenants, horizon) for _ in range(rng.randint(*WEIGHTS["agent_ops"]))]

@@ -157,7 +157,8 @@ class Fuzzer:
             self.stats.errors += 1
             self.say(f"  {sc.name}: not run: {type(e).__name__}: {str(e)[:200]}")
             self.stats.execs += 1
-            self.clusters.close()  # whatever broke, the next scenario gets a fresh cluster
+            if not self._still_serves(kit):  # a broken cluster is replaced; a refused op costs no restart
+                self.clusters.close()
             return
         self.stats.execs += 1
         # both strategies count coverage the same way; only guided draws from what the corpus kept
@@ -175,6 +176,15 @@ class Fuzzer:
                  f"{', kept' if kept else ''}: {verdicts}"
                  + "".join(f"  {f.kind.upper()} {f.finding or f.signature} ({f.oracle})" for f in finds
                            if f.kind in ("known", "new")))
+
+    def _still_serves(self, kit) -> bool:
+        try:
+            left = kit.heal_all()
+        except Exception as e:  # noqa: BLE001
+            left = [repr(e)]
+        if left:
+            self.say(f"  the cluster is replaced: {'; '.join(map(str, left))[:300]}")
+        return not left
 
     def _run(self, sc, cluster, kit, policy, run_dir):
         factory = functools.partial(Experiment, cluster=cluster, run_dir=run_dir, faults=kit, policy=policy,
