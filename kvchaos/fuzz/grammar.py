@@ -8,8 +8,8 @@ What it draws (:data:`WEIGHTS` says how often):
   deferred-release timeout and per-request reservation: free on a running cluster), restart knobs
   rarely (pool vs context, ``--allow-auto-truncate``, decode's radix cache, the retraction backup: each
   new combination is a cluster start, which the loop schedules);
-- **traffic** — 2-12 tenants, 6-40 plans over every request kind and endpoint, shared prefixes and
-  salts, prompt lengths at the deployment's edges (decode's admission edge ``pool − reservation``,
+- **traffic** — 2-12 tenants, 36-56 plans (isolation's power floor with room for faults) over every
+  request kind and endpoint, shared prefixes and salts, prompt lengths at the deployment's edges (decode's admission edge ``pool − reservation``,
   prefill's input limit, the pool, the context) as well as inside them, aborts and disconnects,
   through the router or straight to prefill and decode;
 - **nemesis** — timed agent faults (delay, fail, short, hold, park, stall_status_read), proxy
@@ -115,7 +115,9 @@ def _traffic(rng: random.Random, base: Base, dep: Deployment, seed: int) -> Traf
     ab = WEIGHTS["abort"]
     weights = {"plain": 1 - ab - WEIGHTS["stream"], "stream": WEIGHTS["stream"], "abort_after": ab / 2,
                "disconnect_before_first_token": ab / 2}
-    n = rng.randint(6, 40)
+    # enough plain echo evidence for isolation's floor (20 requests, 59 canaries at 95 %) beside whatever
+    # the faults break: a first real search (2026-12-04) drew 6-40 plans and every run was blind
+    n = rng.randint(36, 56)
     hi = max(128, min(dep.restart.get("pool_tokens", base.pool) - dep.live.get("decode_reservation", base.reservation),
                       900))
     plans = wl.mix(n, weights=weights, lengths=(64, hi), endpoints=("generate", "generate", "completions", "chat"))
