@@ -9,9 +9,9 @@ What it draws (:data:`WEIGHTS` says how often):
   rarely (pool vs context, ``--allow-auto-truncate``, decode's radix cache, the retraction backup: each
   new combination is a cluster start, which the loop schedules);
 - **traffic** — 2-12 tenants, 36-56 plans (isolation's power floor with room for faults) over every
-  request kind and endpoint, shared prefixes and salts, prompt lengths at the deployment's edges (decode's admission edge ``pool − reservation``,
-  prefill's input limit, the pool, the context) as well as inside them, aborts and disconnects,
-  through the router or straight to prefill and decode;
+  request kind and endpoint, shared prefixes and salts, prompt lengths at the deployment's edges
+  (decode's admission edge ``pool − reservation``, prefill's input limit, the pool, the context) as
+  well as inside them, aborts and disconnects, through the router or straight to prefill and decode;
 - **nemesis** — timed agent faults (delay, fail, short, hold, park, stall_status_read), proxy
   toxics on the client and server legs, process stop/kill of a role, and aborts of held requests.
 
