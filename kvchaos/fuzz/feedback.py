@@ -86,7 +86,8 @@ def request_states(records) -> dict[str, tuple]:
 
 def features(records) -> set[str]:
     """The run's features: each request's state, and the relations between requests (module doc)."""
-    out = {"req:" + "|".join(st) for st in request_states(records).values() if st}
+    states = request_states(records)
+    out = {"req:" + "|".join(st) for st in states.values() if st}
     in_flight = peak = 0
     max_page = 0
     late = 0
@@ -101,7 +102,7 @@ def features(records) -> set[str]:
             pages = e.get("dst_pages") or []
             if pages:
                 max_page = max(max_page, max(pages))
-    for st in request_states(records).values():
+    for st in states.values():
         late += "late_write=yes" in st
     out.add(f"in_flight_band:{_band(peak)}")
     if max_page:
