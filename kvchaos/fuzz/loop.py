@@ -151,16 +151,15 @@ class Fuzzer:
             self.stats.restarts += 1
         run_dir = self.out / "execs"
         t = self.elapsed()
+        self.stats.execs += 1
         try:
             ex = self._run(sc, cluster, kit, policy, run_dir)
         except Exception as e:  # noqa: BLE001 - a scenario the engines or faults refused: counted, not fatal
             self.stats.errors += 1
             self.say(f"  {sc.name}: not run: {type(e).__name__}: {str(e)[:200]}")
-            self.stats.execs += 1
             if not self._still_serves(kit):  # a broken cluster is replaced; a refused op costs no restart
                 self.clusters.close()
             return
-        self.stats.execs += 1
         # both strategies count coverage the same way; only guided draws from what the corpus kept
         kept = self.corpus.add(sc, features(ex.events), t, run=str(ex.path))
         self.since_new = 0 if kept else self.since_new + 1

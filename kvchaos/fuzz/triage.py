@@ -118,10 +118,10 @@ def broken_on_purpose(records) -> tuple[set, bool]:
     return rids, node
 
 
-def _expected(v, records) -> bool:
+def _expected(v, broken: set, node: bool) -> bool:
+    """``broken``, ``node``: :func:`broken_on_purpose` of the run."""
     if is_leak_checker(v.oracle) or v.status != FAIL or not v.witnesses:
         return False
-    broken, node = broken_on_purpose(records)
     for w in v.witnesses:
         rid = w.get("rid") or w.get("victim_rid") if isinstance(w, dict) else None
         if rid is None:
@@ -135,6 +135,7 @@ def _expected(v, records) -> bool:
 def triage(verdicts, ctx, registry, records) -> list[Find]:
     """A :class:`Find` per verdict that is not PASS."""
     out = []
+    on_purpose = None  # broken_on_purpose(records), read once and only when a verdict needs it
     for v in verdicts:
         if v.status == PASS:
             continue
@@ -146,7 +147,10 @@ def triage(verdicts, ctx, registry, records) -> list[Find]:
         f, why = registry.classify(v, ctx)
         if f is not None:
             out.append(Find(v.oracle, v.status, "known", f.id, sig, mech, v.summary))
-        elif _expected(v, records):
+            continue
+        if on_purpose is None and not is_leak_checker(v.oracle):
+            on_purpose = broken_on_purpose(records)
+        if on_purpose is not None and _expected(v, *on_purpose):
             out.append(Find(v.oracle, v.status, "expected", None, sig, mech, v.summary))
         else:
             out.append(Find(v.oracle, v.status, "new", None, sig, mech, v.summary, why))
