@@ -141,7 +141,7 @@ class _Registry:
     def __init__(self, known=None):
         self.known = known or {}
 
-    def classify(self, v, ctx):
+    def classify(self, v, ctx, require_power=True):
         fid = self.known.get(v.oracle)
         return (SimpleNamespace(id=fid), "matched") if fid else (None, "no finding covers it")
 
@@ -159,6 +159,46 @@ def test_triage_known_new_and_blind():
                                                               ("liveness", "known", "sglang-pd-hang-band"),
                                                               ("kv_lifecycle", "blind", None)]
     assert finds[0].why_not_known == "no finding covers it"
+
+
+def test_a_known_mechanism_in_an_underpowered_run_is_known_to_triage_but_never_to_the_policy():
+    """A first 36-56-plan search (2026-12-04) saw a short transfer's stale recital while a hold on one
+    tenant had 4 evidence requests (class floor 5): the policy rightly refused KNOWN, and triage called
+    the registered finding NEW. Triage matches the mechanism and says the run lacked power."""
+    from kvchaos.policy.context import Context
+    from kvchaos.policy.findings import Registry
+
+    reg = Registry.from_dict({"finding": [{
+        "id": "stale-after-short", "title": "t", "engine": "sglang", "versions": ["0.5.23"],
+        "match": [{"checker": "isolation", "signature": {"fault_armed": "short"}}]}]})
+    events = [{"ev": "header", "engine": "sglang", "engine_version": "0.5.23"},
+              {"ev": "fault", "injector": "agent", "kind": "short", "action": "armed", "wall": 1.0}]
+    ctx = Context.of(events)
+    ctx.version = "0.5.23"
+    w = [{"victim_rid": "r1", "owner_rid": "r2", "status": 200}]
+    under = Verdict("isolation", FAIL, "leak", w, {"power": {"met": False, "classes": {}}})
+    powered = Verdict("isolation", FAIL, "leak", w, {"power": {"met": True, "classes": {}}})
+    assert reg.classify(under, ctx)[0] is None and "needs the power" in reg.classify(under, ctx)[1]
+    (f,) = triage([under], ctx, reg, events)
+    assert (f.kind, f.finding, f.power_met) == ("known", "stale-after-short", False)
+    (g,) = triage([powered], ctx, reg, events)
+    assert (g.kind, g.power_met) == ("known", True) and reg.classify(powered, ctx)[0].id == "stale-after-short"
+    # a mechanism no finding names stays NEW, power or not
+    bare = [{"ev": "header", "engine": "sglang", "engine_version": "0.5.23"}]
+    (h,) = triage([under], Context.of(bare), reg, bare)
+    assert h.kind == "new"
+
+
+def test_traffic_gives_a_fault_room_and_a_redraw_new_request_ids():
+    scs = _many(80)
+    assert min(s.traffic.concurrency for s in scs) >= 4
+    rng = random.Random(5)
+    for s in scs[:30]:
+        for i in range(6):
+            m = mutate(rng, s, BASE, f"m{i}")
+            if m.traffic.plans != s.traffic.plans:
+                assert m.seed != s.seed
+                assert not {p["rid"] for p in m.traffic.plans} & {p["rid"] for p in s.traffic.plans}
 
 
 def test_the_same_mechanism_on_other_victims_is_one_find():

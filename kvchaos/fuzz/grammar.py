@@ -129,7 +129,10 @@ def _traffic(rng: random.Random, base: Base, dep: Deployment, seed: int) -> Traf
             p.extra["probe"] = label
             plans.insert(rng.randrange(len(plans) + 1), p)
         _fix_order(plans)
-    return Traffic([plan_dict(p) for p in plans], concurrency=rng.choice((2, 4, 8, 16)),
+    # at least 4 in flight: a fault's exposure class is the requests it acted on and those in flight beside
+    # them, and at 2 a fault on one tenant saw 4 evidence requests, under the class floor of 5 (a first
+    # 36-56-plan search, 2026-12-04: every run with such a fault was blind)
+    return Traffic([plan_dict(p) for p in plans], concurrency=rng.choice((4, 8, 8, 16)),
                    timeout_s=30.0, via="pd" if rng.random() < WEIGHTS["via_pd"] else "router")
 
 
@@ -248,7 +251,10 @@ def mutate(rng: random.Random, sc: Scenario, base: Base, name: str) -> Scenario:
         new.nemesis.append(_agent_op(rng, [p["rid"] for p in new.traffic.plans],
                                      sorted({p["tenant"] for p in new.traffic.plans}), 10.0))
     else:  # traffic: redraw it, keeping the ops whose targets survive
-        t = _traffic(rng, base, new.deployment, new.seed or 1)
+        # a fresh seed: the same seed would mint the same request ids for other prompts and canaries, and
+        # a page left by one would name the other's owner
+        new.seed = rng.randrange(1, 2**31)
+        t = _traffic(rng, base, new.deployment, new.seed)
         keep = {p["rid"] for p in t.plans}
         new.traffic = t
         new.nemesis = [o for o in new.nemesis if not _names_missing(o, keep)]

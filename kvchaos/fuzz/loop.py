@@ -198,7 +198,7 @@ class Fuzzer:
         if f.kind == "known":
             if f.finding not in self.stats.first_known:
                 self.stats.first_known[f.finding] = {"t": round(t, 1), "scenario": sc.digest(), "oracle": f.oracle,
-                                                     "events": str(ex.path)}
+                                                     "events": str(ex.path), "power_met": f.power_met}
                 self._write_find(f"known-{f.finding}", sc, f, ex)
             return
         if f.signature in self.stats.new:
@@ -266,6 +266,9 @@ class Fuzzer:
                  f"Scenario: `scenario.json` (digest {sc.digest()}); its event log: `{ex.path}`.", "",
                  f"Re-run it: `kvchaos fuzz --replay {d / 'scenario.json'}`"
                  + (f"; the shrunk one: `kvchaos fuzz --replay {d / 'minimal.json'} --times 10`" if minimal else "")]
+        if f.power_met is False:
+            lines += ["", "The run was under its power floor in some exposure class (the summary says which): "
+                      "the leak's mechanism is the finding's, but the policy would not accept this run as KNOWN."]
         if rec:
             lines += ["", f"Reproduced {rec.get('reproduced')}; the control (no faults, no live knobs) "
                       f"showed it: {rec.get('control_shows_it')}."]

@@ -1,8 +1,12 @@
 """Triage: what a fuzz run's non-PASS verdicts are.
 
-Each verdict that is not PASS is matched against the findings registry exactly as the policy matches
-a suite's (same signatures, same power rule: :meth:`kvchaos.policy.findings.Registry.classify`), so it
-becomes **KNOWN** with the finding's id, or **NEW**. An UNKNOWN without witnesses is a blind run (the
+Each verdict that is not PASS is matched against the findings registry with the policy's own
+signatures (:meth:`kvchaos.policy.findings.Registry.classify`), so it becomes **KNOWN** with the
+finding's id, or **NEW**. Triage asks only whether the *mechanism* is one we know: a leak whose every
+witness matches a finding's signature is KNOWN even where some other exposure class of the run was
+under its power floor (``power_met`` False says so). The policy itself never accepts such a run (there
+an underpowered leak stays FAIL); a search that called it NEW would send a known bug through
+confirmation and shrinking as if nobody had seen it. An UNKNOWN without witnesses is a blind run (the
 workload did not give the power to see a leak): counted, never a find. A FAIL of a checker that is not a
 leak checker (liveness, http_semantics, abort_semantics) whose every witness is a request the scenario
 broke on purpose — a fault fired on it, it was in flight while a role was killed or stopped or a toxic
@@ -24,6 +28,7 @@ from dataclasses import dataclass, field
 
 from kvchaos.oracles import FAIL, PASS, UNKNOWN
 from kvchaos.policy.core import is_leak_checker
+from kvchaos.policy.signatures import power_met
 
 
 @dataclass
@@ -36,11 +41,12 @@ class Find:
     mechanism: dict = field(default_factory=dict)
     summary: str = ""
     why_not_known: str = ""
+    power_met: bool | None = None  # a leak checker's verdict: did the run have the power (signatures.power_met)
 
     def to_dict(self) -> dict:
         return {"oracle": self.oracle, "status": self.status, "kind": self.kind, "finding": self.finding,
                 "signature": self.signature, "mechanism": self.mechanism, "summary": self.summary[:400],
-                "why_not_known": self.why_not_known[:600]}
+                "why_not_known": self.why_not_known[:600], "power_met": self.power_met}
 
 
 def _fired_on(records, rid) -> list[str]:
@@ -144,9 +150,10 @@ def triage(verdicts, ctx, registry, records) -> list[Find]:
         if v.status == UNKNOWN and not v.witnesses:
             out.append(Find(v.oracle, v.status, "blind", None, sig, mech, v.summary))
             continue
-        f, why = registry.classify(v, ctx)
+        f, why = registry.classify(v, ctx, require_power=False)
         if f is not None:
-            out.append(Find(v.oracle, v.status, "known", f.id, sig, mech, v.summary))
+            out.append(Find(v.oracle, v.status, "known", f.id, sig, mech, v.summary,
+                            power_met=power_met(v)[0] if is_leak_checker(v.oracle) else None))
             continue
         if on_purpose is None and not is_leak_checker(v.oracle):
             on_purpose = broken_on_purpose(records)

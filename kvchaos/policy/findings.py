@@ -70,15 +70,17 @@ class Finding:
     def exercised_by(self, nodeid: str) -> bool:
         return any(fnmatch.fnmatch(nodeid, pat) for pat in self.tests)
 
-    def match(self, v: Verdict, ctx: Context) -> tuple[bool, str]:
-        """Does verdict ``v`` (with its witnesses) match this finding on this engine?"""
+    def match(self, v: Verdict, ctx: Context, require_power: bool = True) -> tuple[bool, str]:
+        """Does verdict ``v`` (with its witnesses) match this finding on this engine? ``require_power``
+        False asks only whether the mechanism matches (a search's triage: is this leak one we know?); the
+        policy never passes it, so an underpowered run's leak is never accepted as KNOWN."""
         if not self.applies_to(ctx.engine, ctx.version):
             return False, f"not for {ctx.engine} {ctx.version} (listed: {self.versions})"
         why = "no entry for this checker/status"
         for m in self.matches:
             if m.checker != v.oracle or v.status not in m.statuses:
                 continue
-            if is_leak_checker(v.oracle):
+            if is_leak_checker(v.oracle) and require_power:
                 ok, reason = power_met(v)
                 if not ok:  # a leak seen by a run that could not have seen one reliably is never KNOWN
                     return False, f"KNOWN needs the power to see the leak: {reason}"
@@ -156,13 +158,14 @@ class Registry:
                 return f
         raise PolicyError(f"unknown finding id {fid!r}; known: {[f.id for f in self.findings]}")
 
-    def classify(self, v: Verdict, ctx: Context) -> tuple[Finding | None, str]:
-        """The finding ``v`` matches (None if none), and why the closest one did not."""
+    def classify(self, v: Verdict, ctx: Context, require_power: bool = True) -> tuple[Finding | None, str]:
+        """The finding ``v`` matches (None if none), and why the closest one did not
+        (``require_power``: :meth:`Finding.match`)."""
         if v.status == PASS:
             return None, ""
         why = []
         for f in self.findings:
-            ok, reason = f.match(v, ctx)
+            ok, reason = f.match(v, ctx, require_power)
             if ok:
                 return f, reason
             if f.applies_to(ctx.engine, ctx.version) and any(m.checker == v.oracle and v.status in m.statuses
