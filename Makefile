@@ -9,7 +9,7 @@ PYTEST_ARGS ?=
 
 LAYOUTS ?= mha-p1-fp32,gqa-p16-bf16,gqa-p64-bf16,mla-p64-bf16
 
-.PHONY: setup run docs test test-two-hosts test-matrix test-unit test-layouts soak bench clean-reports lint-workflows
+.PHONY: setup run docs test test-two-hosts test-matrix test-unit test-layouts soak fuzz bench clean-reports lint-workflows
 setup:
 	@bash scripts/setup.sh >/dev/null
 	@bash scripts/setup-engine.sh 0.5.19 >/dev/null  # pre-fix release for the GLM-5.3 reproduction
@@ -72,6 +72,13 @@ test-layouts: setup  # every default suite on every KV layout, one cluster each 
 K ?= 3
 soak: setup  # the default suites K times, each with a fresh seed: outcome counts per test, flakes, engine failure rates
 	$(PY) -m kvchaos soak --times $(K)
+
+# the search (kvchaos fuzz): guided, then random with the same budget and seed, printed side by side;
+# CI runs only its 2-minute smoke (suites/test_fuzz_smoke.py). FUZZ_ARGS="--engine-version 0.5.19" etc.
+FUZZ_BUDGET ?= 30m
+FUZZ_SEED ?= 1
+fuzz: setup
+	$(PY) -m kvchaos fuzz --strategy both --budget $(FUZZ_BUDGET) --seed $(FUZZ_SEED) $(FUZZ_ARGS)
 
 test-unit: setup
 	$(PY) -m pytest tests -m "not cluster" -p no:cacheprovider $(PYTEST_ARGS)

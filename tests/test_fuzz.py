@@ -55,6 +55,14 @@ def test_generated_scenarios_cover_the_space_and_never_plant_a_bug():
     assert {p["kind"] for s in scs for p in s.traffic.plans} >= {"plain", "stream", "abort_after", "oversized"}
 
 
+def test_salted_traffic_is_checked_for_cross_salt_cache_hits():
+    scs = _many(60)
+    for s in scs:
+        salted = any(p.get("cache_salt") for p in s.traffic.plans)
+        assert salted == ("cache_isolation" in {c["name"] for c in s.checks}), s.name
+    assert any("cache_isolation" in {c["name"] for c in s.checks} for s in scs)
+
+
 def test_edge_labels_follow_the_deployments_limits():
     dep = Deployment({}, {"decode_reservation": 64})
     assert BASE.expect(1984, dep) == "answer" and BASE.expect(1985, dep) == "hang_band"
@@ -385,3 +393,19 @@ def test_a_refused_scenario_costs_no_restart_but_a_broken_cluster_is_replaced(tm
         fz._run = refuse
         s = fz.run()
         assert s["errors"] == 3 and s["cluster_restarts"] == restarts, s
+
+
+def test_a_prefill_pool_below_the_context_moves_the_edges_and_the_ordinary_traffic():
+    dep = Deployment({"prefill_pool_tokens": 576}, {})
+    pool, ppool, ctx, res, lim = BASE.limits(dep)
+    assert (pool, ppool, lim) == (2048, 576, 570)
+    assert {569, 570, 571, 575, 577, 1535, 1537} <= set(BASE.edges(dep))
+    assert BASE.expect(570, dep) == "reject" and BASE.expect(569, dep) == "answer"
+    scs = _many(400)
+    small = [s for s in scs if s.deployment.restart.get("prefill_pool_tokens")]
+    assert small and all(s.deployment.restart["prefill_pool_tokens"] < s.deployment.restart.get("pool_tokens", 2048)
+                         for s in small)
+    for s in small:  # nothing but the edge probes goes over prefill's limit
+        lim = BASE.limits(s.deployment)[4]
+        assert all(p.get("n_tokens", 0) < lim for p in s.traffic.plans if not p["extra"].get("probe")), s.name
+        assert all(p["oversized"] for p in s.traffic.plans if p["extra"].get("probe") == "reject"), s.name

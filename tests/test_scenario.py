@@ -257,9 +257,10 @@ def test_restart_knobs_set_the_spec_and_read_back_from_it():
     base = ClusterSpec.load("cpu")
     dep = Deployment({"pool_tokens": 1024, "context_length": 8192, "allow_auto_truncate": True,
                       "decode_radix_cache": True, "chunked_prefill_size": 256, "retraction_backup": "none",
-                      "deferred_release": False, "router": "mini-lb"}, {})
+                      "deferred_release": False, "router": "mini-lb", "prefill_pool_tokens": 576}, {})
     spec = dataclasses.replace(base, **dep.spec_overrides(base))
-    assert "--allow-auto-truncate" in spec.common_args and spec.prefill_args[-2:] == ["--chunked-prefill-size", "256"]
+    assert spec.prefill_args[-2:] == ["--max-total-tokens", "576"] and "576" not in spec.decode_args
+    assert "--allow-auto-truncate" in spec.common_args and spec.prefill_args[-4:-2] == ["--chunked-prefill-size", "256"]
     assert spec.decode_args.count("--disaggregation-decode-retraction-backup") == 1  # the profile's value replaced
     assert spec.env["SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE"] == "0"
     back = Deployment.from_spec(spec)

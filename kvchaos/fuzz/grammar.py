@@ -6,12 +6,12 @@ What it draws (:data:`WEIGHTS` says how often):
 
 - **deployment** — live knobs mostly (prefill's input limit, chunked-prefill size, decode's
   deferred-release timeout and per-request reservation: free on a running cluster), restart knobs
-  rarely (pool vs context, ``--allow-auto-truncate``, decode's radix cache, the retraction backup: each
-  new combination is a cluster start, which the loop schedules);
+  rarely (pool vs context, prefill's pool apart from decode's, ``--allow-auto-truncate``, decode's
+  radix cache: each new combination is a cluster start, which the loop schedules);
 - **traffic** — 2-12 tenants, 36-56 plans (isolation's power floor with room for faults) over every
   request kind and endpoint, shared prefixes and salts, prompt lengths at the deployment's edges
-  (decode's admission edge ``pool − reservation``, prefill's input limit, the pool, the context) as
-  well as inside them, aborts and disconnects, through the router or straight to prefill and decode;
+  (decode's admission edge ``pool − reservation``, prefill's input limit and pool, decode's pool, the
+  context) as well as inside them, aborts and disconnects, through the router or straight to prefill and decode;
 - **nemesis** — timed agent faults (delay, fail, short, hold, park, stall_status_read), proxy
   toxics on the client and server legs, process stop/kill of a role, and aborts of held requests.
 
@@ -42,6 +42,7 @@ WEIGHTS = {
     "agent_ops": (0, 4),   # how many agent faults
     "proxy_ops": (0, 2),
     "process_op": 0.08,    # chance of a stop or kill of a role
+    "abort_held": 0.6,     # chance a request a hold or park parked is aborted while parked
 }
 MUTATORS = {"knob": 3, "op_param": 4, "op_time": 3, "add_op": 3, "drop_op": 2, "traffic": 3, "restart_knob": 1}
 
@@ -51,19 +52,27 @@ class Base:
     input limit, page size), which the edges are computed from."""
 
     def __init__(self, pool: int = 2048, context: int = 4096, reservation: int = 512, input_limit: int | None = None,
-                 page_size: int = 1, restart: dict | None = None):
+                 page_size: int = 1, restart: dict | None = None, prefill_pool: int | None = None):
         self.pool, self.context, self.reservation, self.page_size = pool, context, reservation, page_size
-        self.input_limit = input_limit if input_limit is not None else pool - 6
+        self.prefill_pool = prefill_pool if prefill_pool is not None else pool
+        self.input_limit = input_limit if input_limit is not None else self.prefill_pool - 6
         self.restart = dict(restart or {})
+
+    def limits(self, dep: Deployment) -> tuple[int, int, int, int, int]:
+        """``(decode pool, prefill pool, context, reservation, prefill's input limit)`` under ``dep``
+        (SGLang's input limit is the pool less a few tokens where the pool is under the context)."""
+        pool = dep.restart.get("pool_tokens", self.pool)
+        ppool = dep.restart.get("prefill_pool_tokens", pool if "pool_tokens" in dep.restart else self.prefill_pool)
+        ctx = dep.restart.get("context_length", self.context)
+        res = dep.live.get("decode_reservation", self.reservation)
+        lim = dep.live.get("prefill_input_limit", min(self.input_limit, ppool - 6))
+        return pool, ppool, ctx, res, lim
 
     def edges(self, dep: Deployment) -> list[int]:
         """Prompt lengths where the engine changes path: each limit, one under and one over it."""
-        pool = dep.restart.get("pool_tokens", self.pool)
-        ctx = dep.restart.get("context_length", self.context)
-        res = dep.live.get("decode_reservation", self.reservation)
-        lim = dep.live.get("prefill_input_limit", min(self.input_limit, pool - 6))
+        pool, ppool, ctx, res, lim = self.limits(dep)
         out = set()
-        for e in (pool - res, lim, pool, ctx, (pool + ctx) // 2):
+        for e in (pool - res, lim, ppool, pool, ctx, (pool + ctx) // 2):
             out |= {e - 1, e, e + 1}
         return sorted(x for x in out if 64 <= x <= 2 * ctx)
 
@@ -71,10 +80,8 @@ class Base:
         """What the deployment's published limits say a prompt of ``n`` tokens gets (as
         ``suites/test_oversized_prompt.py`` labels them): ``answer`` up to decode's admission edge,
         ``hang_band`` between it and prefill's input limit, ``reject`` from the limit on."""
-        pool = dep.restart.get("pool_tokens", self.pool)
-        res = dep.live.get("decode_reservation", self.reservation)
-        lim = dep.live.get("prefill_input_limit", min(self.input_limit, pool - 6))
-        if n <= min(pool - res, lim):
+        pool, _ppool, _ctx, res, lim = self.limits(dep)
+        if n <= pool - res and n < lim:  # SGLang refuses len(input) >= max_req_input_len
             return "answer"
         return "hang_band" if n < lim else "reject"
 
@@ -83,7 +90,7 @@ class Base:
         """The numbers a running cluster reports (``/server_info``), not the profile's."""
         pf, dc = cluster.server_info("prefill"), cluster.server_info("decode")
         spec = cluster.spec
-        return cls(pool=min(server_field(pf, "max_total_num_tokens"), server_field(dc, "max_total_num_tokens")),
+        return cls(pool=server_field(dc, "max_total_num_tokens"), prefill_pool=server_field(pf, "max_total_num_tokens"),
                    context=server_field(dc, "context_length"), reservation=server_field(dc, "num_reserved_decode_tokens"),
                    input_limit=min(server_field(pf, "max_req_input_len"), server_field(dc, "max_req_input_len")),
                    page_size=spec.page_size)
@@ -104,6 +111,10 @@ def _knobs(rng: random.Random, base: Base, restart_p: float, live_p: float) -> D
         restart["decode_radix_cache"] = not restart.get("decode_radix_cache", False)
     if rng.random() < restart_p:
         restart["pool_tokens"] = rng.choice((1024, 2048, 3072))
+    if rng.random() < restart_p:  # prefill's pool below the context and decode's pool
+        restart["prefill_pool_tokens"] = rng.choice((576, 1024))
+    if restart.get("prefill_pool_tokens", 0) >= restart.get("pool_tokens", base.pool):
+        restart.pop("prefill_pool_tokens", None)  # only ever the smaller pool: that is the deployment it names
     return Deployment(restart, live)
 
 
@@ -118,9 +129,14 @@ def _traffic(rng: random.Random, base: Base, dep: Deployment, seed: int) -> Traf
     # enough plain echo evidence for isolation's floor (20 requests, 59 canaries at 95 %) beside whatever
     # the faults break: a first real search (2026-12-04) drew 6-40 plans and every run was blind
     n = rng.randint(36, 56)
-    hi = max(128, min(dep.restart.get("pool_tokens", base.pool) - dep.live.get("decode_reservation", base.reservation),
-                      900))
+    pool, _ppool, _ctx, res, lim = base.limits(dep)
+    hi = max(128, min(pool - res, lim, 900))  # the ordinary traffic fits every limit; the edges come below
     plans = wl.mix(n, weights=weights, lengths=(64, hi), endpoints=("generate", "generate", "completions", "chat"))
+    for p in plans:  # a conversation's later turns grow past the limits: label them as the edges are
+        label = base.expect(p.n_tokens, dep)
+        if label != "answer":
+            p.extra["probe"] = label
+            p.oversized = label == "reject"
     if rng.random() < WEIGHTS["oversized"]:
         victim = rng.choice(wl.tenants)
         for size in rng.sample(base.edges(dep), k=min(3, len(base.edges(dep)))):
@@ -153,7 +169,10 @@ def _fix_order(plans) -> None:
 def _agent_op(rng: random.Random, rids: list[str], tenants: list[str], horizon: float) -> Op:
     kind = rng.choices(list(FAULTS), list(FAULTS.values()))[0]
     role = "decode" if kind == "park" and rng.random() < 0.7 else "prefill"
-    target = rng.choice(({"rid": rng.choice(rids)}, {"tenant": rng.choice(tenants)}, None))
+    if kind in ("hold", "park") and rng.random() < 0.6:  # one request held: what an abort can be aimed at
+        target = {"rid": rng.choice(rids)}
+    else:
+        target = rng.choice(({"rid": rng.choice(rids)}, {"tenant": rng.choice(tenants)}, None))
     params = {"delay": lambda: {"ms": rng.choice((20, 100, 300, 1000)), "jitter_ms": rng.choice((0, 50))},
               "fail": dict, "short": lambda: {"pages": rng.choice((0, 1, 2))},
               "hold": lambda: {"max_hold_s": rng.choice((1, 3, 10))},
@@ -193,7 +212,7 @@ def _nemesis(rng: random.Random, traffic: Traffic) -> list[Op]:
         ops.append(Op(at_s=at, heal_s=round(at + rng.uniform(1, 5), 2), injector="process", kind=kind,
                       role=rng.choice(("prefill", "decode"))))
     for i, op in enumerate(list(ops)):  # abort some requests a hold or park has parked
-        if op.kind in ("hold", "park") and op.target and "rid" in op.target and rng.random() < 0.5:
+        if op.kind in ("hold", "park") and op.target and "rid" in op.target and rng.random() < WEIGHTS["abort_held"]:
             ops.append(Op(at_s=0.0, injector="action", kind="abort", rids=[op.target["rid"]], after=i))
     return ops
 
@@ -211,8 +230,11 @@ def generate(rng: random.Random, base: Base, name: str, restart_p: float | None 
 def default_checks(traffic: Traffic) -> list[dict]:
     """Every oracle that needs nothing but the log (the policy adds the leak checkers that always run)."""
     bound = traffic.timeout_s + 5
-    return [{"name": "isolation"}, {"name": "http_semantics"}, {"name": "liveness", "bound_s": bound},
-            {"name": "kv_lifecycle"}, {"name": "abort_semantics"}]
+    out = [{"name": "isolation"}, {"name": "http_semantics"}, {"name": "liveness", "bound_s": bound},
+           {"name": "kv_lifecycle"}, {"name": "abort_semantics"}]
+    if any(p.get("cache_salt") for p in traffic.plans):  # salted tenants sharing prefixes: whose cache hit whom
+        out.append({"name": "cache_isolation"})
+    return out
 
 
 # ------------------------------------------------------------------ mutation

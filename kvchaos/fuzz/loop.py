@@ -83,7 +83,9 @@ class Clusters:
 class Fuzzer:
     def __init__(self, *, clusters: Clusters, base: Base, registry, out: Path, corpus: Corpus, seed: int,
                  budget_s: float, strategy: str = "guided", clock=time.monotonic, say=print,
-                 engine_version: str | None = None):
+                 engine_version: str | None = None, deployments: bool = True):
+        """``deployments`` False: every scenario runs on the base deployment's restart knobs (a search on
+        a cluster it may not restart, such as a test session's); live knobs still vary."""
         if strategy not in ("guided", "random"):
             raise FuzzError(f"strategy {strategy!r}: guided or random")
         if budget_s <= 0:
@@ -97,6 +99,7 @@ class Fuzzer:
         self.queues: dict[str, list[Scenario]] = {}
         self.since_new = 0
         self.engine_version = engine_version
+        self.deployments = deployments
         self.t0 = None
         self.out.mkdir(parents=True, exist_ok=True)
 
@@ -131,6 +134,8 @@ class Fuzzer:
         is worth it (module doc)."""
         for _ in range(50):
             sc = self._draw()
+            if not self.deployments:
+                sc.deployment = Deployment(dict(self.base.restart), sc.deployment.live)
             if self.engine_version:
                 sc.deployment.restart["engine_version"] = self.engine_version
             key = sc.deployment.restart_key()

@@ -85,6 +85,8 @@ RESTART_KNOBS = {
     "engine_version": (str, None, "the SGLang release (its environment: scripts/setup-engine.sh)"),
     "layout": (str, None, "the KV layout: <mha|gqa|mla>-p<page>-<fp32|bf16|fp16> (kvchaos.cluster.layouts)"),
     "pool_tokens": (int, None, "--max-total-tokens on each server"),
+    "prefill_pool_tokens": (int, None, "--max-total-tokens on prefill alone, after pool_tokens (a prefill pool "
+                            "below the context and decode's pool: the GLM-5.3 incident's shape)"),
     "context_length": (int, None, "--context-length"),
     "chunked_prefill_size": (int, None, "--chunked-prefill-size on prefill"),
     "allow_auto_truncate": (bool, None, "--allow-auto-truncate on both servers"),
@@ -243,6 +245,9 @@ class Deployment:
         size = _flag_value(prefill, "--chunked-prefill-size")
         if size is not None and size.lstrip("-").isdigit() and int(size) >= 1:
             r["chunked_prefill_size"] = int(size)
+        ppool = _flag_value(list(getattr(spec, "prefill_args", [])), "--max-total-tokens")  # after the argv's own
+        if ppool is not None and ppool.isdigit() and int(ppool) != getattr(spec, "pool_tokens", None):
+            r["prefill_pool_tokens"] = int(ppool)
         backup = _flag_value(decode, "--disaggregation-decode-retraction-backup")
         if backup in RESTART_KNOBS["retraction_backup"][1]:
             r["retraction_backup"] = backup
@@ -295,6 +300,8 @@ class Deployment:
             common.append("--allow-auto-truncate")
         if "chunked_prefill_size" in r:
             prefill = _set_flag(prefill, "--chunked-prefill-size", str(r["chunked_prefill_size"]))
+        if "prefill_pool_tokens" in r:  # the last --max-total-tokens wins over the one from pool_tokens
+            prefill = _set_flag(prefill, "--max-total-tokens", str(r["prefill_pool_tokens"]))
         if r.get("decode_radix_cache"):
             decode.append("--disaggregation-decode-enable-radix-cache")
         if "retraction_backup" in r:
