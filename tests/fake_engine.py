@@ -51,6 +51,10 @@ class _Handler(BaseHTTPRequestHandler):
 
     def do_POST(self):
         eng = self.engine
+        if self.path.startswith("/flush_cache"):  # SGLang's: empties caches, not what the pages hold
+            eng.flushes += 1
+            self.rfile.read(int(self.headers.get("Content-Length") or 0))
+            return self._json(200, {"ok": True})
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         eng.requests.append((self.path, body))
         if self.path == "/abort_request":
@@ -63,7 +67,7 @@ class _Handler(BaseHTTPRequestHandler):
         time.sleep(eng.delay_s)
         reply = "".join(canary.payload(c) + "][" for _, c in canary.find(text))
         if len(text) >= eng.leak_min_chars:
-            reply += eng.leak_text
+            reply += eng.leak_for(text)
         if eng.behaviour == "error500":
             return self._json(500, {"error": {"message": f"engine failed after: {reply}"}})
         if body.get("stream"):
@@ -139,11 +143,16 @@ class FakeEngine:
         self.chunk_chars, self.eager_first_chunk = chunk_chars, eager_first_chunk
         self.leak_min_chars = 0  # leak only into replies to prompts at least this long
         self.requests = []
+        self.flushes = 0
         self.stopped = threading.Event()
         handler = type("H", (_Handler,), {"engine": self})
         self.server = _Server(("127.0.0.1", 0), handler)
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
         self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+
+    def leak_for(self, text: str) -> str:
+        """What a reply to ``text`` leaks (``leak_text``; a subclass may work it out from what it was sent)."""
+        return self.leak_text
 
     def __enter__(self):
         self.thread.start()

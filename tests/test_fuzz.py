@@ -48,6 +48,7 @@ def test_generated_scenarios_cover_the_space_and_never_plant_a_bug():
     restarts = sum(bool(s.deployment.restart) for s in scs)
     assert 0 < restarts < len(scs) / 2  # deployment changes are drawn, and rarely
     assert {s.traffic.via for s in scs} == {"router", "pd"}
+    assert all(p["endpoint"] == "generate" for s in scs if s.traffic.via == "pd" for p in s.traffic.plans)
     labels = {p["extra"].get("probe") for s in scs for p in s.traffic.plans if p["extra"].get("probe")}
     assert labels == {"answer", "hang_band", "reject"}
     endpoints = {p["endpoint"] for s in scs for p in s.traffic.plans}

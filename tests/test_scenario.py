@@ -210,6 +210,7 @@ def _doc(**patch):
     ({"traffic__via": "carrier pigeon"}, "traffic.via"),
     ({"traffic__timeout_s": True}, "timeout_s=True"),
     ({"traffic__plans__0__endpoint": "grpc"}, r"plans\[0\].endpoint='grpc'"),
+    ({"traffic__via": "pd", "traffic__plans__0__endpoint": "chat"}, r"plans\[0\].endpoint='chat': traffic via 'pd'"),
     ({"traffic__plans__1__after": "later"}, r"plans\[1\].after='later'"),
     ({"traffic__plans__0__colour": 1}, r"plans\[0\]: unknown"),
     ({"checks": [{"name": "isolation"}, {"name": "isolation"}]}, "given twice"),

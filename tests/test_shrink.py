@@ -2,6 +2,7 @@
 end to end against tests/fake_engine.py (tests/data/replay_suite), and what it refuses."""
 
 import json
+import re
 import subprocess
 import sys
 import types
@@ -16,6 +17,7 @@ from tests.util import child_env
 
 REPO = Path(__file__).resolve().parents[1]
 INNER = REPO / "tests" / "data" / "replay_suite" / "test_replay_inner.py"
+STEPS = 40  # every attempt flushes and re-mints: an owner prompt must be sent in it to count (about 30 needed)
 
 
 def _original(tmp_path, **env):
@@ -38,7 +40,7 @@ def _original_prompts(res) -> list[str]:
 
 
 def _shrink(run, *args, **env):
-    return subprocess.run([sys.executable, "-m", "kvchaos", "shrink", str(run), "shrinkable", "--steps", "30", *args],
+    return subprocess.run([sys.executable, "-m", "kvchaos", "shrink", str(run), "shrinkable", "--steps", str(STEPS), *args],
                           cwd=REPO, env=child_env(**env), capture_output=True, text=True, timeout=600)
 
 
@@ -47,16 +49,18 @@ def test_a_leak_shrinks_to_victim_and_owner_at_concurrency_one_with_repro_and_bu
     r = _shrink(run)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
     # the owner's request stays: a leak of what an earlier attempt left behind is not a repro of its own
-    assert "requests 24 -> 2" in r.stdout and "concurrency 4 -> 1" in r.stdout, r.stdout[-2000:]
+    # (at concurrency 1 a victim before the owner in plan order cannot read the owner's page: 1 or 2)
+    assert "requests 24 -> 2" in r.stdout and re.search(r"concurrency 4 -> [12],", r.stdout), r.stdout[-2000:]
     assert "failed again 3/3" in r.stdout
     assert "shrink 1: the original, re-run" in r.stdout  # progress shown as it goes
     d = Path(r.stdout.split("bug report: ")[1].split()[0]).parent
     res = json.loads((d / "minimal.json").read_text())
     assert res["reproduced"] and res["original"]["requests"] == 24 and res["minimal"]["requests"] == 2
-    assert res["target"]["oracle"] == "isolation" and res["steps"] <= 30 and res["confirmed"] == 3
+    assert res["target"]["oracle"] == "isolation" and res["steps"] <= STEPS + 3 and res["confirmed"] == 3  # + confirmations
     owner, victim = sorted(res["scenario"]["plans"], key=lambda p: p["tenant"] != "t002")
     assert owner["tenant"] == "t002" and victim["tenant"] != "t002"  # plans[2]'s canary, in another's reply
-    assert res["witnesses"][0]["owner_rid"] == owner["rid"]
+    # (the owner's own reply may hold a canary of an earlier attempt's owner prompt: unknown origin there)
+    assert owner["rid"] in {w.get("owner_rid") for w in res["witnesses"]}
     assert all(a["verdicts"]["isolation"] == "fail" for a in res["attempts"] if a["fails"])
     # a victim alone still "leaks" plans[2]'s canary (minted in an earlier attempt): not counted
     assert any(a["verdicts"]["isolation"] == "fail" and not a["fails"] for a in res["attempts"])
@@ -182,3 +186,36 @@ def test_a_minimal_step_that_fails_again_by_chance_backs_off_to_the_step_kept_be
     assert sh.confirm() == 2 and sh.best is steps[2] and sh.backed_off == 0 and len(runs) == 3
     rates = {"a": [False] * 3, "ab": [False] * 3, "abcd": [True, False, False]}  # none in most: the best seen
     assert sh.confirm() == 1 and sh.best is steps[0] and sh.backed_off == 2
+
+
+def test_remint_gives_fresh_canaries_the_same_way_in_every_prompt_that_carries_them():
+    import random as _random
+
+    from kvchaos.shrink.scenario import remint
+
+    wl = Workload(11, n_tenants=3, prefix="rm")
+    plans = [wl.request(wl.tenants[i % 3], n_canaries=2) for i in range(4)]
+    turn2 = subset(plans, {plans[0].rid})[0]
+    turn2.rid, turn2.prompt = "turn2", plans[0].prompt + " more words " + plans[1].prompt  # a later turn repeats both
+    turn2.canaries = plans[0].canaries + plans[1].canaries
+    new = remint(plans + [turn2], _random.Random(3))
+    old_all = {c for p in plans for c in p.canaries}
+    for p, q in zip(plans + [turn2], new):
+        assert [c for _, c in canary.find(q.prompt)] == q.canaries and len(q.prompt) == len(p.prompt)
+        assert [c[:2] for c in q.canaries] == [c[:2] for c in p.canaries]  # the opening character kept
+        assert not set(q.canaries) & old_all
+        assert canary.find(p.prompt) and p.canaries[0] in p.prompt  # the originals untouched
+    assert new[4].canaries == new[0].canaries + new[1].canaries
+    assert remint(plans, _random.Random(3))[0].canaries != remint(plans, _random.Random(4))[0].canaries
+
+
+def test_caches_are_flushed_on_both_roles_and_a_refusal_is_named():
+    from kvchaos.workload.snapshots import flush_caches
+    from tests.data.known_suite.test_known_inner import StandIn
+    from tests.fake_engine import FakeEngine
+
+    with FakeEngine() as eng:
+        assert flush_caches(StandIn(eng.url)) == {"prefill": True, "decode": True} and eng.flushes == 2
+    dead = StandIn("http://127.0.0.1:9")  # nothing listens: every try refused, bounded by the timeout
+    got = flush_caches(dead, timeout_s=1.0)
+    assert set(got) == {"prefill", "decode"} and all(isinstance(v, str) and "Connect" in v for v in got.values())

@@ -131,7 +131,10 @@ def _traffic(rng: random.Random, base: Base, dep: Deployment, seed: int) -> Traf
     n = rng.randint(36, 56)
     pool, _ppool, _ctx, res, lim = base.limits(dep)
     hi = max(128, min(pool - res, lim, 900))  # the ordinary traffic fits every limit; the edges come below
-    plans = wl.mix(n, weights=weights, lengths=(64, hi), endpoints=("generate", "generate", "completions", "chat"))
+    via = "pd" if rng.random() < WEIGHTS["via_pd"] else "router"
+    # straight to prefill + decode the driver speaks /generate only (the OpenAI routes need the router)
+    endpoints = ("generate",) if via == "pd" else ("generate", "generate", "completions", "chat")
+    plans = wl.mix(n, weights=weights, lengths=(64, hi), endpoints=endpoints)
     for p in plans:  # a conversation's later turns grow past the limits: label them as the edges are
         label = base.expect(p.n_tokens, dep)
         if label != "answer":
@@ -149,7 +152,7 @@ def _traffic(rng: random.Random, base: Base, dep: Deployment, seed: int) -> Traf
     # them, and at 2 a fault on one tenant saw 4 evidence requests, under the class floor of 5 (a first
     # 36-56-plan search, 2026-12-04: every run with such a fault was blind)
     return Traffic([plan_dict(p) for p in plans], concurrency=rng.choice((4, 8, 8, 16)),
-                   timeout_s=30.0, via="pd" if rng.random() < WEIGHTS["via_pd"] else "router")
+                   timeout_s=30.0, via=via)
 
 
 def _fix_order(plans) -> None:

@@ -20,9 +20,9 @@ from .target import still_fails
 
 
 def reproduce(minimal_dir, times: int = 1) -> int:
-    """What a shrink's ``repro.py`` runs: start the cluster recorded in ``minimal_dir/minimal.json``
-    (and a single reference server for a differential target), arm the recorded faults, send the
-    minimal plans ``times`` times, print each run's verdicts; returns how many failed the same way."""
+    """What a shrink's ``repro.py`` runs, ``times`` times, each on a fresh cluster of the one recorded in
+    ``minimal_dir/minimal.json`` (and one single reference server for a differential target): arm the
+    recorded faults, send the minimal plans, print the verdicts. Returns how many failed the same way."""
     res = json.loads((Path(minimal_dir) / "minimal.json").read_text())
     sc = res["scenario"]
     spec = ClusterSpec.from_dict(res["cluster"]["spec"])
@@ -33,7 +33,6 @@ def reproduce(minimal_dir, times: int = 1) -> int:
     work = Path(tempfile.mkdtemp(prefix="kvchaos-repro-"))
     install()  # the cluster's embedded network proxy and its engines' agent
     reaper = Reaper("kvc-repro")
-    c = Cluster(spec, work, reaper=reaper).start()
     ref = None
     hits = 0
     try:
@@ -44,21 +43,24 @@ def reproduce(minimal_dir, times: int = 1) -> int:
             checks.append(oracles.Differential(lambda _ev: {
                 p.rid: httpx.post(ref.endpoints.router + "/generate", json=body(p), timeout=120).json() for p in plans}))
         for i in range(1, times + 1):
-            with EventLog(work / f"faults-{i}.jsonl") as flog:
-                kit = FaultKit(c, flog)
-                ex = Experiment(f"repro-{i}", plans, checks, cluster=c, faults=kit, run_dir=work,
-                                concurrency=sc["concurrency"], timeout_s=sc["timeout_s"], via=sc["via"])
-                with ex:
-                    for f in sc["faults"]:
-                        arm(kit, f)
+            c = Cluster(spec, work / f"cluster-{i}", reaper=reaper).start()
+            try:
+                with EventLog(work / f"faults-{i}.jsonl") as flog:
+                    kit = FaultKit(c, flog)
+                    ex = Experiment(f"repro-{i}", plans, checks, cluster=c, faults=kit, run_dir=work,
+                                    concurrency=sc["concurrency"], timeout_s=sc["timeout_s"], via=sc["via"])
+                    with ex:
+                        for f in sc["faults"]:
+                            arm(kit, f)
+            finally:
+                c.stop()
             hit = still_fails(ex.verdicts, target)
             hits += hit
-            print(f"repro {i}: " + ", ".join(f"{v.oracle} {v.status}" for v in ex.verdicts)
-                  + (" — REPRODUCED" if hit else ""))
+            print(f"repro {i} (fresh cluster): " + ", ".join(f"{v.oracle} {v.status}" for v in ex.verdicts)
+                  + (" — REPRODUCED" if hit else ""), flush=True)
     finally:
         if ref is not None:
             ref.stop()
-        c.stop()
         reaper.close()
-    print(f"reproduced {hits}/{times} (logs: {work})")
+    print(f"reproduced {hits}/{times}, each on a fresh cluster (logs: {work})")
     return hits

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import random
 
 from kvchaos import canary
 from kvchaos.probe import MIN_HEAD, MIN_TAIL, TRIGGER
@@ -103,3 +104,35 @@ def shorten(text: str, keep: int = 0) -> str | None:
         return None
     assert [c for _, c in canary.find(new)] == [c for _, c in found], "shorten lost or split a canary"
     return new
+
+
+def remint(plans, rng: random.Random) -> list:
+    """The plans with every canary replaced by a fresh one (same opening character: a context's
+    canaries keep their distinct first characters), the same way in every prompt that carries it (a
+    conversation's later turn repeats the earlier's). A run on a reused cluster whose plans carry the
+    canaries of an earlier run could read that run's KV in a stale page and credit it to this one's
+    owner: with fresh canaries it reads as an earlier experiment's, and only this run's own traffic can
+    make the leak it is judged by."""
+    old = sorted({c for p in plans for c in (p.canaries or [])})
+    taken = set(old)
+    new = {}
+    for c in old:
+        while True:
+            d = canary.START + c[len(canary.START)] + "".join(
+                rng.choice(canary.ALPHABET) for _ in range(canary.PAYLOAD_LEN - 1)) + canary.END
+            if d not in taken:
+                break
+        taken.add(d)
+        new[c] = d
+    out = []
+    for p in plans:
+        q = copy.copy(p)
+        text = q.prompt
+        for c in q.canaries or []:
+            text = text.replace(c, new[c])
+        for c in old:  # an earlier turn's canaries inside this prompt
+            if c in text:
+                text = text.replace(c, new[c])
+        q.prompt, q.canaries = text, [new[c] for c in q.canaries or []]
+        out.append(q)
+    return out

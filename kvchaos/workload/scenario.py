@@ -511,7 +511,13 @@ class Traffic:
         timeout = _check_type(f"{where}.timeout_s", d.get("timeout_s", 60.0), float)
         if timeout <= 0:
             raise ScenarioError(f"{where}.timeout_s={timeout}: must be > 0")
-        return cls(out, conc, float(timeout), _choice(f"{where}.via", d.get("via", "router"), VIAS))
+        via = _choice(f"{where}.via", d.get("via", "router"), VIAS)
+        if via == "pd":  # the driver's pd_direct mode speaks SGLang's /generate only
+            for i, p in enumerate(out):
+                if p.get("endpoint", "generate") != "generate":
+                    raise ScenarioError(f"{where}.plans[{i}].endpoint={p['endpoint']!r}: traffic via 'pd' (straight to "
+                                        "prefill and decode) sends /generate only; the OpenAI routes need via 'router'")
+        return cls(out, conc, float(timeout), via)
 
     def to_dict(self) -> dict:
         return {"plans": [dict(p) for p in self.plans], "concurrency": self.concurrency,

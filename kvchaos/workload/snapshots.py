@@ -85,6 +85,33 @@ def wait_quiet(cluster, timeout_s: float = 120.0, stable_s: float = 10.0) -> dic
     return {"quiet": False, "waited_s": round(time.monotonic() - t0, 2)}
 
 
+def flush_caches(cluster, timeout_s: float = 30.0) -> dict:
+    """SGLang's ``/flush_cache`` on prefill and decode: the prefix tree emptied and the KV allocators'
+    free lists back in their start order (``Scheduler.flush_cache``; refused while a request is
+    queued, running or parked, so it is retried until ``timeout_s``). The pages' contents stay: a
+    caller that must not be fooled by what an earlier run left there re-mints its canaries
+    (:func:`kvchaos.shrink.scenario.remint`). Returns ``{role: True | "why not"}``."""
+    out = {}
+    deadline = time.monotonic() + timeout_s
+    for role in ("prefill", "decode"):
+        url = getattr(cluster.endpoints, role) + "/flush_cache"
+        why = "not tried"
+        while True:
+            try:
+                r = httpx.post(url, params={"timeout": 1.0}, timeout=10.0)
+                if r.status_code == 200:
+                    why = True
+                    break
+                why = f"HTTP {r.status_code}: {r.text.strip()[:120]}"
+            except httpx.HTTPError as e:
+                why = f"{type(e).__name__}: {e}"
+            if time.monotonic() >= deadline:
+                break
+            time.sleep(0.5)
+        out[role] = why
+    return out
+
+
 def server_field(info, key):
     """First value of ``key`` anywhere in a nested ``/server_info`` answer (its layout moves between
     releases: 0.5.19 and 0.5.23 keep pool sizes in different places)."""

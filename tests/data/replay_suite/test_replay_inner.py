@@ -34,33 +34,38 @@ def test_scenario(experiment, seeds, fake):
 
 
 class LeakFirst(FakeEngine):
-    """Leaks ``text`` into its first ``n`` replies only (then answers cleanly): an engine whose leak
-    does not come back when the scenario is re-run."""
+    """Leaks, into its first ``n`` replies only (then answers cleanly), the first canary of the latest
+    prompt it was sent that holds ``marker`` (a piece of one plan's text that is no canary): a stale
+    page of that prompt, whichever run sent it. An engine whose leak does not come back when the
+    scenario is re-run (small ``n``), and whose leak names an earlier run's canary when the owner's
+    request is not in this one."""
 
-    def __init__(self, text, n):
+    def __init__(self, marker, n):
         super().__init__()
-        self._text, self._left = text, n
+        self._marker, self._left = marker, n
 
-    @property
-    def leak_text(self):
+    def leak_for(self, text):
         if self._left <= 0:
             return ""
+        seen = [b.get("text") or b.get("prompt") or "" for _path, b in list(self.requests)]
+        src = next((t for t in reversed(seen) if self._marker in t and t != text), None)
+        found = canary.find(src) if src else []
+        if not found:
+            return ""
         self._left -= 1
-        return self._text
-
-    @leak_text.setter
-    def leak_text(self, v):
-        pass
+        return canary.payload(found[0][1])
 
 
 def test_shrinkable(experiment, seeds):
-    """Every reply holds plans[2]'s canary (``INNER_LEAK_FIRST=n``: only the first n replies;
+    """Every reply after plans[2] was sent holds its first canary (``INNER_LEAK_FIRST=n``: only the first n replies;
     ``INNER_LEAK_MIN_CHARS=k``: only replies to prompts of at least k characters)."""
     wl = Workload(seeds(6), n_tenants=4, prefix="sh")
     plans = [wl.request(wl.tenants[i % 4], n_canaries=2) for i in range(24)]
-    leak = canary.payload(plans[2].canaries[0])
-    eng = LeakFirst(leak, int(os.environ.get("INNER_LEAK_FIRST", "1000000")))
+    marker = plans[2].prompt[:12]  # the owner's opening words: no canary, and no shortening cuts them
+    assert sum(marker in p.prompt for p in plans) == 1
+    eng = LeakFirst(marker, int(os.environ.get("INNER_LEAK_FIRST", "1000000")))
     eng.leak_min_chars = int(os.environ.get("INNER_LEAK_MIN_CHARS", "0"))  # a leak that needs a long prompt
+    eng.delay_s = 0.05  # requests sent together have all arrived before any reply is made up
     with eng:
         with experiment("shrinkable", plans, [Isolation(), Sensitivity()], cluster=StandIn(eng.url), faults=None,
                         seed=wl.seed, settle_s=0, timeout_s=10, concurrency=4) as ex:
