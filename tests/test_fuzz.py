@@ -246,6 +246,8 @@ def _fuzzer(tmp_path, outcomes, strategy="guided", budget=100.0):
         return SimpleNamespace(events=recs, verdicts=verdicts, path=tmp_path / f"{sc.name}.events.jsonl",
                                context=lambda: None)
     fz._run = run
+    fz.fresh = []  # confirmations, controls and shrink steps run as on a fresh cluster (its own test below)
+    fz._fresh = lambda sc, cluster, tag: (fz.fresh.append(tag), sc)[1]
     return fz, started
 
 
@@ -274,6 +276,28 @@ def test_a_new_find_is_confirmed_by_reruns_and_a_control_and_written_up(tmp_path
     d = tmp_path / "out" / "finds" / f"new-{sig}"
     assert (d / "BUG.md").read_text().startswith("# NEW") and Scenario.load(d / "scenario.json")
     assert json.loads((d / "find.json").read_text())["why_not_known"] == "no finding covers it"
+    assert fz.fresh[:2] == ["confirm1", "control"] and all(t.startswith("shrink") for t in fz.fresh[2:])
+
+
+def test_a_confirmation_runs_as_on_a_fresh_cluster(tmp_path, monkeypatch):
+    """Caches flushed on both roles and canaries of its own; a cluster that will not flush stops it by name."""
+    from kvchaos.fuzz.loop import FuzzError
+    from tests.data.known_suite.test_known_inner import StandIn
+    from tests.fake_engine import FakeEngine
+
+    fz = Fuzzer(clusters=Clusters(None, None), base=BASE, registry=_Registry(), out=tmp_path, corpus=Corpus(tmp_path / "c"),
+                seed=1, budget_s=1)
+    sc = _many(1)[0]
+    with FakeEngine() as eng:
+        new = fz._fresh(sc, StandIn(eng.url), "confirm1")
+        assert eng.flushes == 2
+    old_c = [c for p in sc.traffic.plans for c in p["canaries"]]
+    new_c = [c for p in new.traffic.plans for c in p["canaries"]]
+    assert len(new_c) == len(old_c) and not set(new_c) & set(old_c)
+    assert [p["rid"] for p in new.traffic.plans] == [p["rid"] for p in sc.traffic.plans] and new.nemesis == sc.nemesis
+    monkeypatch.setattr(fuzz_loop, "FLUSH_TIMEOUT_S", 1.0)
+    with pytest.raises(FuzzError, match="could not be flushed"):
+        fz._fresh(sc, StandIn("http://127.0.0.1:9"), "confirm2")
 
 
 def test_a_known_finding_is_timed_once(tmp_path):

@@ -13,6 +13,7 @@ only counts coverage), so guidance can be measured against it with the same budg
 
 from __future__ import annotations
 
+import copy
 import functools
 import json
 import random
@@ -22,7 +23,9 @@ from pathlib import Path
 
 from kvchaos.experiment import Experiment, run_scenario
 from kvchaos.policy.core import is_leak_checker
-from kvchaos.workload.scenario import Deployment, Scenario
+from kvchaos.shrink.scenario import remint
+from kvchaos.workload.scenario import Deployment, Scenario, plan_dict
+from kvchaos.workload.snapshots import flush_caches
 
 from .corpus import Corpus
 from .feedback import features
@@ -37,6 +40,7 @@ SPLICE_P = 0.15
 CONFIRM_RUNS = 3  # a NEW find must show its mechanism again in 2 of 3 runs
 CONFIRM_NEEDED = 2
 SHRINK_SHARE = 0.25  # at most this share of the budget shrinks one find
+FLUSH_TIMEOUT_S = 30.0  # how long a run as on a fresh cluster waits for both roles to flush (idle)
 
 
 class FuzzError(RuntimeError):
@@ -219,19 +223,34 @@ class Fuzzer:
             minimal, rec["shrink"] = self._shrink(f, sc, cluster, kit, policy, run_dir)
         self._write_find(f"new-{f.signature}", sc, f, ex, rec, minimal)
 
+    def _fresh(self, sc: Scenario, cluster, tag: str) -> Scenario:
+        """``sc`` to run as if on a fresh cluster: both roles' caches flushed (free lists back in their
+        start order) and canaries of its own (:func:`kvchaos.shrink.scenario.remint`), so what earlier
+        runs left in the pages reads as theirs. A confirmation, a control or a shrink step then shows a
+        find only when its own traffic makes it, and a minimal repro keeps the traffic it needs."""
+        flushed = flush_caches(cluster, timeout_s=FLUSH_TIMEOUT_S)
+        bad = {r: v for r, v in flushed.items() if v is not True}
+        if bad:
+            raise FuzzError(f"{sc.name} ({tag}): the caches could not be flushed: {bad}")
+        new = Scenario.from_dict(copy.deepcopy(sc.to_dict()))
+        new.traffic.plans = [plan_dict(p) for p in remint(new.traffic.request_plans(),
+                                                            random.Random(f"{sc.digest()}/{tag}"))]
+        return new
+
     def _same(self, f: Find, ex) -> bool:
         return any(g.signature == f.signature for g in triage(ex.verdicts, ex.context(), self.registry, ex.events))
 
     def _confirm(self, f: Find, sc: Scenario, cluster, kit, policy, run_dir) -> dict:
         """Rerun the scenario (2 of 3 must show the same mechanism, the first run counted) and its
-        control — the same traffic with no nemesis op and no live knob — which must not show it."""
+        control — the same traffic with no nemesis op and no live knob — which must not show it; each
+        as if on a fresh cluster (:meth:`_fresh`)."""
         again = 1
         for i in range(CONFIRM_RUNS - 1):
             if again >= CONFIRM_NEEDED:
                 break
             try:
-                rerun = self._run(Scenario.from_dict({**sc.to_dict(), "name": f"{sc.name}-confirm{i + 1}"}), cluster,
-                                  kit, policy, run_dir)
+                again_sc = Scenario.from_dict({**sc.to_dict(), "name": f"{sc.name}-confirm{i + 1}"})
+                rerun = self._run(self._fresh(again_sc, cluster, f"confirm{i + 1}"), cluster, kit, policy, run_dir)
                 again += self._same(f, rerun)
             except Exception as e:  # noqa: BLE001
                 self.say(f"  confirm run of {sc.name} failed: {e}")
@@ -239,7 +258,7 @@ class Fuzzer:
                                    "deployment": {"restart": sc.deployment.restart, "live": {}}})
         control_shows = None
         try:
-            control_shows = self._same(f, self._run(ctrl, cluster, kit, policy, run_dir))
+            control_shows = self._same(f, self._run(self._fresh(ctrl, cluster, "control"), cluster, kit, policy, run_dir))
         except Exception as e:  # noqa: BLE001
             self.say(f"  control run of {sc.name} failed: {e}")
         return {"reproduced": f"{again}/{CONFIRM_RUNS}", "confirmed": again >= CONFIRM_NEEDED,
@@ -247,9 +266,13 @@ class Fuzzer:
 
     def _shrink(self, f: Find, sc: Scenario, cluster, kit, policy, run_dir):
         """The find shrunk (kvchaos.fuzz.shrink), within a quarter of the search's budget."""
+        n = {"i": 0}
+
         def shows(cand):
+            n["i"] += 1
             try:
-                return self._same(f, self._run(cand, cluster, kit, policy, run_dir))
+                return self._same(f, self._run(self._fresh(cand, cluster, f"shrink{n['i']}"), cluster, kit, policy,
+                                               run_dir))
             except Exception as e:  # noqa: BLE001 - a candidate the engines refused does not show the find
                 self.say(f"  shrink attempt failed: {e}")
                 return False

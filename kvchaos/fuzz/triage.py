@@ -67,8 +67,8 @@ def mechanism(verdict, records) -> dict:
             kinds.add(f"outcome={w['outcome']}")
         if w.get("status") is not None:
             statuses.add(f"{int(w['status']) // 100}xx" if str(w["status"]).isdigit() else str(w["status"]))
-        if "origin" in w:
-            origins.add(str(w["origin"]))
+        if "origin" in w:  # "this log", "session (experiment X)", "unknown": the kind, not which experiment
+            origins.add(str(w["origin"]).split(" (")[0])
         elif w.get("owner_rid"):
             origins.add("owned")
         if rid:
