@@ -196,3 +196,17 @@ def test_subsystem_modules_declare_the_kinds_and_hooks_read_the_live_agent(agent
     assert "sglang.srt.mem_cache.allocator.paged" in allocator.HOOKS
     with pytest.raises(ValueError, match="registered twice"):
         control.register_fault("delay")
+
+
+def test_the_input_limit_setting_says_its_own_kind_not_the_planted_bugs(agent):
+    """``input_limit`` shares ``reject_admitted``'s switch; its ``mutation_on`` named the planted bug, so a
+    run that only lowered prefill's limit listed an exposure class ``agent:reject_admitted``."""
+    sched = type("Scheduler", (), {"max_req_input_len": 2042})()  # weak-referenceable, as the agent tracks them
+    agent.track("Scheduler", sched)
+    for kind in ("input_limit", "reject_admitted"):
+        f = agent.arm({"kind": kind, "params": {"prefill_max_input_len": 512}})
+        assert sched.max_req_input_len == 512
+        on = [e for e in agent.events if e["ev"] == "mutation_on" and e.get("fault") == f["id"]]
+        assert [e["kind"] for e in on] == [kind]
+        agent.heal(f["id"])
+        assert sched.max_req_input_len == 2042

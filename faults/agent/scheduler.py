@@ -20,7 +20,8 @@ def _reject_on(agent, f: dict):
         saved = []
         _switch_attrs(saved, agent.live("Scheduler"), max_req_input_len=int(lim))
         f["_saved"] = saved
-        agent.emit("mutation_on", fault=f["id"], kind="reject_admitted", prefill_max_input_len=lim,
+        # its own kind: the input_limit setting shares this switch, and must not read as the planted bug
+        agent.emit("mutation_on", fault=f["id"], kind=f.get("kind", "reject_admitted"), prefill_max_input_len=lim,
                    schedulers=len(saved))
 
 
