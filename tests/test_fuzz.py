@@ -434,3 +434,19 @@ def test_a_prefill_pool_below_the_context_moves_the_edges_and_the_ordinary_traff
         lim = BASE.limits(s.deployment)[4]
         assert all(p.get("n_tokens", 0) < lim for p in s.traffic.plans if not p["extra"].get("probe")), s.name
         assert all(p["oversized"] for p in s.traffic.plans if p["extra"].get("probe") == "reject"), s.name
+
+
+def test_replay_and_shrink_take_a_scenario_file_and_name_bad_input(tmp_path, capsys):
+    from kvchaos.cli import main
+
+    good = tmp_path / "x.scenario.json"
+    _many(1)[0].save(good)
+    for argv, msg in ((["replay", str(tmp_path / "nope.json")], "no such scenario file"),
+                      (["replay", str(good), "glm53"], "replayed whole"),
+                      (["replay", str(good), "--times", "0"], "--times 0"),
+                      (["shrink", str(good), "glm53"], "shrunk whole"),
+                      (["shrink", str(tmp_path / "bad.json")], "no such scenario file"),
+                      (["shrink", str(tmp_path)], "name the scenario to shrink")):
+        with pytest.raises(UsageError) as e:
+            main(argv)
+        assert e.value.code == 2 and msg in capsys.readouterr().err, argv

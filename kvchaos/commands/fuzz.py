@@ -185,3 +185,88 @@ def _replay(sc, args, out: Path) -> int:
     (out / "replay.json").write_text(json.dumps({"scenario": sc.digest(), "runs": seen, "same_as_first": same}, indent=1))
     print(f"kvchaos fuzz --replay: {same}/{args.times} runs gave the first run's verdicts; {out}")
     return 0 if same == args.times else 1
+
+
+def _target(ex, checker: str | None):
+    """The verdict a shrink keeps: ``checker``'s FAIL, else the first leak checker's FAIL, else the first
+    FAIL; None when the run failed nothing."""
+    from kvchaos.policy.core import is_leak_checker  # imported here: see run
+
+    fails = [v for v in ex.verdicts if v.status == "fail"]
+    if checker:
+        return next((v for v in fails if v.oracle == checker), None)
+    return next((v for v in fails if is_leak_checker(v.oracle)), fails[0] if fails else None)
+
+
+def shrink_file(path, profile: str, layout: str | None, checker: str | None, budget_s: float, steps: int,
+                out: Path | None = None) -> int:
+    """``kvchaos shrink FILE.scenario.json``: run it once on a cluster of its deployment, take the verdict
+    to keep (``_target``), and shrink it (:func:`kvchaos.fuzz.shrink.shrink`: nemesis ops, live knobs,
+    plans, prompts), every step as on a fresh cluster and shown by every run of it; writes
+    ``minimal.json`` (a scenario) and ``shrink.json``. Exit 0 shrunk, 1 it did not fail as recorded."""
+    import functools
+
+    from kvchaos.experiment import Experiment, run_scenario  # imported here: see run
+    from kvchaos.fuzz.loop import as_on_a_fresh_cluster
+    from kvchaos.fuzz.shrink import shrink
+    from kvchaos.fuzz.triage import mechanism, signature
+    from kvchaos.workload.scenario import Scenario
+
+    sc = Scenario.load(path)
+    out = Path(out) if out else REPO / "reports" / "shrinks" / f"{sc.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    out.mkdir(parents=True, exist_ok=True)
+    start, stop = launch(profile, layout, out / "clusters")
+    cur = start(sc.deployment)
+    c, kit, policy = cur
+    n = {"i": 0}
+
+    def run(s):
+        n["i"] += 1
+        s = as_on_a_fresh_cluster(s, c, f"shrink{n['i']}")
+        return run_scenario(functools.partial(Experiment, cluster=c, run_dir=out / "runs", faults=kit, policy=policy,
+                                              test_id=f"shrink::{sc.name}"), s, kit, c)
+
+    try:
+        first = run(sc)
+        v = _target(first, checker)
+        if v is None:
+            print(f"kvchaos shrink: {sc.name} failed nothing this run "
+                  f"({ {x.oracle: x.status for x in first.verdicts} }): not shrunk", flush=True)
+            return 1
+        want = signature(mechanism(v, first.events))
+        print(f"kvchaos shrink: keeping {v.oracle} FAIL, mechanism {want}: {mechanism(v, first.events)}", flush=True)
+
+        def shows(cand):
+            try:
+                ex = run(cand)
+            except Exception as e:  # noqa: BLE001 - a candidate the engines refused does not show it
+                print(f"  attempt failed: {e}", flush=True)
+                return False
+            got = [x for x in ex.verdicts if x.oracle == v.oracle and x.status == "fail"]
+            ok = any(signature(mechanism(x, ex.events)) == want for x in got)
+            print(f"  attempt {n['i']}: {len(cand.traffic.plans)} plans, {len(cand.nemesis)} ops, "
+                  f"{len(cand.deployment.live)} live knobs: {'shows it' if ok else 'does not'}", flush=True)
+            return ok
+
+        minimal, stats = shrink(sc, shows, budget_s=budget_s, max_attempts=steps)
+    finally:
+        stop(cur)
+    minimal.save(out / "minimal.json")
+    (out / "shrink.json").write_text(json.dumps({"scenario": sc.digest(), "target": v.oracle, "mechanism": want,
+                                                 **stats}, indent=1, default=str) + "\n")
+    print(f"kvchaos shrink: {stats['before']} -> {stats['after']} in {stats['attempts']} attempts "
+          f"({stats['elapsed_s']} s); minimal: {out / 'minimal.json'}\n"
+          f"reproduce it, each run on a fresh cluster: kvchaos replay {out / 'minimal.json'} --times 10", flush=True)
+    return 0
+
+
+def replay_file(path, profile: str, layout: str | None, times: int, out: Path | None = None) -> int:
+    """``kvchaos replay FILE.scenario.json``: :func:`_replay` (each run on a fresh cluster)."""
+    from types import SimpleNamespace
+
+    from kvchaos.workload.scenario import Scenario  # imported here: see run
+
+    sc = Scenario.load(path)
+    out = Path(out) if out else REPO / "reports" / "replays" / f"{sc.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    out.mkdir(parents=True, exist_ok=True)
+    return _replay(sc, SimpleNamespace(profile=profile, layout=layout, times=times), out)

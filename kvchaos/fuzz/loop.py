@@ -59,6 +59,21 @@ class Stats:
     new: dict = field(default_factory=dict)  # signature -> {...}
 
 
+def as_on_a_fresh_cluster(sc: Scenario, cluster, tag: str) -> Scenario:
+    """``sc`` to run as if on a fresh cluster: both roles' caches flushed (free lists back in their start
+    order) and canaries of its own (:func:`kvchaos.shrink.scenario.remint`, drawn from ``tag``), so what
+    earlier runs left in the pages reads as theirs. A confirmation, a control or a shrink step then
+    shows a find only when its own traffic makes it, and a minimal repro keeps the traffic it needs.
+    Raises :class:`FuzzError` naming the role that would not flush."""
+    flushed = flush_caches(cluster, timeout_s=FLUSH_TIMEOUT_S)
+    bad = {r: v for r, v in flushed.items() if v is not True}
+    if bad:
+        raise FuzzError(f"{sc.name} ({tag}): the caches could not be flushed: {bad}")
+    new = Scenario.from_dict(copy.deepcopy(sc.to_dict()))
+    new.traffic.plans = [plan_dict(p) for p in remint(new.traffic.request_plans(), random.Random(f"{sc.digest()}/{tag}"))]
+    return new
+
+
 class Clusters:
     """One running cluster at a time, for one deployment; ``start(deployment)`` returns
     ``(cluster, kit, policy)``, ``stop()`` stops it. The default is :func:`launch_clusters`."""
@@ -224,18 +239,7 @@ class Fuzzer:
         self._write_find(f"new-{f.signature}", sc, f, ex, rec, minimal)
 
     def _fresh(self, sc: Scenario, cluster, tag: str) -> Scenario:
-        """``sc`` to run as if on a fresh cluster: both roles' caches flushed (free lists back in their
-        start order) and canaries of its own (:func:`kvchaos.shrink.scenario.remint`), so what earlier
-        runs left in the pages reads as theirs. A confirmation, a control or a shrink step then shows a
-        find only when its own traffic makes it, and a minimal repro keeps the traffic it needs."""
-        flushed = flush_caches(cluster, timeout_s=FLUSH_TIMEOUT_S)
-        bad = {r: v for r, v in flushed.items() if v is not True}
-        if bad:
-            raise FuzzError(f"{sc.name} ({tag}): the caches could not be flushed: {bad}")
-        new = Scenario.from_dict(copy.deepcopy(sc.to_dict()))
-        new.traffic.plans = [plan_dict(p) for p in remint(new.traffic.request_plans(),
-                                                            random.Random(f"{sc.digest()}/{tag}"))]
-        return new
+        return as_on_a_fresh_cluster(sc, cluster, tag)
 
     def _same(self, f: Find, ex) -> bool:
         return any(g.signature == f.signature for g in triage(ex.verdicts, ex.context(), self.registry, ex.events))
