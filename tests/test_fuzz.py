@@ -433,7 +433,9 @@ def test_a_prefill_pool_below_the_context_moves_the_edges_and_the_ordinary_traff
     for s in small:  # nothing but the edge probes goes over prefill's limit
         lim = BASE.limits(s.deployment)[4]
         assert all(p.get("n_tokens", 0) < lim for p in s.traffic.plans if not p["extra"].get("probe")), s.name
-        assert all(p["oversized"] for p in s.traffic.plans if p["extra"].get("probe") == "reject"), s.name
+        assert all(p["oversized"] for p in s.traffic.plans if p["extra"].get("probe") == "reject"
+                   and p["kind"] in ("plain", "stream", "oversized")), s.name
+        assert not any(p["oversized"] for p in s.traffic.plans if p["kind"] in ("abort_after", "disconnect_before_first_token"))
 
 
 def test_replay_and_shrink_take_a_scenario_file_and_name_bad_input(tmp_path, capsys):

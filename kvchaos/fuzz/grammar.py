@@ -139,7 +139,8 @@ def _traffic(rng: random.Random, base: Base, dep: Deployment, seed: int) -> Traf
         label = base.expect(p.n_tokens, dep)
         if label != "answer":
             p.extra["probe"] = label
-            p.oversized = label == "reject"
+            # a plan the client cuts is judged by no rejection rule: it keeps its label only
+            p.oversized = label == "reject" and p.kind in ("plain", "stream")
     if rng.random() < WEIGHTS["oversized"]:
         victim = rng.choice(wl.tenants)
         for size in rng.sample(base.edges(dep), k=min(3, len(base.edges(dep)))):
