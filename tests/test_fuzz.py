@@ -130,6 +130,17 @@ def test_the_corpus_keeps_only_what_is_new_and_resumes(tmp_path):
     assert not again.add(a, {"y"}, 4.0)
 
 
+def test_slow_entries_are_picked_less(tmp_path):
+    c = Corpus(tmp_path / "s")
+    a, b = _many(2, 9)
+    c.add(a, ["fa"], 1.0, wall_s=10.0)
+    c.add(b, ["fb"], 2.0, wall_s=200.0)  # a run that hung into its timeouts
+    rng = random.Random(0)
+    picks = [c.pick(rng).digest() for _ in range(400)]
+    assert picks.count(a.digest()) > 3 * picks.count(b.digest()) > 0
+    assert Corpus(tmp_path / "s").entries[b.digest()]["wall_s"] == 200.0  # kept for a resumed run
+
+
 def test_a_damaged_corpus_is_refused_by_name(tmp_path):
     c = Corpus(tmp_path / "c")
     c.add(_many(1)[0], {"x"}, 1.0)

@@ -31,7 +31,7 @@ from .corpus import Corpus
 from .feedback import features
 from .grammar import Base, generate, mutate, splice
 from .shrink import shrink
-from .triage import Find, triage
+from .triage import Find, is_leak, triage
 
 SWITCH_AFTER = 3
 STALE_AFTER = 12
@@ -39,7 +39,10 @@ MUTATE_P = 0.8
 SPLICE_P = 0.15
 CONFIRM_RUNS = 3  # a NEW find must show its mechanism again in 2 of 3 runs
 CONFIRM_NEEDED = 2
-SHRINK_SHARE = 0.25  # at most this share of the budget shrinks one find
+SHRINK_SHARE = 0.25  # at most this share of the budget shrinks one leak find
+# ... and one find that is no leak (an availability or protocol failure): a first 30-minute search spent
+# 8 of its minutes shrinking a router 503 the faults themselves had caused
+SHRINK_SHARE_OTHER = 0.1
 FLUSH_TIMEOUT_S = 30.0  # how long a run as on a fresh cluster waits for both roles to flush (idle)
 
 
@@ -176,6 +179,7 @@ class Fuzzer:
         run_dir = self.out / "execs"
         t = self.elapsed()
         self.stats.execs += 1
+        t_run = self.clock()
         try:
             ex = self._run(sc, cluster, kit, policy, run_dir)
         except Exception as e:  # noqa: BLE001 - a scenario the engines or faults refused: counted, not fatal
@@ -185,7 +189,7 @@ class Fuzzer:
                 self.clusters.close()
             return
         # both strategies count coverage the same way; only guided draws from what the corpus kept
-        kept = self.corpus.add(sc, features(ex.events), t, run=str(ex.path))
+        kept = self.corpus.add(sc, features(ex.events), t, run=str(ex.path), wall_s=self.clock() - t_run)
         self.since_new = 0 if kept else self.since_new + 1
         finds = triage(ex.verdicts, ex.context(), self.registry, ex.events)
         for f in finds:
@@ -280,7 +284,8 @@ class Fuzzer:
             except Exception as e:  # noqa: BLE001 - a candidate the engines refused does not show the find
                 self.say(f"  shrink attempt failed: {e}")
                 return False
-        minimal, stats = shrink(sc, shows, budget_s=SHRINK_SHARE * self.budget_s, clock=self.clock)
+        share = SHRINK_SHARE if is_leak(f) else SHRINK_SHARE_OTHER
+        minimal, stats = shrink(sc, shows, budget_s=share * self.budget_s, clock=self.clock)
         return minimal, stats
 
     def _write_find(self, key: str, sc: Scenario, f: Find, ex, rec: dict | None = None,
