@@ -86,9 +86,16 @@ class Schedule:
         """Arm and heal the rest in time order (the experiment's ``during`` action). Returns the records."""
         if self.t0 is None:
             self.start()
-        steps = [(op.at_s, 0, i) for i, op in enumerate(self.ops) if i not in self.handles]
-        steps += [(op.heal_s, 1, i) for i, op in enumerate(self.ops) if op.heal_s is not None]
-        for at, what, i in sorted(steps):
+        # an op that waits for another is due no earlier than that one (an abort at 0 s after a hold armed
+        # at 8 s): this one thread runs the timeline, and waiting here first would keep the hold from arming
+        due, depth = {}, {}
+        for i, op in enumerate(self.ops):  # ``after`` names an earlier op (the schema's rule)
+            j = op.after
+            due[i] = max(op.at_s, due[j]) if j is not None and j in due else op.at_s
+            depth[i] = depth[j] + 1 if j is not None and j in depth else 0
+        steps = [(due[i], 0, depth[i], i) for i, op in enumerate(self.ops) if i not in self.handles]
+        steps += [(op.heal_s, 1, 0, i) for i, op in enumerate(self.ops) if op.heal_s is not None]
+        for at, what, _depth, i in sorted(steps):
             if self.stop.is_set():
                 break
             self._until(at)
@@ -108,8 +115,10 @@ class Schedule:
     # ------------------------------------------------------------------ one op
     def _arm(self, i: int) -> None:
         op = self.ops[i]
-        if op.after is not None:
-            self._wait_for(i, op.after)
+        if op.after is not None and not self._wait_for(i, op.after):
+            self.records.append({"op": i, "what": "skipped", "at_s": round(self.clock() - self.t0, 3),
+                                 "why": f"the method ended before op {op.after}, which it waits for, was armed"})
+            return
         t = round(self.clock() - self.t0, 3)
         if op.injector == "agent":
             h = self._need("agent").arm(op.role, op.kind, target=op.target, params=dict(op.params), count=op.count)
@@ -142,11 +151,14 @@ class Schedule:
             raise NemesisError("an abort action needs the cluster")
         return abort_on_both(self.cluster, rid)
 
-    def _wait_for(self, i: int, j: int) -> None:
-        """Op ``i`` waits until op ``j`` armed and, for a hold or park, parked a request."""
+    def _wait_for(self, i: int, j: int) -> bool:
+        """Op ``i`` waits until op ``j`` armed and, for a hold or park, parked a request. False when the
+        method ended first (the timeline stopped: nothing left to wait for)."""
         deadline = self.clock() + self.wait_s
         while j not in self.handles:
-            if self.stop.is_set() or self.clock() > deadline:
+            if self.stop.is_set():
+                return False
+            if self.clock() > deadline:
                 raise NemesisError(f"op {i} waits for op {j}, which was not armed within {self.wait_s} s")
             self.stop.wait(0.02)
         dep = self.ops[j]
@@ -157,6 +169,7 @@ class Schedule:
             except TimeoutError:
                 raise NemesisError(f"op {i} waits for op {j} ({dep.kind} on {dep.role}) to park a request: "
                                    f"nothing parked within {self.wait_s} s") from None
+        return True
 
     def _heal_one(self, i: int) -> None:
         with self._lock:

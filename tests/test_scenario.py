@@ -372,6 +372,34 @@ def test_a_wait_that_never_ends_is_an_error_naming_both_ops_and_heal_still_heals
     assert s.heal() == [] and all(h.healed for h in s.handles.values())
 
 
+def test_an_action_due_before_the_op_it_waits_for_runs_after_it_and_a_method_that_ends_first_skips_it():
+    """A fuzz scenario (2026-12-04) had an abort at 0 s waiting for a park armed at 8.45 s: the one
+    timeline thread waited on the abort first, the park never armed, and the run died 60 s later."""
+    plans = _plans()
+    ops = [Op(at_s=0.3, injector="agent", role="prefill", kind="park", target={"rid": plans[0].rid},
+              params={"stage": "prefill_waiting"}),
+           Op(at_s=0, injector="action", kind="abort", rids=[plans[0].rid], after=0)]
+    kit, aborted = _Kit(), []
+    s = Schedule(ops, kit, cluster="c", wait_s=5.0, abort=lambda c, rid: aborted.append(time.monotonic()) or 200)
+    t0 = time.monotonic()
+    s.run()
+    assert time.monotonic() - t0 < 2 and aborted and aborted[0] - s.t0 >= 0.3  # after the park, not 60 s later
+    assert s.heal() == []
+    # the method ends before the park is due: the abort is skipped and said so, the run is not an error
+    kit2 = _Kit()
+    s2 = Schedule([Op(at_s=30, injector="agent", role="prefill", kind="park", target={"rid": plans[0].rid},
+                      params={"stage": "prefill_waiting"}),
+                   Op(at_s=0, injector="action", kind="abort", rids=[plans[0].rid], after=0)], kit2, cluster="c",
+                  abort=lambda c, rid: 200)
+    th = threading.Thread(target=s2.run)
+    th.start()
+    time.sleep(0.1)
+    s2.stop.set()
+    th.join(2)
+    assert not th.is_alive() and not s2.handles
+    assert s2.heal() == []
+
+
 def test_stop_ends_the_timeline_and_heal_reports_every_failure():
     ops = [Op(at_s=0, injector="agent", role="prefill", kind="delay"),
            Op(at_s=0, injector="agent", role="decode", kind="delay"),
