@@ -311,6 +311,22 @@ def test_a_confirmation_runs_as_on_a_fresh_cluster(tmp_path, monkeypatch):
         fz._fresh(sc, StandIn("http://127.0.0.1:9"), "confirm2")
 
 
+def test_a_new_find_on_a_cluster_that_no_longer_answers_is_confirmed_on_a_fresh_one(tmp_path):
+    leak = [{"victim_rid": "v", "owner_rid": "o", "status": 200}]
+
+    class Dead:
+        def generate(self, **kw):
+            raise ConnectionError("decode is gone")
+
+    def outcomes(sc):
+        return _log(ends=[("v", 200, "ok")]), [_v("isolation", FAIL, leak)]
+    fz, started = _fuzzer(tmp_path, outcomes, budget=5.0)
+    fz.clusters._start = lambda dep: started.append(dep.restart_key()) or (Dead(), "kit", "policy")
+    s = fz.run()
+    assert len(started) == 2 and s["cluster_restarts"] == 2  # the first, and the fresh one for confirming
+    assert list(s["new"].values())[0]["reproduced"] == "2/3"
+
+
 def test_a_known_finding_is_timed_once(tmp_path):
     def outcomes(sc):
         return _log(ends=[("r", None, "timeout")]), [_v("liveness", FAIL, [{"rid": "r", "outcome": "timeout"}])]

@@ -62,6 +62,18 @@ class Stats:
     new: dict = field(default_factory=dict)  # signature -> {...}
 
 
+def _answers(cluster) -> bool:
+    """Whether the cluster still serves a one-token request through the router (a stand-in without
+    ``generate``: yes)."""
+    gen = getattr(cluster, "generate", None)
+    if gen is None:
+        return True
+    try:
+        return gen(text="ping", max_new_tokens=1, timeout=20).status_code == 200
+    except Exception:  # noqa: BLE001 - no answer is the answer
+        return False
+
+
 def as_on_a_fresh_cluster(sc: Scenario, cluster, tag: str) -> Scenario:
     """``sc`` to run as if on a fresh cluster: both roles' caches flushed (free lists back in their start
     order) and canaries of its own (:func:`kvchaos.shrink.scenario.remint`, drawn from ``tag``), so what
@@ -192,6 +204,13 @@ class Fuzzer:
         kept = self.corpus.add(sc, features(ex.events), t, run=str(ex.path), wall_s=self.clock() - t_run)
         self.since_new = 0 if kept else self.since_new + 1
         finds = triage(ex.verdicts, ex.context(), self.registry, ex.events)
+        if any(f.kind == "new" for f in finds) and not _answers(cluster):
+            # a cluster this run broke (its transfer thread dead, a role gone) would fail every
+            # confirmation and shrink step, each into its timeouts: a fresh one of the same deployment
+            self.say(f"  {sc.name}: the cluster no longer answers; a fresh one for the confirmations")
+            self.clusters.close()
+            (cluster, kit, policy), started = self.clusters.get(sc.deployment)
+            self.stats.restarts += bool(started)
         for f in finds:
             self._note(f, sc, ex, t, cluster, kit, policy, run_dir)
         self.stats.timeline.append({"t": round(self.elapsed(), 1), "execs": self.stats.execs,
