@@ -6,7 +6,9 @@ reproduced, 1 not, 2 bad input."""
 from __future__ import annotations
 
 from kvchaos.commands._common import subparser, usage_errors
+from kvchaos.commands.fuzz import replay_file
 from kvchaos.replay import ReplayError, replay
+from kvchaos.workload.scenario import ScenarioError
 
 NAME = "replay"
 HELP = "re-run a recorded scenario with its run's seed and say if it reproduced"
@@ -34,9 +36,6 @@ def add_parser(sub, cfg: dict):
 
 def run(args) -> int:
     if str(args.run_dir).endswith(".json"):
-        from kvchaos.commands.fuzz import replay_file
-        from kvchaos.workload.scenario import ScenarioError
-
         with usage_errors("replay", ScenarioError):
             if args.scenario or args.attach:
                 raise ScenarioError("a scenario file is replayed whole, on fresh clusters: no SCENARIO, no --attach")

@@ -8,7 +8,9 @@ from __future__ import annotations
 import sys
 
 from kvchaos.commands._common import REPO, subparser, usage_errors
+from kvchaos.commands.fuzz import shrink_file
 from kvchaos.replay import ReplayError, shrink
+from kvchaos.workload.scenario import ScenarioError
 
 NAME = "shrink"
 HELP = "shrink a failing scenario to a minimal one that still fails the same way"
@@ -39,9 +41,6 @@ def add_parser(sub, cfg: dict):
 
 def run(args) -> int:
     if str(args.run_dir).endswith(".json"):
-        from kvchaos.commands.fuzz import shrink_file
-        from kvchaos.workload.scenario import ScenarioError
-
         with usage_errors("shrink", ScenarioError):
             if args.scenario or args.attach:
                 raise ScenarioError("a scenario file is shrunk whole, on a cluster of its own: no SCENARIO, no --attach")
