@@ -2,7 +2,8 @@
 deployment's restart knobs stay the session's, its live knobs, traffic and fault schedules vary). The
 30-minute runs are ``make fuzz``; this one shows, every night, that the search still works end to end
 on the real engines: it runs scenarios, hears the engines' own states, is not blind, writes a scenario
-that loads back for every run, and confirms no NEW leak."""
+that loads back for every run, confirms no NEW find, and leaves a cluster whose caches flush (what
+its confirmations stand on)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from kvchaos.fuzz.grammar import Base
 from kvchaos.fuzz.loop import Clusters, Fuzzer
 from kvchaos.policy import Registry
 from kvchaos.workload.scenario import Scenario
+from kvchaos.workload.snapshots import flush_caches
 
 # disruptive: a scenario may leave hung requests the router keeps retrying; such tests run last on a cluster
 pytestmark = [pytest.mark.cluster, pytest.mark.disruptive]
@@ -49,3 +51,6 @@ def test_fuzz_smoke_runs_sees_and_finds_no_new_leak(cluster, faults, kvchaos_pol
         assert Scenario.from_dict(sc.to_dict()).digest() == sc.digest()
     confirmed = {sig: n for sig, n in s["new"].items() if n.get("confirmed")}
     assert not confirmed, f"NEW, confirmed by reruns: {sorted(confirmed)}: see {out / 'finds'}"
+    # what confirmations and shrink steps stand on (kvchaos.fuzz.loop.as_on_a_fresh_cluster): both roles
+    # of a PD cluster flush their caches once idle
+    assert flush_caches(cluster) == {"prefill": True, "decode": True}
