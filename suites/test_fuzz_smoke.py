@@ -2,7 +2,7 @@
 deployment's restart knobs stay the session's, its live knobs, traffic and fault schedules vary). The
 30-minute runs are ``make fuzz``; this one shows, every night, that the search still works end to end
 on the real engines: it runs scenarios, hears the engines' own states, is not blind, writes a scenario
-that loads back for every run, confirms no NEW find, and leaves a cluster whose caches flush (what
+that loads back for every run, confirms no NEW leak, and leaves a cluster whose caches flush (what
 its confirmations stand on)."""
 
 from __future__ import annotations
@@ -49,8 +49,12 @@ def test_fuzz_smoke_runs_sees_and_finds_no_new_leak(cluster, faults, kvchaos_pol
         assert r.get("scenario"), f"{r['name']} wrote no scenario.json: {r.get('scenario_error')}"
         sc = Scenario.load(out / "execs" / r["scenario"])
         assert Scenario.from_dict(sc.to_dict()).digest() == sc.digest()
-    confirmed = {sig: n for sig, n in s["new"].items() if n.get("confirmed")}
-    assert not confirmed, f"NEW, confirmed by reruns: {sorted(confirmed)}: see {out / 'finds'}"
+    # a confirmed NEW leak is red; a NEW find that is no leak (an availability or protocol failure the
+    # triage did not explain) is printed with its BUG.md for a person to read
+    for sig, n in s["new"].items():
+        print(f"fuzz smoke: NEW {sig} ({n['oracle']}, reproduced {n.get('reproduced')}): {out / 'finds' / ('new-' + sig)}")
+    leaks = {sig: n for sig, n in s["new"].items() if n.get("confirmed") and n.get("leak")}
+    assert not leaks, f"a NEW leak, confirmed by reruns: {sorted(leaks)}: see {out / 'finds'}"
     # what confirmations and shrink steps stand on (kvchaos.fuzz.loop.as_on_a_fresh_cluster): both roles
     # of a PD cluster flush their caches once idle
     assert flush_caches(cluster) == {"prefill": True, "decode": True}
