@@ -2,7 +2,7 @@
 deployment's restart knobs stay the session's, its live knobs, traffic and fault schedules vary). The
 30-minute runs are ``make fuzz``; this one shows, every night, that the search still works end to end
 on the real engines: it runs scenarios, hears the engines' own states, is not blind, writes a scenario
-that loads back for every run, confirms no NEW leak, and leaves a cluster whose caches flush (what
+that loads back for every run, and confirms no NEW leak; and that the PD cluster's caches flush (what
 its confirmations stand on)."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from kvchaos.fuzz.grammar import Base
 from kvchaos.fuzz.loop import Clusters, Fuzzer
 from kvchaos.policy import Registry
 from kvchaos.workload.scenario import Scenario
-from kvchaos.workload.snapshots import flush_caches
+from kvchaos.workload.snapshots import flush_caches, wait_quiet
 
 # disruptive: a scenario may leave hung requests the router keeps retrying; such tests run last on a cluster
 pytestmark = [pytest.mark.cluster, pytest.mark.disruptive]
@@ -25,6 +25,12 @@ SEED = 1
 
 
 def test_fuzz_smoke_runs_sees_and_finds_no_new_leak(cluster, faults, kvchaos_policy, kvchaos_run_dir, seeds):
+    # what confirmations and shrink steps stand on (kvchaos.fuzz.loop.as_on_a_fresh_cluster): both roles
+    # of a PD cluster flush their caches once idle. Checked first, while the session's cluster is idle:
+    # a search may leave requests hung in the engine (the hang band), which no flush waits out
+    quiet = wait_quiet(cluster, timeout_s=60, stable_s=2)
+    assert quiet["quiet"], f"the session's cluster is still busy before the search: {quiet}"
+    assert flush_caches(cluster) == {"prefill": True, "decode": True}
     starts = []
 
     def start(_dep):  # the session's cluster; after a broken run, its known engine failures healed
@@ -55,6 +61,4 @@ def test_fuzz_smoke_runs_sees_and_finds_no_new_leak(cluster, faults, kvchaos_pol
         print(f"fuzz smoke: NEW {sig} ({n['oracle']}, reproduced {n.get('reproduced')}): {out / 'finds' / ('new-' + sig)}")
     leaks = {sig: n for sig, n in s["new"].items() if n.get("confirmed") and n.get("leak")}
     assert not leaks, f"a NEW leak, confirmed by reruns: {sorted(leaks)}: see {out / 'finds'}"
-    # what confirmations and shrink steps stand on (kvchaos.fuzz.loop.as_on_a_fresh_cluster): both roles
-    # of a PD cluster flush their caches once idle
-    assert flush_caches(cluster) == {"prefill": True, "decode": True}
+
