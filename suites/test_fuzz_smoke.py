@@ -14,7 +14,7 @@ import pytest
 
 from kvchaos.fuzz.corpus import Corpus
 from kvchaos.fuzz.grammar import Base
-from kvchaos.fuzz.loop import Clusters, Fuzzer, _answers
+from kvchaos.fuzz.loop import Clusters, Fuzzer, answers
 from kvchaos.policy import Registry
 from kvchaos.workload.scenario import Scenario
 from kvchaos.workload.snapshots import flush_caches, wait_quiet
@@ -39,7 +39,7 @@ def test_fuzz_smoke_runs_sees_and_finds_no_new_leak(cluster, faults, kvchaos_pol
             if hasattr(cluster, "heal_engine_errors"):
                 cluster.heal_engine_errors()
             t_end = time.monotonic() + 60
-            while not _answers(cluster):
+            while not answers(cluster):
                 assert time.monotonic() < t_end, "the session's cluster stopped answering during the fuzz smoke"
                 time.sleep(2)
         starts.append(1)

@@ -62,7 +62,7 @@ class Stats:
     new: dict = field(default_factory=dict)  # signature -> {...}
 
 
-def _answers(cluster) -> bool:
+def answers(cluster) -> bool:
     """Whether the cluster still serves a one-token request through the router (a stand-in without
     ``generate``: yes)."""
     gen = getattr(cluster, "generate", None)
@@ -204,7 +204,7 @@ class Fuzzer:
         kept = self.corpus.add(sc, features(ex.events), t, run=str(ex.path), wall_s=self.clock() - t_run)
         self.since_new = 0 if kept else self.since_new + 1
         finds = triage(ex.verdicts, ex.context(), self.registry, ex.events)
-        if any(f.kind == "new" for f in finds) and not _answers(cluster):
+        if any(f.kind == "new" for f in finds) and not answers(cluster):
             # a cluster this run broke (its transfer thread dead, a role gone) would fail every
             # confirmation and shrink step, each into its timeouts: a fresh one of the same deployment
             self.say(f"  {sc.name}: the cluster no longer answers; a fresh one for the confirmations")
