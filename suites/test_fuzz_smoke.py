@@ -48,7 +48,7 @@ def test_fuzz_smoke_runs_sees_and_finds_no_new_leak(cluster, faults, kvchaos_pol
     out = kvchaos_run_dir / "fuzz-smoke"
     fz = Fuzzer(clusters=Clusters(start, lambda cur: cur[1].heal_all()), base=Base.of_cluster(cluster),
                 registry=Registry.load(), out=out, corpus=Corpus(out / "corpus"), seed=seeds(SEED),
-                budget_s=BUDGET_S, deployments=False, say=lambda m: print(m, flush=True))
+                budget_s=BUDGET_S, deployments=False, confirm_all=False, say=lambda m: print(m, flush=True))
     s = fz.run()
 
     assert s["execs"] >= 3 and s["errors"] == 0, f"{s['execs']} scenarios run, {s['errors']} refused (see {out})"

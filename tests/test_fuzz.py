@@ -327,6 +327,17 @@ def test_a_new_find_on_a_cluster_that_no_longer_answers_is_confirmed_on_a_fresh_
     assert list(s["new"].values())[0]["reproduced"] == "2/3"
 
 
+def test_a_short_search_confirms_only_new_leaks(tmp_path):
+    def outcomes(sc):
+        return _log(ends=[("v", 200, "ok")]), [_v("http_semantics", FAIL, [{"rid": "v", "status": 503, "problem": "x"}])]
+    fz, _ = _fuzzer(tmp_path, outcomes, budget=20.0)
+    fz.confirm_all = False
+    s = fz.run()
+    (rec,) = s["new"].values()
+    assert rec["confirmed"] is None and "leaks only" in rec["reproduced"] and fz.fresh == []  # no rerun made
+    assert s["execs"] == 2  # the budget went to the search
+
+
 def test_a_known_finding_is_timed_once(tmp_path):
     def outcomes(sc):
         return _log(ends=[("r", None, "timeout")]), [_v("liveness", FAIL, [{"rid": "r", "outcome": "timeout"}])]

@@ -117,9 +117,11 @@ class Clusters:
 class Fuzzer:
     def __init__(self, *, clusters: Clusters, base: Base, registry, out: Path, corpus: Corpus, seed: int,
                  budget_s: float, strategy: str = "guided", clock=time.monotonic, say=print,
-                 engine_version: str | None = None, deployments: bool = True):
+                 engine_version: str | None = None, deployments: bool = True, confirm_all: bool = True):
         """``deployments`` False: every scenario runs on the base deployment's restart knobs (a search on
-        a cluster it may not restart, such as a test session's); live knobs still vary."""
+        a cluster it may not restart, such as a test session's); live knobs still vary. ``confirm_all``
+        False: only a NEW leak is confirmed and shrunk; other NEW finds are written up unconfirmed (a
+        short search, such as CI's smoke, whose budget confirmations of non-leak finds would triple)."""
         if strategy not in ("guided", "random"):
             raise FuzzError(f"strategy {strategy!r}: guided or random")
         if budget_s <= 0:
@@ -134,6 +136,7 @@ class Fuzzer:
         self.since_new = 0
         self.engine_version = engine_version
         self.deployments = deployments
+        self.confirm_all = confirm_all
         self.t0 = None
         self.out.mkdir(parents=True, exist_ok=True)
 
@@ -255,6 +258,10 @@ class Fuzzer:
                "leak": is_leak_checker(f.oracle) and f.status == "fail", "scenario": sc.digest(),
                "why_not_known": f.why_not_known}
         self.stats.new[f.signature] = rec
+        if not (self.confirm_all or rec["leak"]):
+            rec.update(confirmed=None, reproduced="not confirmed: this search confirms NEW leaks only")
+            self._write_find(f"new-{f.signature}", sc, f, ex, rec)
+            return
         rec.update(self._confirm(f, sc, cluster, kit, policy, run_dir))
         minimal = None
         if rec["confirmed"]:
