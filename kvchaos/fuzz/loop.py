@@ -22,7 +22,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvchaos.experiment import Experiment, run_scenario
-from kvchaos.policy.core import is_leak_checker
 from kvchaos.shrink.scenario import remint
 from kvchaos.workload.scenario import Deployment, Scenario, plan_dict
 from kvchaos.workload.snapshots import flush_caches
@@ -255,7 +254,7 @@ class Fuzzer:
             self.stats.new[f.signature]["seen"] += 1
             return
         rec = {"t": round(t, 1), "oracle": f.oracle, "status": f.status, "mechanism": f.mechanism, "seen": 1,
-               "leak": is_leak_checker(f.oracle) and f.status == "fail", "scenario": sc.digest(),
+               "leak": is_leak(f), "scenario": sc.digest(),
                "why_not_known": f.why_not_known}
         self.stats.new[f.signature] = rec
         if not (self.confirm_all or rec["leak"]):
@@ -299,7 +298,8 @@ class Fuzzer:
                 "control_shows_it": control_shows, "control": ctrl.to_dict() if control_shows is False else None}
 
     def _shrink(self, f: Find, sc: Scenario, cluster, kit, policy, run_dir):
-        """The find shrunk (kvchaos.fuzz.shrink), within a quarter of the search's budget."""
+        """The find shrunk (kvchaos.fuzz.shrink), within :data:`SHRINK_SHARE` of the search's budget for a
+        leak, :data:`SHRINK_SHARE_OTHER` for anything else; every step as on a fresh cluster."""
         n = {"i": 0}
 
         def shows(cand):
