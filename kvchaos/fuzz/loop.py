@@ -84,7 +84,8 @@ def as_on_a_fresh_cluster(sc: Scenario, cluster, tag: str) -> Scenario:
     if bad:
         raise FuzzError(f"{sc.name} ({tag}): the caches could not be flushed: {bad}")
     new = Scenario.from_dict(copy.deepcopy(sc.to_dict()))
-    new.traffic.plans = [plan_dict(p) for p in remint(new.traffic.request_plans(), random.Random(f"{sc.digest()}/{tag}"))]
+    fresh = remint(new.traffic.request_plans(), random.Random(f"{sc.digest()}/{tag}"))
+    new.traffic.plans = [plan_dict(p) for p in fresh]
     return new
 
 
@@ -291,7 +292,8 @@ class Fuzzer:
                                    "deployment": {"restart": sc.deployment.restart, "live": {}}})
         control_shows = None
         try:
-            control_shows = self._same(f, self._run(self._fresh(ctrl, cluster, "control"), cluster, kit, policy, run_dir))
+            ctrl_run = self._fresh(ctrl, cluster, "control")
+            control_shows = self._same(f, self._run(ctrl_run, cluster, kit, policy, run_dir))
         except Exception as e:  # noqa: BLE001
             self.say(f"  control run of {sc.name} failed: {e}")
         return {"reproduced": f"{again}/{CONFIRM_RUNS}", "confirmed": again >= CONFIRM_NEEDED,
