@@ -22,9 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvchaos.experiment import Experiment, run_scenario
-from kvchaos.shrink.scenario import remint
+from kvchaos.shrink.scenario import ShrinkError, as_on_a_fresh_cluster as fresh_plans
 from kvchaos.workload.scenario import Deployment, Scenario, plan_dict
-from kvchaos.workload.snapshots import flush_caches
 
 from .corpus import Corpus
 from .feedback import features
@@ -74,17 +73,16 @@ def answers(cluster) -> bool:
 
 
 def as_on_a_fresh_cluster(sc: Scenario, cluster, tag: str) -> Scenario:
-    """``sc`` to run as if on a fresh cluster: both roles' caches flushed (free lists back in their start
-    order) and canaries of its own (:func:`kvchaos.shrink.scenario.remint`, drawn from ``tag``), so what
-    earlier runs left in the pages reads as theirs. A confirmation, a control or a shrink step then
-    shows a find only when its own traffic makes it, and a minimal repro keeps the traffic it needs.
-    Raises :class:`FuzzError` naming the role that would not flush."""
-    flushed = flush_caches(cluster, timeout_s=FLUSH_TIMEOUT_S)
-    bad = {r: v for r, v in flushed.items() if v is not True}
-    if bad:
-        raise FuzzError(f"{sc.name} ({tag}): the caches could not be flushed: {bad}")
+    """``sc`` to run as if on a fresh cluster (:func:`kvchaos.shrink.scenario.as_on_a_fresh_cluster`:
+    caches flushed, canaries drawn from ``tag``). A confirmation, a control or a shrink step then shows a
+    find only when its own traffic makes it, and a minimal repro keeps the traffic it needs. Raises
+    :class:`FuzzError` naming the roles that would not flush."""
     new = Scenario.from_dict(copy.deepcopy(sc.to_dict()))
-    fresh = remint(new.traffic.request_plans(), random.Random(f"{sc.digest()}/{tag}"))
+    try:
+        fresh = fresh_plans(cluster, new.traffic.request_plans(), random.Random(f"{sc.digest()}/{tag}"),
+                            timeout_s=FLUSH_TIMEOUT_S)
+    except ShrinkError as e:
+        raise FuzzError(f"{sc.name} ({tag}): {e}") from None
     new.traffic.plans = [plan_dict(p) for p in fresh]
     return new
 

@@ -7,6 +7,7 @@ import random
 
 from kvchaos import canary
 from kvchaos.probe import MIN_HEAD, MIN_TAIL, TRIGGER
+from kvchaos.workload.snapshots import flush_caches
 
 
 class ShrinkError(RuntimeError):
@@ -128,11 +129,20 @@ def remint(plans, rng: random.Random) -> list:
     for p in plans:
         q = copy.copy(p)
         text = q.prompt
-        for c in q.canaries or []:
+        for c in old:  # its own canaries, and an earlier turn's inside this prompt
             text = text.replace(c, new[c])
-        for c in old:  # an earlier turn's canaries inside this prompt
-            if c in text:
-                text = text.replace(c, new[c])
         q.prompt, q.canaries = text, [new[c] for c in q.canaries or []]
         out.append(q)
     return out
+
+
+def as_on_a_fresh_cluster(cluster, plans, rng: random.Random, timeout_s: float = 30.0) -> list:
+    """``plans`` to run as if on a fresh cluster: both roles' caches flushed (SGLang's ``/flush_cache``:
+    prefix trees emptied, the KV allocators' free lists back in their start order) and canaries of their
+    own (:func:`remint`), so what earlier runs left in the pages reads as theirs. Raises
+    :class:`ShrinkError` naming the roles that would not flush within ``timeout_s``."""
+    flushed = flush_caches(cluster, timeout_s=timeout_s)
+    bad = {r: v for r, v in flushed.items() if v is not True}
+    if bad:
+        raise ShrinkError(f"the caches could not be flushed: {bad}")
+    return remint(plans, rng)

@@ -10,10 +10,9 @@ from pathlib import Path
 
 from kvchaos.experiment import Experiment
 from kvchaos.workload import load_events
-from kvchaos.workload.snapshots import flush_caches
 
 from .bugreport import REPRO, bug_report
-from .scenario import ShrinkError, arm, fault_records, remint, shorten, shortenable, subset
+from .scenario import ShrinkError, arm, as_on_a_fresh_cluster, fault_records, shorten, shortenable, subset
 from .target import still_fails, target_of
 
 CONFIRM = 3  # re-runs of the minimal scenario at the end
@@ -54,15 +53,13 @@ class Shrinker:
         # canaries of its own (what earlier attempts left in the pages is then an earlier experiment's),
         # so a step that drops the traffic a leak's pages needed fails instead of leaking the last
         # attempt's KV (the GLM-5.3 minimal shrunk on a reused pool reproduced 1 run in 3 fresh)
-        plans = remint(subset(self.ex.plans, set(rids), prompts), random.Random(f"{self.ex.seed}/shrink/{n}"))
+        plans = subset(self.ex.plans, set(rids), prompts)
         path = self.out / f"attempt-{n:03d}.events.jsonl"
         t = time.monotonic()
         rec = {"n": n, "why": why, "requests": len(plans), "faults": len(faults), "concurrency": concurrency,
                "prompt_chars": sum(len(p.prompt) for p in plans)}
         try:
-            flushed = flush_caches(self.ex.cluster)
-            if any(v is not True for v in flushed.values()):
-                raise ShrinkError(f"the cluster's caches could not be flushed before the attempt: {flushed}")
+            plans = as_on_a_fresh_cluster(self.ex.cluster, plans, random.Random(f"{self.ex.seed}/shrink/{n}"))
             sub = Experiment(f"{self.ex.name}-shrink-{n}", plans, self.ex.checks, cluster=self.ex.cluster,
                              faults=self.ex.faults, run_dir=self.ex.run_dir, test_id=self.ex.test_id, seed=self.ex.seed,
                              concurrency=concurrency, timeout_s=self.ex.timeout_s, settle_s=self.ex.settle_s,
