@@ -52,12 +52,16 @@ class _Handler(BaseHTTPRequestHandler):
     def do_POST(self):
         eng = self.engine
         if self.path.startswith("/flush_cache"):  # SGLang's: empties caches, not what the pages hold
-            eng.flushes += 1
             self.rfile.read(int(self.headers.get("Content-Length") or 0))
+            if eng.held:  # SGLang refuses while a request is queued, running or parked
+                return self._json(400, {"error": "Timed out waiting for idle state."})
+            eng.flushes += 1
             return self._json(200, {"ok": True})
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         eng.requests.append((self.path, body))
         if self.path == "/abort_request":
+            if body.get("abort_all") and eng.held == "abortable":
+                eng.held = None
             return self._json(200, {"ok": True})
         text = body.get("text") or body.get("prompt") or "".join(m["content"] for m in body.get("messages", []))
         if eng.behaviour == "reject":
@@ -144,6 +148,8 @@ class FakeEngine:
         self.leak_min_chars = 0  # leak only into replies to prompts at least this long
         self.requests = []
         self.flushes = 0
+        # requests "held" in the engine: None (idle), "abortable" (abort_all empties it), "stuck" (nothing does)
+        self.held = None
         self.stopped = threading.Event()
         handler = type("H", (_Handler,), {"engine": self})
         self.server = _Server(("127.0.0.1", 0), handler)

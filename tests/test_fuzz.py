@@ -69,7 +69,23 @@ def test_edge_labels_follow_the_deployments_limits():
     assert BASE.expect(1984, dep) == "answer" and BASE.expect(1985, dep) == "hang_band"
     assert BASE.expect(2042, dep) == "reject"
     assert BASE.expect(1537, Deployment()) == "hang_band" and BASE.expect(1536, Deployment()) == "answer"
-    assert 1535 in BASE.edges(Deployment()) and 4097 in BASE.edges(Deployment())
+    assert BASE.bands(Deployment()) == [(64, 1537), (1537, 2042), (2042, 2048), (2048, 4096), (4096, 8192)]
+
+
+def test_probe_sizes_draw_bands_not_lengths_so_a_narrow_window_is_reached():
+    """Where prefill's limit (570) is under decode's admission edge (1536), the prompts prefill rejects and
+    decode would admit are two bands of six (570..575 and 576..1536): four in five 3-probe draws reach it;
+    three lengths drawn uniformly over 64..8192 would, one time in three."""
+    dep = Deployment({"prefill_pool_tokens": 576}, {})
+    bands = BASE.bands(dep)
+    assert (570, 576) in bands and (576, 1537) in bands and len(bands) == 6
+    rng = random.Random(0)
+    draws = [BASE.probe_sizes(rng, dep, 3) for _ in range(300)]
+    assert all(len(d) == 3 and len({next(b for b in bands if b[0] <= n < b[1]) for n in d}) == 3 for d in draws)
+    window = [d for d in draws if any(570 <= n <= 1536 for n in d)]
+    assert len(window) / len(draws) > 0.7
+    assert all(BASE.expect(n, dep) == "reject" for d in draws for n in d if 570 <= n <= 1536)
+    assert {n for d in draws for n in d} >= {64, 570, 571, 1536, 1537, 8191}  # the edges themselves are drawn
 
 
 @pytest.mark.parametrize("seed", range(5))
@@ -301,12 +317,13 @@ def test_a_confirmation_runs_as_on_a_fresh_cluster(tmp_path, monkeypatch):
     sc = _many(1)[0]
     with FakeEngine() as eng:
         new = fz._fresh(sc, StandIn(eng.url), "confirm1")
-        assert eng.flushes == 2
+        assert eng.flushes == 4  # settled (what the run before left aborted), then flushed for this run
     old_c = [c for p in sc.traffic.plans for c in p["canaries"]]
     new_c = [c for p in new.traffic.plans for c in p["canaries"]]
     assert len(new_c) == len(old_c) and not set(new_c) & set(old_c)
     assert [p["rid"] for p in new.traffic.plans] == [p["rid"] for p in sc.traffic.plans] and new.nemesis == sc.nemesis
     monkeypatch.setattr(fuzz_loop, "FLUSH_TIMEOUT_S", 1.0)
+    monkeypatch.setattr(fuzz_loop, "SETTLE_TIMEOUT_S", 0.3)
     with pytest.raises(FuzzError, match="could not be flushed"):
         fz._fresh(sc, StandIn("http://127.0.0.1:9"), "confirm2")
 
@@ -325,6 +342,23 @@ def test_a_new_find_on_a_cluster_that_no_longer_answers_is_confirmed_on_a_fresh_
     s = fz.run()
     assert len(started) == 2 and s["cluster_restarts"] == 2  # the first, and the fresh one for confirming
     assert list(s["new"].values())[0]["reproduced"] == "2/3"
+
+
+def test_a_cluster_a_run_left_busy_is_settled_or_replaced_and_the_state_is_a_feature(tmp_path, monkeypatch):
+    """After every run the engines are brought back to idle (what the run left aborted): that they held
+    requests their clients gave up on is an engine state of its own; a cluster that stays busy is
+    replaced before the next run, not left to time out every later one."""
+    outcomes_seen = []
+
+    def outcomes(sc):
+        return _log(ends=[("r", 200, "ok")]), [_v("isolation", PASS)]
+    for answer, restarts, stuck in (((False, None), 1, 0), ((True, None), 1, 3), ((True, {"decode": "busy"}), 3, 3)):
+        monkeypatch.setattr(fuzz_loop, "settle", lambda c, a=answer: (outcomes_seen.append(c), a)[1])
+        fz, started = _fuzzer(tmp_path / f"{restarts}{stuck}", outcomes, budget=30.0)
+        s = fz.run()
+        assert s["execs"] == 3 and s["cluster_restarts"] == len(started) == restarts and s["stuck"] == stuck, s
+        assert ("after_run:requests_left_in_engine" in fz.corpus.seen) == bool(stuck)
+    assert outcomes_seen and set(outcomes_seen) == {"cluster"}
 
 
 def test_a_short_search_confirms_only_new_leaks(tmp_path):
@@ -462,7 +496,7 @@ def test_a_prefill_pool_below_the_context_moves_the_edges_and_the_ordinary_traff
     dep = Deployment({"prefill_pool_tokens": 576}, {})
     pool, ppool, ctx, res, lim = BASE.limits(dep)
     assert (pool, ppool, lim) == (2048, 576, 570)
-    assert {569, 570, 571, 575, 577, 1535, 1537} <= set(BASE.edges(dep))
+    assert {(64, 570), (570, 576), (576, 1537), (1537, 2048)} <= set(BASE.bands(dep))
     assert BASE.expect(570, dep) == "reject" and BASE.expect(569, dep) == "answer"
     scs = _many(400)
     small = [s for s in scs if s.deployment.restart.get("prefill_pool_tokens")]

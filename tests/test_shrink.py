@@ -219,3 +219,23 @@ def test_caches_are_flushed_on_both_roles_and_a_refusal_is_named():
     dead = StandIn("http://127.0.0.1:9")  # nothing listens: every try refused, bounded by the timeout
     got = flush_caches(dead, timeout_s=1.0)
     assert set(got) == {"prefill", "decode"} and all(isinstance(v, str) and "Connect" in v for v in got.values())
+
+
+def test_settle_aborts_what_a_run_left_in_the_engines_and_names_what_stays():
+    """After a run the engines go back to idle with flushed caches; requests their clients gave up on
+    are aborted first; an engine that stays busy even then is named, for its cluster to be replaced."""
+    from kvchaos.workload.snapshots import settle
+    from tests.data.known_suite.test_known_inner import StandIn
+    from tests.fake_engine import FakeEngine
+
+    with FakeEngine() as eng:
+        c = StandIn(eng.url)
+        assert settle(c, timeout_s=1.0) == (False, None) and eng.flushes == 2
+        assert not [b for p, b in eng.requests if p == "/abort_request"]  # an idle engine: nothing aborted
+        eng.held = "abortable"
+        assert settle(c, timeout_s=0.5) == (True, None) and eng.flushes == 4 and eng.held is None
+        assert [b for p, b in eng.requests if p == "/abort_request"][0] == {"rid": "", "abort_all": True}
+        eng.held = "stuck"
+        aborted, left = settle(c, timeout_s=0.5)
+        assert aborted and set(left) == {"prefill", "decode"} and eng.flushes == 4
+        assert all("idle state" in v and "after abort_all: True" in v for v in left.values())

@@ -34,7 +34,9 @@ TOXICS = {"latency": 3, "slicer": 1, "limit_data": 1, "reset_peer": 1, "timeout"
 WEIGHTS = {
     "live_knob": 0.5,      # per live knob: chance it is set
     "restart_knob": 0.08,  # per restart knob: chance it differs from the base deployment
-    "oversized": 0.35,     # chance a scenario sends prompts at the deployment's edges
+    # chance a scenario sends prompts into the bands the deployment's limits cut (Base.bands): most
+    # registered findings live there (hang band, intake reject, auto-truncate, the GLM-5.3 reject path)
+    "oversized": 0.5,
     "abort": 0.2,          # share of abort/disconnect kinds in the mix
     "stream": 0.25,
     "salts": 0.4,          # chance tenants carry cache salts
@@ -68,13 +70,24 @@ class Base:
         lim = dep.live.get("prefill_input_limit", min(self.input_limit, ppool - 6))
         return pool, ppool, ctx, res, lim
 
-    def edges(self, dep: Deployment) -> list[int]:
-        """Prompt lengths where the engine changes path: each limit, one under and one over it."""
+    def bands(self, dep: Deployment) -> list[tuple[int, int]]:
+        """The prompt-length bands between consecutive limits (``[lo, hi)``, from 64 to twice the
+        context): within one band every limit answers a prompt the same way, so each band is one class of
+        engine path. Where prefill's limit is under decode's admission edge, the band between them is the
+        prompts prefill rejects and decode would admit (the reject path's window)."""
         pool, ppool, ctx, res, lim = self.limits(dep)
-        out = set()
-        for e in (pool - res, lim, ppool, pool, ctx, (pool + ctx) // 2):
-            out |= {e - 1, e, e + 1}
-        return sorted(x for x in out if 64 <= x <= 2 * ctx)
+        cuts = sorted({64, pool - res + 1, lim, ppool, pool, ctx, 2 * ctx} & set(range(64, 2 * ctx + 1)))
+        return [(a, b) for a, b in zip(cuts, cuts[1:]) if b - a >= 2]
+
+    def probe_sizes(self, rng: random.Random, dep: Deployment, k: int) -> list[int]:
+        """``k`` prompt lengths from ``k`` different :meth:`bands` (stratified: a band is drawn, not a
+        length, so a narrow band such as the reject path's window is as likely as a wide one), each at
+        the band's lower edge, just above it, just under its upper edge, or anywhere inside."""
+        bands = self.bands(dep)
+        out = []
+        for lo, hi in rng.sample(bands, k=min(k, len(bands))):
+            out.append(rng.choice((lo, min(lo + 1, hi - 1), hi - 1, rng.randrange(lo, hi))))
+        return out
 
     def expect(self, n: int, dep: Deployment) -> str:
         """What the deployment's published limits say a prompt of ``n`` tokens gets (as
@@ -143,7 +156,7 @@ def _traffic(rng: random.Random, base: Base, dep: Deployment, seed: int) -> Traf
             p.oversized = label == "reject" and p.kind in ("plain", "stream")
     if rng.random() < WEIGHTS["oversized"]:
         victim = rng.choice(wl.tenants)
-        for size in rng.sample(base.edges(dep), k=min(3, len(base.edges(dep)))):
+        for size in base.probe_sizes(rng, dep, k=rng.choice((2, 3, 4))):
             label = base.expect(size, dep)
             p = wl.request(victim, "oversized" if label == "reject" else "plain", n_tokens=size, n_canaries=3)
             p.extra["probe"] = label

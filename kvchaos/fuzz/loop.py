@@ -24,6 +24,7 @@ from pathlib import Path
 from kvchaos.experiment import Experiment, run_scenario
 from kvchaos.shrink.scenario import ShrinkError, as_on_a_fresh_cluster as fresh_plans
 from kvchaos.workload.scenario import Deployment, Scenario, plan_dict
+from kvchaos.workload.snapshots import settle as settle_cluster
 
 from .corpus import Corpus
 from .feedback import features
@@ -42,6 +43,10 @@ SHRINK_SHARE = 0.25  # at most this share of the budget shrinks one leak find
 # 8 of its minutes shrinking a router 503 the faults themselves had caused
 SHRINK_SHARE_OTHER = 0.1
 FLUSH_TIMEOUT_S = 30.0  # how long a run as on a fresh cluster waits for both roles to flush (idle)
+# after every run: how long each role may take to go idle (and again after aborting what the run left)
+# before the cluster is replaced. A first 10-minute search on 0.5.19 (2026-12-04) left hang-band requests
+# in the engine: every later confirmation, control and run met a cluster that never went idle
+SETTLE_TIMEOUT_S = 15.0
 
 
 class FuzzError(RuntimeError):
@@ -53,6 +58,7 @@ class Stats:
     execs: int = 0
     restarts: int = 0
     errors: int = 0
+    stuck: int = 0  # runs after which the engines held requests their clients had given up on
     blind: int = 0
     expected: int = 0  # non-leak FAILs the scenario's own faults explain (kvchaos.fuzz.triage)
     timeline: list = field(default_factory=list)  # {t, execs, features, corpus, restarts, finds}
@@ -70,6 +76,15 @@ def answers(cluster) -> bool:
         return gen(text="ping", max_new_tokens=1, timeout=20).status_code == 200
     except Exception:  # noqa: BLE001 - no answer is the answer
         return False
+
+
+def settle(cluster) -> tuple[bool, dict | None]:
+    """After a run: both roles idle with flushed caches (:func:`kvchaos.workload.snapshots.settle`:
+    aborting what the run left in the engines where needed). Returns ``(aborted, left)``; ``left`` names
+    the roles that would not go idle. A stand-in without endpoints: ``(False, None)``."""
+    if getattr(cluster, "endpoints", None) is None:
+        return False, None
+    return settle_cluster(cluster, SETTLE_TIMEOUT_S)
 
 
 def as_on_a_fresh_cluster(sc: Scenario, cluster, tag: str) -> Scenario:
@@ -201,17 +216,30 @@ class Fuzzer:
             if not self._still_serves(kit):  # a broken cluster is replaced; a refused op costs no restart
                 self.clusters.close()
             return
+        wall_s = self.clock() - t_run
+        # the next run, a confirmation or a shrink step starts on an idle cluster with flushed caches,
+        # as on a fresh one: requests this run left in the engines (the hang band, a request parked past
+        # its client) are aborted; a cluster that will not go idle even then is replaced
+        aborted, left = settle(cluster)
+        feats = features(ex.events)
+        if aborted:  # the engines kept requests their clients had given up on: an engine state too
+            self.stats.stuck += 1
+            feats = feats | {"after_run:requests_left_in_engine"}
         # both strategies count coverage the same way; only guided draws from what the corpus kept
-        kept = self.corpus.add(sc, features(ex.events), t, run=str(ex.path), wall_s=self.clock() - t_run)
+        kept = self.corpus.add(sc, feats, t, run=str(ex.path), wall_s=wall_s)
         self.since_new = 0 if kept else self.since_new + 1
         finds = triage(ex.verdicts, ex.context(), self.registry, ex.events)
-        if any(f.kind == "new" for f in finds) and not answers(cluster):
-            # a cluster this run broke (its transfer thread dead, a role gone) would fail every
-            # confirmation and shrink step, each into its timeouts: a fresh one of the same deployment
-            self.say(f"  {sc.name}: the cluster no longer answers; a fresh one for the confirmations")
+        broken = f"it would not go idle: {left}" if left else None
+        if not broken and any(f.kind == "new" for f in finds) and not answers(cluster):
+            broken = "it no longer answers"
+        if broken:
+            # a cluster this run broke (its transfer thread dead, a role gone, requests stuck) would fail
+            # every confirmation and shrink step, each into its timeouts: a fresh one of the same deployment
+            self.say(f"  {sc.name}: the cluster is replaced, {str(broken)[:300]}")
             self.clusters.close()
-            (cluster, kit, policy), started = self.clusters.get(sc.deployment)
-            self.stats.restarts += bool(started)
+            if any(f.kind == "new" for f in finds):
+                (cluster, kit, policy), started = self.clusters.get(sc.deployment)
+                self.stats.restarts += bool(started)
         for f in finds:
             self._note(f, sc, ex, t, cluster, kit, policy, run_dir)
         self.stats.timeline.append({"t": round(self.elapsed(), 1), "execs": self.stats.execs,
@@ -267,6 +295,7 @@ class Fuzzer:
         self._write_find(f"new-{f.signature}", sc, f, ex, rec, minimal)
 
     def _fresh(self, sc: Scenario, cluster, tag: str) -> Scenario:
+        settle(cluster)  # what the run before left in the engines is aborted first
         return as_on_a_fresh_cluster(sc, cluster, tag)
 
     def _same(self, f: Find, ex) -> bool:
@@ -345,6 +374,7 @@ class Fuzzer:
         s = {"strategy": self.strategy, "seed": self.seed, "budget_s": self.budget_s, "elapsed_s": round(el, 1),
              "execs": self.stats.execs, "execs_per_min": round(60 * self.stats.execs / el, 2),
              "cluster_restarts": self.stats.restarts, "errors": self.stats.errors, "blind": self.stats.blind,
+             "stuck": self.stats.stuck,
              "expected": self.stats.expected,
              "features": len(self.corpus.seen), "corpus": len(self.corpus), "corpus_resumed": self.corpus.resumed,
              "known": self.stats.first_known, "new": self.stats.new, "timeline": self.stats.timeline}

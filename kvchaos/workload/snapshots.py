@@ -112,6 +112,35 @@ def flush_caches(cluster, timeout_s: float = 30.0) -> dict:
     return out
 
 
+def abort_all(cluster) -> dict:
+    """SGLang's ``/abort_request`` with ``abort_all`` on prefill and decode: what a run left queued,
+    running or parked in the engines is aborted. Returns ``{role: True | "why not"}``."""
+    out = {}
+    for role in ("prefill", "decode"):
+        try:
+            r = httpx.post(getattr(cluster.endpoints, role) + "/abort_request", json={"rid": "", "abort_all": True},
+                           timeout=10.0)
+            out[role] = True if r.status_code == 200 else f"HTTP {r.status_code}: {r.text.strip()[:120]}"
+        except httpx.HTTPError as e:
+            out[role] = f"{type(e).__name__}: {e}"
+    return out
+
+
+def settle(cluster, timeout_s: float = 15.0) -> tuple[bool, dict | None]:
+    """Bring a cluster a run has finished with back to idle and flushed caches, as a fresh one would
+    start: :func:`flush_caches`; where a role refuses (requests the run left in the engine after their
+    clients gave up: the hang band, a request parked past its client), :func:`abort_all` and flush
+    again. Returns ``(aborted, left)``: whether requests had to be aborted, and None when both roles
+    flushed, else ``{role: why}`` for what still refused (the caller replaces the cluster)."""
+    got = flush_caches(cluster, timeout_s)
+    if all(v is True for v in got.values()):
+        return False, None
+    aborted = abort_all(cluster)
+    got = flush_caches(cluster, timeout_s)
+    left = {r: f"{v} (after abort_all: {aborted[r]})" for r, v in got.items() if v is not True}
+    return True, left or None
+
+
 def server_field(info, key):
     """First value of ``key`` anywhere in a nested ``/server_info`` answer (its layout moves between
     releases: 0.5.19 and 0.5.23 keep pool sizes in different places)."""
