@@ -361,6 +361,25 @@ def test_a_cluster_a_run_left_busy_is_settled_or_replaced_and_the_state_is_a_fea
     assert outcomes_seen and set(outcomes_seen) == {"cluster"}
 
 
+@pytest.mark.parametrize("leak", [True, False])
+def test_only_a_new_leak_is_confirmed_past_the_budgets_end(tmp_path, leak):
+    witness = ({"victim_rid": "v", "owner_rid": "o", "status": 200} if leak
+               else {"rid": "v", "status": 503, "problem": "x"})
+    oracle = "isolation" if leak else "http_semantics"
+
+    def outcomes(sc):  # each run 10 s of the fake clock; the budget leaves 5 s after the first
+        bad = bool(sc.nemesis) or bool(sc.deployment.live)
+        return _log(ends=[("v", 200, "ok")]), [_v(oracle, FAIL if bad else PASS, [witness] if bad else [])]
+    fz, _ = _fuzzer(tmp_path, outcomes, budget=15.0)
+    s = fz.run()
+    (rec,) = s["new"].values()
+    if leak:
+        assert rec["confirmed"] and fz.fresh[:2] == ["confirm1", "control"] and s["elapsed_s"] > 15.0
+    else:
+        assert rec["confirmed"] is None and "too little of the budget" in rec["reproduced"] and fz.fresh == []
+        assert s["elapsed_s"] <= 20.0
+
+
 def test_a_short_search_confirms_only_new_leaks(tmp_path):
     def outcomes(sc):
         return _log(ends=[("v", 200, "ok")]), [_v("http_semantics", FAIL, [{"rid": "v", "status": 503, "problem": "x"}])]
