@@ -70,6 +70,39 @@ def scenarios(run_dir) -> list[dict]:
     return out
 
 
+def scenario_files(run_dir) -> dict:
+    """Which of the run's experiments wrote a ``scenario.json`` that replays: ``{"experiments": n,
+    "complete": [...], "incomplete": [(name, why), ...], "missing": [(name, why), ...]}``. A scenario is
+    complete when it loads back as the same scenario and says everything the experiment did is in it
+    (``origin.complete``: no custom drive, no during action beyond a nemesis schedule)."""
+    from kvchaos.workload.scenario import Scenario, ScenarioError
+
+    d = Path(run_dir)
+    out = {"experiments": 0, "complete": [], "incomplete": [], "missing": []}
+    try:
+        recs = experiment_records(d)
+    except ReportError:
+        return out
+    for r in recs:
+        out["experiments"] += 1
+        name = r.get("name") or r.get("id")
+        if not r.get("scenario"):
+            out["missing"].append((name, r.get("scenario_error") or "no scenario.json written"))
+            continue
+        try:
+            sc = Scenario.load(d / r["scenario"])
+            if Scenario.from_dict(sc.to_dict()).digest() != sc.digest():
+                raise ScenarioError("does not load back as the same scenario")
+        except (OSError, ScenarioError, ValueError) as e:
+            out["missing"].append((name, f"{r['scenario']}: {e}"))
+            continue
+        if sc.origin.get("complete", True):
+            out["complete"].append(name)
+        else:
+            out["incomplete"].append((name, "; ".join(sc.origin.get("why_incomplete") or ["incomplete"])))
+    return out
+
+
 def select(recs: list[dict], scenario: str | None) -> list[dict]:
     """``scenario``: an experiment id, an experiment name, or a test id (or a unique part of one).
     Without it: every experiment that was not PASS."""

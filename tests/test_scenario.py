@@ -439,3 +439,25 @@ def test_a_record_that_is_no_op_is_said_not_dropped_silently():
              "target": {"any": True}, "params": {}, "at": 6.0}]
     assert nemesis_from_log(recs, 0.0, 10.0, skipped=skipped) == []
     assert len(skipped) == 2 and "lat-1" in skipped[0] and "teleport" in skipped[1]
+
+
+def test_a_run_says_which_experiments_replay_from_data_and_why_the_others_do_not(tmp_path):
+    from kvchaos.replay import scenario_files
+
+    def rec(i, scenario=None, error=None):
+        return {"id": f"e{i}", "name": f"exp{i}", "events": f"e{i}.events.jsonl", "verdicts_file": f"e{i}.v.json",
+                "scenario": scenario, "scenario_error": error}
+    _scenario(name="ok").save(tmp_path / "ok.scenario.json")
+    _scenario(name="part", origin={"complete": False,
+                                   "why_incomplete": ["a custom drive function sent the plans"]}).save(tmp_path / "part.scenario.json")
+    (tmp_path / "bad.scenario.json").write_text('{"schema": 1, "name": 3}')
+    recs = [rec(0, "ok.scenario.json"), rec(1, "part.scenario.json"), rec(2, "bad.scenario.json"),
+            rec(3, None, "ScenarioError: checker foo is not in the schema"), rec(4, "gone.scenario.json")]
+    (tmp_path / "experiments.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    got = scenario_files(tmp_path)
+    assert got["experiments"] == 5 and got["complete"] == ["exp0"]
+    assert got["incomplete"] == [("exp1", "a custom drive function sent the plans")]
+    missing = dict(got["missing"])
+    assert set(missing) == {"exp2", "exp3", "exp4"} and "not in the schema" in missing["exp3"]
+    assert "bad.scenario.json" in missing["exp2"] and "gone.scenario.json" in missing["exp4"]
+    assert scenario_files(tmp_path / "nothing") == {"experiments": 0, "complete": [], "incomplete": [], "missing": []}

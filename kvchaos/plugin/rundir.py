@@ -228,3 +228,19 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
         terminalreporter.write_line(f"kvchaos seed: {seed} — replay: kvchaos replay {pr.run_dir}")
     if pr is not None:
         known.findings_lines(terminalreporter, config)
+        _scenario_lines(terminalreporter, pr.run_dir)
+
+
+def _scenario_lines(tr, run_dir: Path) -> None:
+    """How many of the run's experiments can be re-run from data alone (``kvchaos replay FILE``,
+    ``kvchaos shrink FILE``), and each that cannot, with why."""
+    from kvchaos.replay import scenario_files  # not at plugin load
+
+    got = scenario_files(run_dir)
+    if not got["experiments"]:
+        return
+    tr.write_line(f"kvchaos scenarios: {len(got['complete'])} of {got['experiments']} experiments replay from "
+                  f"their scenario.json" + (f"; {len(got['incomplete'])} incomplete, {len(got['missing'])} missing"
+                                            if got["incomplete"] or got["missing"] else ""))
+    for name, why in got["incomplete"] + got["missing"]:
+        tr.write_line(f"  {name}: {why}"[:300])
