@@ -274,6 +274,21 @@ def test_the_same_mechanism_on_other_victims_is_one_find():
     assert mechanism(one, recs)["faults_on_victims"] == ["short:fired"]
 
 
+def test_a_leaks_mechanism_says_what_decode_was_handed_from_the_engines_events():
+    """The GLM-5.3 mechanism from the engines' own events: decode reserved a whole prompt's pages
+    (kv_prealloc), prefill wrote one (write_end). A leak with a whole handoff is another find."""
+    def recs(written):
+        out = [{"ev": "agent", "agent_ev": "kv_prealloc", "role": "decode", "rid": "v", "dst_pages_total": 12}]
+        return out + [{"ev": "agent", "agent_ev": "write_end", "role": "prefill", "rid": "v", "pages": n} for n in written]
+    leak = _v("isolation", FAIL, [{"victim_rid": "v", "owner_rid": "o", "status": 200}])
+    got = {w: mechanism(leak, recs(w))["victims_kv_handoff"] for w in ((1,), (6, 6), ())}
+    assert got == {(1,): ["short"], (6, 6): ["whole"], (): ["reserved_only"]}
+    assert mechanism(leak, [])["victims_kv_handoff"] == ["none"]
+    assert signature(mechanism(leak, recs((1,)))) != signature(mechanism(leak, recs((6, 6))))
+    hang = _v("liveness", FAIL, [{"rid": "v", "outcome": "timeout"}])  # no victim: no handoff said
+    assert mechanism(hang, recs((1,)))["victims_kv_handoff"] == []
+
+
 # ------------------------------------------------------------------ the loop, with stand-ins
 class _Clock:
     def __init__(self):

@@ -54,9 +54,30 @@ def _fired_on(records, rid) -> list[str]:
                    if e.get("ev") == "agent" and e.get("agent_ev") == "fault_fired" and e.get("rid") == rid})
 
 
+def _handoff(records, rid) -> str:
+    """What the engines' own events say decode got for ``rid``: ``short`` where prefill wrote fewer KV
+    pages (its agent's ``write_end``) than decode reserved (``kv_prealloc``'s ``dst_pages_total``) —
+    the GLM-5.3 mechanism, a rejected prompt's one-page placeholder under a whole prompt's reservation —
+    ``whole``, ``reserved_only`` (nothing written), ``written_only``, or ``none`` (no transfer seen)."""
+    reserved, written = None, 0
+    for e in records:
+        if e.get("ev") != "agent" or e.get("rid") != rid:
+            continue
+        a = e.get("agent_ev")
+        if a == "kv_prealloc" and isinstance(e.get("dst_pages_total"), int):
+            reserved = max(reserved or 0, e["dst_pages_total"])
+        elif a == "write_end" and isinstance(e.get("pages"), int):
+            written += e["pages"]
+    if reserved is None:
+        return "written_only" if written else "none"
+    if not written:
+        return "reserved_only"
+    return "short" if written < reserved else "whole"
+
+
 def mechanism(verdict, records) -> dict:
     """What the verdict's witnesses say happened, without the names of who it happened to."""
-    kinds, statuses, origins, fired = set(), set(), set(), set()
+    kinds, statuses, origins, fired, handoff = set(), set(), set(), set(), set()
     for w in verdict.witnesses or []:
         if not isinstance(w, dict):
             continue
@@ -73,8 +94,10 @@ def mechanism(verdict, records) -> dict:
             origins.add("owned")
         if rid:
             fired.update(_fired_on(records, rid))
+            if w.get("victim_rid"):  # a leak's victim: what decode was handed for it
+                handoff.add(_handoff(records, rid))
     return {"oracle": verdict.oracle, "status": verdict.status, "kinds": sorted(kinds), "http": sorted(statuses),
-            "origins": sorted(origins), "faults_on_victims": sorted(fired)}
+            "origins": sorted(origins), "faults_on_victims": sorted(fired), "victims_kv_handoff": sorted(handoff)}
 
 
 def signature(mech: dict) -> str:
