@@ -107,22 +107,28 @@ def engine_hunt() -> str:
 
 def replay_shrink() -> str:
     """Per committed scenario (``reports/replay-shrink/<name>/``): the reproduction rate of
-    ``kvchaos replay`` (replay.json, when there is one) and the sizes before / after ``kvchaos shrink``
-    (minimal.json)."""
+    ``kvchaos replay`` (replay.json, when there is one), the sizes before / after ``kvchaos shrink``
+    (minimal.json), and how often the minimal repro reproduced, each run on a fresh cluster (the last
+    line of repro-fresh-cluster.log, ``repro.py --times N``)."""
     out = ["| scenario | `kvchaos replay` | original: requests / tenants / faults / concurrency / prompt chars | "
-           "minimal | attempts | minimal failed again | report |", "|---|---|---|---|---|---|---|"]
+           "minimal | attempts | minimal failed again | `repro.py`, fresh clusters | report |",
+           "|---|---|---|---|---|---|---|---|"]
     for path in sorted((REPO / "reports" / "replay-shrink").glob("*/minimal.json")):
         d = path.parent
         m = _load(path)
         rep = _load(d / "replay.json") if (d / "replay.json").exists() else None
         rate = (f"reproduced **{rep['scenarios'][0]['reproduced']}/{rep['scenarios'][0]['of']}**" if rep else "-")
+        log = d / "repro-fresh-cluster.log"
+        got = re.search(r"^reproduced (\d+/\d+)", log.read_text(), re.M) if log.exists() else None
+        fresh = f"**{got.group(1)}**" if got else "-"
         o, n = m["original"], m["minimal"]
         size = lambda x: (f"{x['requests']} / {x['tenants']} / {x['faults']} / {x['concurrency']} / "  # noqa: E731
                           f"{x.get('prompt_chars', '-')}")
         out.append(f"| `{m['experiment']}` ({m['target']['oracle']} FAIL) | {rate} | {size(o)} | **{size(n)}** | "
-                   f"{m['steps']} | {m.get('confirmed')}/{m.get('confirm_runs')} | "
+                   f"{m['steps']} | {m.get('confirmed')}/{m.get('confirm_runs')} | {fresh} | "
                    f"[BUG.md](reports/replay-shrink/{d.name}/BUG.md) |")
-    return "\n".join(out) + "\n\n(from `reports/replay-shrink/*/minimal.json` and `replay.json`)"
+    return "\n".join(out) + ("\n\n(from `reports/replay-shrink/*/minimal.json`, `replay.json` and "
+                             "`repro-fresh-cluster.log`)")
 
 
 def _release_table(path: Path) -> str:
