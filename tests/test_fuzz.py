@@ -99,6 +99,14 @@ def test_a_search_starts_from_its_steady_state_and_a_resumed_one_does_not(tmp_pa
     assert "baseline" not in drawn
 
 
+def test_some_scenarios_send_no_abort_at_all():
+    """On a release where one client abort wedges the PD pipeline, only an abort-free scenario can show
+    anything else: the share of aborts is drawn per scenario, and zero is one of the draws."""
+    aborts = [sum(p["kind"] in ("abort_after", "disconnect_before_first_token") for p in s.traffic.plans)
+              for s in _many(120)]
+    assert 0.1 < sum(a == 0 for a in aborts) / len(aborts) < 0.5 and max(aborts) >= 8
+
+
 def test_probe_sizes_draw_bands_not_lengths_so_a_narrow_window_is_reached():
     """Where prefill's limit (570) is under decode's admission edge (1536), the prompts prefill rejects and
     decode would admit are two bands of six (570..575 and 576..1536): four in five 3-probe draws reach it;

@@ -40,6 +40,9 @@ def add_parser(sub, cfg: dict):
     sp.add_argument("--profile", default=cfg.get("profile", "cpu"))
     sp.add_argument("--layout", help="a KV layout (default: the profile's own)")
     sp.add_argument("--out", help="output directory (default: reports/fuzz/<stamp>)")
+    sp.add_argument("--confirm", choices=("all", "leaks"), default="all",
+                    help="which NEW finds to confirm by reruns and a control and to shrink: all, or leaks only "
+                         "(the others are written up unconfirmed) [all]")
     sp.add_argument("--replay", metavar="SCENARIO", help="run this scenario.json instead of searching")
     sp.add_argument("--times", type=int, default=3, help="with --replay: runs, each on a fresh cluster [3]")
     return sp
@@ -140,7 +143,7 @@ def run(args) -> int:
                   f"({len(corpus)} entries{', resumed' if corpus.resumed else ''}); out {sub}", flush=True)
             fz = Fuzzer(clusters=clusters, base=first, registry=registry, out=sub, corpus=corpus, seed=args.seed,
                         budget_s=budget, strategy=strategy, engine_version=args.engine_version,
-                        say=lambda m: print(m, flush=True))
+                        confirm_all=args.confirm == "all", say=lambda m: print(m, flush=True))
             runs.append(fz.run())
         print(table(runs))
         (out / "summary.txt").write_text(table(runs) + "\n")
