@@ -253,7 +253,9 @@ class AgentClient:
         if kind == "park" and (params or {}).get("stage") not in PARK_HOOKS:
             raise ValueError(f"park: params.stage must be one of {tuple(PARK_HOOKS)}, got {(params or {}).get('stage')!r}")
         need = hooks if hooks is not None else (("send_kvcache",) if kind in ("delay", "fail", "short", "hold") else
-                         ("is_unadmitted_reject",) if kind in ("reject_admitted", "input_limit") else
+                         ("is_unadmitted_reject",) if kind == "reject_admitted" else
+                         # a setting on the live schedulers: no reject-path hook (0.5.19 has none)
+                         ("Scheduler.__init__",) if kind == "input_limit" else
                          ("TokenToKVPoolAllocator.alloc",) if kind == "double_alloc" else
                          ("MooncakeKVManager.send_kvcache",) if kind == "stall_status_read" else
                          ("Req.load_kv_cache", "DecodePreallocQueue.__init__") if kind == "retract" else

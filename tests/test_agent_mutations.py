@@ -321,3 +321,25 @@ def test_chunked_prefill_sets_the_live_chunk_size_and_refuses_a_size_off_the_pag
     assert s.chunked_prefill_size == 256
     f.heal()
     assert s.chunked_prefill_size == 8192
+
+
+def test_the_input_limit_setting_needs_only_a_live_scheduler_not_the_reject_path_hook(agent):
+    """``input_limit`` switches the live schedulers' ``max_req_input_len``: 0.5.19 has no
+    ``is_unadmitted_reject`` (a search there was refused the knob by name), so it waits for the
+    Scheduler's own hook; the planted ``reject_admitted`` still needs the reject path's."""
+    mod = types.ModuleType("sglang_fake_sched")
+    mod.__name__ = "sglang_fake_sched"
+
+    class Scheduler:
+        def __init__(self):
+            self.max_req_input_len = 2042
+    mod.Scheduler = Scheduler
+    sched_mod._hook_scheduler(mod)
+    s = mod.Scheduler()
+    ctl = AgentClient(agent.dir)
+    f = ctl.arm("prefill", "input_limit", params={"max_input_len": 512})  # the default hooks: found
+    assert s.max_req_input_len == 512
+    f.heal()
+    assert s.max_req_input_len == 2042
+    hooks = [h for a in ctl.agents("prefill") for h in ctl._send(a, {"cmd": "ping"})["hooks"]]
+    assert any("Scheduler.__init__" in h for h in hooks) and not any("is_unadmitted_reject" in h for h in hooks)
