@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 
 from kvchaos.report.collect import ReportError, experiment_records
+from kvchaos.workload.scenario import Scenario, ScenarioError
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -75,8 +76,6 @@ def scenario_files(run_dir) -> dict:
     "complete": [...], "incomplete": [(name, why), ...], "missing": [(name, why), ...]}``. A scenario is
     complete when it loads back as the same scenario and says everything the experiment did is in it
     (``origin.complete``: no custom drive, no during action beyond a nemesis schedule)."""
-    from kvchaos.workload.scenario import Scenario, ScenarioError
-
     d = Path(run_dir)
     out = {"experiments": 0, "complete": [], "incomplete": [], "missing": []}
     try:
