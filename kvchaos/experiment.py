@@ -95,7 +95,7 @@ class Experiment:
                  drive=None, path: str | Path | None = None, model_name: str | None = None,
                  policy: Policy | None = None, probe_before: bool = True, via: str = "router",
                  run_seed: int | None = None, dry: bool = False, record: bool = True,
-                 shrink: Callable[["Experiment"], dict] | None = None, canaries: canary.Registry | None = None, attempt: int = 1):
+                 canaries: canary.Registry | None = None, attempt: int = 1):
         if not name or any(c in name for c in "/\\"):
             raise ValueError(f"experiment name {name!r}: non-empty, no path separators")
         self.policy = policy or Policy()
@@ -108,11 +108,9 @@ class Experiment:
         self.canaries = canaries if isinstance(canaries, canary.Registry) else canary.Registry()
         self.cluster, self.faults, self.run_dir = cluster, faults, Path(run_dir)
         self.test_id, self.seed, self.run_seed, self.dry = test_id, seed, run_seed, dry
-        # record: write the verdicts file and the experiments.jsonl line (a shrink attempt does not);
-        # shrink: once judged, ``shrink(self) -> dict`` shrinks this experiment (the face hands in
-        # kvchaos.shrink.shrink_after with its bounds: the runner never imports the shrinker that runs it)
-        self.record, self.shrink = record, shrink
-        self.shrunk: dict | None = None
+        # record: write the verdicts file and the experiments.jsonl line (a shrink attempt does not)
+        self.record = record
+        self.shrunk: dict | None = None  # what the plugin's --kvchaos-shrink made of it (kvchaos.plugin.fixtures)
         self.plans_digest = plans_digest(self.plans)
         self.concurrency, self.timeout_s, self.settle_s = concurrency, timeout_s, settle_s
         self.drive_fn, self.model_name, self.probe_before = drive, model_name, probe_before
@@ -250,8 +248,6 @@ class Experiment:
         _tell("close", self)
         for v in self.verdicts:
             print(v)
-        if self.shrink is not None:
-            self.shrunk = self.shrink(self)
         if self._during and self._during.thread.is_alive():
             raise RuntimeError(f"experiment {self.name}: the during action did not finish in {DURING_JOIN_S} s")
         if self._during and self._during.error is not None:

@@ -6,7 +6,6 @@ plugins add: ``pytest_kvchaos_fault_kinds``)."""
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 import os
 from collections.abc import Mapping
@@ -229,7 +228,6 @@ def experiment(request, kvchaos_run_dir, kvchaos_policy, seeds):
     # on use: the runner pulls in the driver (aiohttp, ~0.4 s) and the shrinker, and this plugin loads in
     # every pytest run, most of which (the cluster-free tests) never make an experiment
     from kvchaos.experiment import Experiment
-    from kvchaos.shrink import shrink_after
 
     made = []
 
@@ -242,11 +240,6 @@ def experiment(request, kvchaos_run_dir, kvchaos_policy, seeds):
             kw["faults"] = request.getfixturevalue("faults")
         kw.setdefault("run_seed", seeds.run)
         kw["dry"] = dry
-        if request.config.getoption("--kvchaos-shrink") == name:
-            kw["shrink"] = functools.partial(shrink_after,
-                                             budget_s=request.config.getoption("--kvchaos-shrink-budget-s"),
-                                             max_steps=request.config.getoption("--kvchaos-shrink-steps"),
-                                             checker=request.config.getoption("--kvchaos-shrink-checker"))
         kw.setdefault("policy", kvchaos_policy)  # a cluster of its own brings its own self-test's policy
         kw.setdefault("attempt", request.node.stash.get(known.ATTEMPT, 1))
         ex = Experiment(name, plans, checks, run_dir=kvchaos_run_dir, test_id=request.node.nodeid, **kw)
@@ -260,6 +253,24 @@ def experiment(request, kvchaos_run_dir, kvchaos_policy, seeds):
     if unjudged and not request.node.stash.get(known.CALL_FAILED, False):  # a failed test is red already
         raise RuntimeError("kvchaos: experiment(s) run but never judged (call ex.require(...)): "
                            + "; ".join(f"{ex.name}: {ex.judgement.status}" for ex in unjudged))
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item):
+    """``--kvchaos-shrink NAME``: once the test body has run (its experiments judged, its cluster and
+    faults still up), the plugin shrinks the experiment of that name (:func:`kvchaos.shrink.shrink_after`:
+    ``<run dir>/shrink/<name>/``). The experiment itself never starts a shrink."""
+    yield
+    name = item.config.getoption("--kvchaos-shrink")
+    if not name:
+        return
+    from kvchaos.shrink import shrink_after  # on use: only a shrink run needs the shrinker
+
+    for ex in item.stash.get(known.EXPERIMENTS, ()):
+        if ex.name == name and ex.verdicts and ex.shrunk is None:
+            ex.shrunk = shrink_after(ex, budget_s=item.config.getoption("--kvchaos-shrink-budget-s"),
+                                     max_steps=item.config.getoption("--kvchaos-shrink-steps"),
+                                     checker=item.config.getoption("--kvchaos-shrink-checker"))
 
 
 @pytest.fixture(scope="session")

@@ -281,8 +281,8 @@ def refused(ex, out_dir: Path, why: str) -> dict:
 
 
 def shrink_after(ex, budget_s: float = 1200.0, max_steps: int = 40, checker: str | None = None) -> dict:
-    """Shrink ``ex`` once it is judged (what :class:`kvchaos.experiment.Experiment` calls with
-    ``shrink=``): ``<run dir>/shrink/<name>/``; a scenario that cannot shrink says why there."""
+    """Shrink ``ex`` once it is judged (what the plugin's ``--kvchaos-shrink`` calls once the test body
+    has run): ``<run dir>/shrink/<name>/``; a scenario that cannot shrink says why there."""
     out = ex.run_dir / "shrink" / ex.name
     try:
         return Shrinker(ex, out, budget_s=budget_s, max_steps=max_steps, checker=checker).run()

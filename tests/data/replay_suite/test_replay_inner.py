@@ -56,7 +56,17 @@ class LeakFirst(FakeEngine):
         return canary.payload(found[0][1])
 
 
-def test_shrinkable(experiment, seeds):
+@pytest.fixture
+def engines():
+    """Engines a test starts, stopped at teardown: the plugin shrinks once the test body has run, so the
+    engine must outlive it (as a session cluster does)."""
+    started = []
+    yield started
+    for eng in started:
+        eng.__exit__(None, None, None)
+
+
+def test_shrinkable(experiment, seeds, engines):
     """Every reply after plans[2] was sent holds its first canary (``INNER_LEAK_FIRST=n``: only the first n replies;
     ``INNER_LEAK_MIN_CHARS=k``: only replies to prompts of at least k characters)."""
     wl = Workload(seeds(6), n_tenants=4, prefix="sh")
@@ -66,8 +76,8 @@ def test_shrinkable(experiment, seeds):
     eng = LeakFirst(marker, int(os.environ.get("INNER_LEAK_FIRST", "1000000")))
     eng.leak_min_chars = int(os.environ.get("INNER_LEAK_MIN_CHARS", "0"))  # a leak that needs a long prompt
     eng.delay_s = 0.05  # requests sent together have all arrived before any reply is made up
-    with eng:
-        with experiment("shrinkable", plans, [Isolation(), Sensitivity()], cluster=StandIn(eng.url), faults=None,
-                        seed=wl.seed, settle_s=0, timeout_s=10, concurrency=4) as ex:
-            pass
+    engines.append(eng.__enter__())
+    with experiment("shrinkable", plans, [Isolation(), Sensitivity()], cluster=StandIn(eng.url), faults=None,
+                    seed=wl.seed, settle_s=0, timeout_s=10, concurrency=4) as ex:
+        pass
     ex.require(isolation=PASS)
