@@ -107,6 +107,31 @@ def test_some_scenarios_send_no_abort_at_all():
     assert 0.1 < sum(a == 0 for a in aborts) / len(aborts) < 0.5 and max(aborts) >= 8
 
 
+def test_the_probe_mutation_puts_band_prompts_among_the_traffic_as_it_is(monkeypatch):
+    from kvchaos.fuzz import grammar
+    monkeypatch.setattr(grammar, "MUTATORS", {"probe": 1})
+    rng = random.Random(3)
+    window = 0
+    for i, parent in enumerate(_many(60, seed=11)):
+        parent.deployment.live["prefill_input_limit"] = 512
+        child = mutate(rng, parent, BASE, f"p{i}")
+        old = {p["rid"]: p for p in parent.traffic.plans}
+        added = [p for p in child.traffic.plans if p["rid"] not in old]
+        assert 1 <= len(added) <= 3 and len(child.traffic.plans) == len(parent.traffic.plans) + len(added)
+        assert [p for p in child.traffic.plans if p["rid"] in old] == parent.traffic.plans  # the rest as it was
+        assert len({p["tenant"] for p in added}) == 1 and all(p["extra"]["probe"] for p in added)
+        victim = added[0]["tenant"]
+        salt = next(p.get("cache_salt") for p in parent.traffic.plans if p["tenant"] == victim)
+        assert all(p.get("cache_salt") == salt for p in added)
+        for p in added:
+            assert p["extra"]["probe"] == BASE.expect(p["n_tokens"], child.deployment)
+            assert p["oversized"] == (p["extra"]["probe"] == "reject")
+            window += 512 <= p["n_tokens"] <= 1536
+        assert not {c for p in added for c in p["canaries"]} & {c for p in parent.traffic.plans for c in p["canaries"]}
+        assert Scenario.from_dict(child.to_dict()).digest() == child.digest()
+    assert window >= 20  # the reject path's window a lowered limit opens is reached
+
+
 def test_probe_sizes_draw_bands_not_lengths_so_a_narrow_window_is_reached():
     """Where prefill's limit (570) is under decode's admission edge (1536), the prompts prefill rejects and
     decode would admit are two bands of six (570..575 and 576..1536): four in five 3-probe draws reach it;
@@ -267,9 +292,14 @@ def test_traffic_gives_a_fault_room_and_a_redraw_new_request_ids():
     for s in scs[:30]:
         for i in range(6):
             m = mutate(rng, s, BASE, f"m{i}")
-            if m.traffic.plans != s.traffic.plans:
-                assert m.seed != s.seed
-                assert not {p["rid"] for p in m.traffic.plans} & {p["rid"] for p in s.traffic.plans}
+            # a request id never names another prompt than it did in the parent (a redraw with the same
+            # seed reused ids for other prompts and canaries, and a page left by one named the other's owner)
+            old = {p["rid"]: p["prompt"] for p in s.traffic.plans}
+            rids = [p["rid"] for p in m.traffic.plans]
+            assert len(set(rids)) == len(rids)
+            assert all(old.get(p["rid"], p["prompt"]) == p["prompt"] for p in m.traffic.plans)
+            if {p["rid"] for p in m.traffic.plans} - set(old) and set(old) - {p["rid"] for p in m.traffic.plans}:
+                assert m.seed != s.seed  # redrawn: a new seed
 
 
 def test_the_same_mechanism_on_other_victims_is_one_find():

@@ -46,7 +46,8 @@ WEIGHTS = {
     "process_op": 0.08,    # chance of a stop or kill of a role
     "abort_held": 0.6,     # chance a request a hold or park parked is aborted while parked
 }
-MUTATORS = {"knob": 3, "op_param": 4, "op_time": 3, "add_op": 3, "drop_op": 2, "traffic": 3, "restart_knob": 1}
+MUTATORS = {"knob": 3, "op_param": 4, "op_time": 3, "add_op": 3, "drop_op": 2, "traffic": 3, "probe": 3,
+            "restart_knob": 1}
 
 
 class Base:
@@ -307,6 +308,8 @@ def mutate(rng: random.Random, sc: Scenario, base: Base, name: str) -> Scenario:
             op.heal_s = round(op.at_s + 1.0, 2)
     elif how == "drop_op":
         _drop(new, rng.randrange(len(new.nemesis)))
+    elif how == "probe":
+        _add_probes(rng, new, base)
     elif how == "add_op":
         new.nemesis.append(_agent_op(rng, [p["rid"] for p in new.traffic.plans],
                                      sorted({p["tenant"] for p in new.traffic.plans}), 10.0))
@@ -321,6 +324,24 @@ def mutate(rng: random.Random, sc: Scenario, base: Base, name: str) -> Scenario:
         _reindex(new)
         new.checks = default_checks(t)
     return new.validate()
+
+
+def _add_probes(rng: random.Random, sc: Scenario, base: Base) -> None:
+    """AFL's interesting values for this search: 1-3 prompts into the bands the scenario's deployment cuts
+    (:meth:`Base.probe_sizes`), from one of its tenants (with that tenant's salt), put among the
+    traffic as it is, so the earlier traffic that fills the pages stays."""
+    tenants = sorted({p["tenant"] for p in sc.traffic.plans})
+    victim = rng.choice(tenants)
+    salt = next((p.get("cache_salt") for p in sc.traffic.plans if p["tenant"] == victim), None)
+    seed = rng.randrange(1, 2**31)  # its own rids and canaries: none of the scenario's are reused
+    wl = Workload(seed, n_tenants=int(max(tenants)[1:]) + 1, prefix=f"fz{seed % 100000}-", page_size=base.page_size)
+    for size in base.probe_sizes(rng, sc.deployment, k=rng.choice((1, 2, 3))):
+        label = base.expect(size, sc.deployment)
+        p = wl.request(wl.tenant(victim), "oversized" if label == "reject" else "plain", n_tokens=size, n_canaries=3)
+        p.extra["probe"] = label
+        p.cache_salt = salt
+        sc.traffic.plans.insert(rng.randrange(len(sc.traffic.plans) + 1), plan_dict(p))
+    sc.checks = default_checks(sc.traffic)
 
 
 def _keep_links(old: Op, new: Op) -> Op:
