@@ -494,6 +494,20 @@ def test_deployment_changes_wait_in_a_queue(tmp_path, monkeypatch):
     assert len(started) <= 1 + fz.stats.execs // 2
 
 
+def test_a_deployment_waiting_in_a_queue_gets_the_cluster_once_the_running_one_had_its_share(tmp_path, monkeypatch):
+    """Restart knobs are drawn rarely, so a queue may never reach SWITCH_AFTER and the running
+    deployment may keep finding new states: after AMORTIZE starts' worth of time on it, the longest
+    queue gets the cluster anyway (a start then costs at most 1/AMORTIZE of the search)."""
+    monkeypatch.setattr(fuzz_loop, "SWITCH_AFTER", 1000)
+    monkeypatch.setattr(fuzz_loop, "STALE_AFTER", 1000)
+    from kvchaos.fuzz import grammar
+    monkeypatch.setattr(grammar, "WEIGHTS", {**grammar.WEIGHTS, "restart_knob": 0.3})
+    fz, started = _fuzzer(tmp_path, lambda sc: (_log(ends=[("r", 200, "ok")]), [_v("isolation", PASS)]), budget=1000)
+    s = fz.run()  # runs of 10 s: a switch is due every 8 x 30 s (the start-cost floor) at most
+    assert 2 <= len(started) <= 1 + 1000 // (fuzz_loop.AMORTIZE * fuzz_loop.START_COST_FLOOR_S) + 1, started
+    assert len(set(started)) >= 2 and s["execs"] == 100
+
+
 def test_the_side_by_side_table_says_who_is_ahead():
     g = {"strategy": "guided", "execs": 10, "execs_per_min": 2.0, "features": 40, "corpus": 9, "cluster_restarts": 1,
          "known": {"a": {"t": 5.0}, "b": {"t": 9.0}}, "new": {}}

@@ -3,8 +3,9 @@ engines did something new, triage what is not PASS, and confirm, shrink and writ
 
 Clusters (:class:`Clusters`) are the expensive part: a scenario whose restart knobs differ from the
 running cluster's waits in a queue of its deployment until that queue is worth a restart
-(:data:`SWITCH_AFTER` scenarios), or the running deployment went :data:`STALE_AFTER` runs without a new
-feature; otherwise the loop runs what fits the cluster it has. Live knobs cost nothing: they are agent
+(:data:`SWITCH_AFTER` scenarios), the running deployment went :data:`STALE_AFTER` runs without a new
+feature, or it has had :data:`AMORTIZE` cluster starts' worth of the search's time; otherwise the loop
+runs what fits the cluster it has. Live knobs cost nothing: they are agent
 ops of the scenario.
 
 ``strategy="random"`` uses the same generator with no feedback (every scenario drawn fresh, the corpus
@@ -34,6 +35,11 @@ from .triage import Find, is_leak, triage
 
 SWITCH_AFTER = 3
 STALE_AFTER = 12
+# ... or the running deployment has had this many cluster starts' worth of the search's time (a start's
+# cost amortized to at most 1/AMORTIZE of it): the first 30-minute searches (2026-12-04/05) never left the
+# base deployment, so no scenario with a restart knob ran (auto-truncate's deployment among them)
+AMORTIZE = 8
+START_COST_FLOOR_S = 30.0  # a start's cost before one was measured, and the least one counts
 MUTATE_P = 0.8
 SPLICE_P = 0.15
 CONFIRM_RUNS = 3  # a NEW find must show its mechanism again in 2 of 3 runs
@@ -152,6 +158,8 @@ class Fuzzer:
         self.confirm_all = confirm_all
         self.t0 = None
         self._last_wall = 0.0  # the last run's wall time: what a confirmation run is expected to take
+        self._start_cost = 0.0  # the longest cluster start seen (s)
+        self._on_since = 0.0  # when the running cluster started (search time)
         self.out.mkdir(parents=True, exist_ok=True)
 
     # ------------------------------------------------------------------ the loop
@@ -185,6 +193,11 @@ class Fuzzer:
     def _next(self) -> Scenario:
         """A scenario for the running cluster if there is one; a deployment change only when its queue
         is worth it (module doc)."""
+        waiting = [k for k, q in self.queues.items() if q]
+        if waiting and self.clusters.key is not None and \
+                self.elapsed() - self._on_since >= AMORTIZE * max(self._start_cost, START_COST_FLOOR_S):
+            self.since_new = 0  # the running deployment has had its share: the longest queue gets the cluster
+            return self.queues[max(waiting, key=lambda k: len(self.queues[k]))].pop(0)
         for _ in range(50):
             sc = self._draw()
             if not self.deployments:
@@ -204,9 +217,12 @@ class Fuzzer:
         return self.queues[key].pop(0)
 
     def _exec(self, sc: Scenario) -> None:
+        t_get = self.clock()
         (cluster, kit, policy), started = self.clusters.get(sc.deployment)
         if started:
             self.stats.restarts += 1
+            self._start_cost = max(self._start_cost, self.clock() - t_get)
+            self._on_since = self.elapsed()
         run_dir = self.out / "execs"
         t = self.elapsed()
         self.stats.execs += 1
