@@ -460,6 +460,22 @@ def test_only_a_new_leak_is_confirmed_past_the_budgets_end(tmp_path, leak):
         assert s["elapsed_s"] <= 20.0
 
 
+def test_a_cluster_a_run_left_dead_is_replaced_whatever_the_run_found(tmp_path):
+    """A KNOWN engine failure (the transfer thread's death) leaves a cluster that answers nothing: the
+    next run gets a fresh one, not a dead one."""
+    class Dead:
+        def generate(self, **kw):
+            raise ConnectionError("the transfer thread is dead")
+
+    def outcomes(sc):
+        return _log(ends=[("r", None, "timeout")]), [_v("liveness", FAIL, [{"rid": "r", "outcome": "timeout"}])]
+    fz, started = _fuzzer(tmp_path, outcomes, budget=30.0)
+    fz.clusters._start = lambda dep: started.append(dep.restart_key()) or (Dead(), "kit", "policy")
+    s = fz.run()
+    assert list(s["known"]) == ["sglang-pd-hang-band"] and not s["new"]
+    assert s["execs"] == 3 and len(started) == 3 == s["cluster_restarts"]
+
+
 def test_a_short_search_confirms_only_new_leaks(tmp_path):
     def outcomes(sc):
         return _log(ends=[("v", 200, "ok")]), [_v("http_semantics", FAIL, [{"rid": "v", "status": 503, "problem": "x"}])]

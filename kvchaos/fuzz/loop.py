@@ -249,7 +249,7 @@ class Fuzzer:
         self.since_new = 0 if kept else self.since_new + 1
         finds = triage(ex.verdicts, ex.context(), self.registry, ex.events)
         broken = f"it would not go idle: {left}" if left else None
-        if not broken and any(f.kind == "new" for f in finds) and not answers(cluster):
+        if not broken and not answers(cluster):  # whatever the find: the next run would meet it dead
             broken = "it no longer answers"
         if broken:
             # a cluster this run broke (its transfer thread dead, a role gone, requests stuck) would fail
