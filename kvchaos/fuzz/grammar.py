@@ -160,10 +160,7 @@ def _traffic(rng: random.Random, base: Base, dep: Deployment, seed: int) -> Traf
             p.oversized = label == "reject" and p.kind in ("plain", "stream")
     if rng.random() < WEIGHTS["oversized"]:
         victim = rng.choice(wl.tenants)
-        for size in base.probe_sizes(rng, dep, k=rng.choice((2, 3, 4))):
-            label = base.expect(size, dep)
-            p = wl.request(victim, "oversized" if label == "reject" else "plain", n_tokens=size, n_canaries=3)
-            p.extra["probe"] = label
+        for p in _probes(rng, wl, victim, base, dep, k=rng.choice((2, 3, 4))):
             plans.insert(rng.randrange(len(plans) + 1), p)
         _fix_order(plans)
     # at least 4 in flight: a fault's exposure class is the requests it acted on and those in flight beside
@@ -335,13 +332,22 @@ def _add_probes(rng: random.Random, sc: Scenario, base: Base) -> None:
     salt = next((p.get("cache_salt") for p in sc.traffic.plans if p["tenant"] == victim), None)
     seed = rng.randrange(1, 2**31)  # its own rids and canaries: none of the scenario's are reused
     wl = Workload(seed, n_tenants=int(max(tenants)[1:]) + 1, prefix=f"fz{seed % 100000}-", page_size=base.page_size)
-    for size in base.probe_sizes(rng, sc.deployment, k=rng.choice((1, 2, 3))):
-        label = base.expect(size, sc.deployment)
-        p = wl.request(wl.tenant(victim), "oversized" if label == "reject" else "plain", n_tokens=size, n_canaries=3)
-        p.extra["probe"] = label
+    for p in _probes(rng, wl, wl.tenant(victim), base, sc.deployment, k=rng.choice((1, 2, 3))):
         p.cache_salt = salt
         sc.traffic.plans.insert(rng.randrange(len(sc.traffic.plans) + 1), plan_dict(p))
     sc.checks = default_checks(sc.traffic)
+
+
+def _probes(rng: random.Random, wl: Workload, tenant, base: Base, dep: Deployment, k: int) -> list:
+    """``k`` plans of ``tenant`` into the bands ``dep``'s limits cut, each labelled with what the limits
+    say it gets (``oversized`` where prefill's limit refuses it)."""
+    out = []
+    for size in base.probe_sizes(rng, dep, k=k):
+        label = base.expect(size, dep)
+        p = wl.request(tenant, "oversized" if label == "reject" else "plain", n_tokens=size, n_canaries=3)
+        p.extra["probe"] = label
+        out.append(p)
+    return out
 
 
 def _keep_links(old: Op, new: Op) -> Op:
