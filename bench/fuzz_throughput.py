@@ -1,10 +1,13 @@
 """Scenarios per minute of ``kvchaos fuzz`` on this machine, without and with deployment changes.
 
-Two searches of the same budget and seed, one after the other, on the real CPU cluster:
+Two random-strategy searches of the same budget and seed (the same generator with and without restart
+knobs), one after the other, on the real CPU cluster:
 
 - **live knobs only**: restart knobs never drawn, so one cluster serves every scenario;
-- **with deployment changes**: restart knobs drawn at 30 %, and a differing scenario switches the
-  cluster at once (no queueing), the worst case a search can schedule.
+- **with deployment changes**: restart knobs drawn at 30 % each, every scenario drawn fresh (the random
+  strategy: a guided search's corpus mutations keep their parent's deployment, and a first 4-minute run
+  of this arm so made no change at all), and a differing scenario switches the cluster at once (no
+  queueing), the worst case a search can schedule.
 
 Prints, for each: scenarios run, scenarios per minute, cluster starts and the time they took; then the
 ratio of the two rates. Cluster start-up is counted inside each budget (what a search pays).
@@ -29,7 +32,8 @@ from kvchaos.policy import Registry  # noqa: E402
 from kvchaos.workload.scenario import Deployment  # noqa: E402
 
 
-def one(label: str, budget: float, seed: int, out: Path, restart_p: float, switch_after: int) -> dict:
+def one(label: str, budget: float, seed: int, out: Path, restart_p: float, switch_after: int,
+        strategy: str = "guided") -> dict:
     grammar.WEIGHTS["restart_knob"] = restart_p
     loop.SWITCH_AFTER = switch_after
     starts = []
@@ -45,7 +49,7 @@ def one(label: str, budget: float, seed: int, out: Path, restart_p: float, switc
     (cluster, _kit, _policy), _ = clusters.get(Deployment())
     base = Base.of_cluster(cluster)
     fz = loop.Fuzzer(clusters=clusters, base=base, registry=Registry.load(), out=out, corpus=Corpus(out / "corpus"),
-                     seed=seed, budget_s=budget - (time.monotonic() - t0), say=lambda m: None)
+                     seed=seed, budget_s=budget - (time.monotonic() - t0), strategy=strategy, say=lambda m: None)
     s = fz.run()
     wall = time.monotonic() - t0
     r = {"label": label, "execs": s["execs"], "wall_s": round(wall, 1), "per_min": round(60 * s["execs"] / wall, 2),
@@ -63,8 +67,8 @@ def main():
     a = ap.parse_args()
     budget = parse_budget(a.budget)
     out = Path(a.out or tempfile.mkdtemp(prefix="kvchaos-fuzz-bench-"))
-    live = one("live knobs only", budget, a.seed, out / "live", 0.0, 10**9)
-    dep = one("with deployment changes", budget, a.seed, out / "deploy", 0.3, 1)
+    live = one("live knobs only", budget, a.seed, out / "live", 0.0, 10**9, strategy="random")
+    dep = one("with deployment changes", budget, a.seed, out / "deploy", 0.3, 1, strategy="random")
     ratio = dep["per_min"] / live["per_min"] if live["per_min"] else float("nan")
     print(f"ratio with-deployment-changes / live-only: {ratio:.2f} (scenarios per minute); out {out}")
 
