@@ -95,7 +95,7 @@ class Experiment:
                  drive=None, path: str | Path | None = None, model_name: str | None = None,
                  policy: Policy | None = None, probe_before: bool = True, via: str = "router",
                  run_seed: int | None = None, dry: bool = False, record: bool = True,
-                 canaries: canary.Registry | None = None, attempt: int = 1):
+                 canaries: canary.Registry | None = None, attempt: int = 1, stall_s: float | None = None):
         if not name or any(c in name for c in "/\\"):
             raise ValueError(f"experiment name {name!r}: non-empty, no path separators")
         self.policy = policy or Policy()
@@ -113,6 +113,7 @@ class Experiment:
         self.shrunk: dict | None = None  # what the plugin's --kvchaos-shrink made of it (kvchaos.plugin.fixtures)
         self.plans_digest = plans_digest(self.plans)
         self.concurrency, self.timeout_s, self.settle_s = concurrency, timeout_s, settle_s
+        self.stall_s = stall_s  # stop sending once the cluster is seen wedged (kvchaos.workload.driver)
         self.drive_fn, self.model_name, self.probe_before = drive, model_name, probe_before
         if via not in VIAS:
             raise ValueError(f"via={via!r}: one of {', '.join(VIAS)}")
@@ -195,7 +196,8 @@ class Experiment:
         elif via != "router":
             raise ValueError(f"via={via!r}: one of {', '.join(VIAS)}")
         return run_plans(ep.router, plans, self.log, concurrency=concurrency or self.concurrency,
-                         timeout_s=timeout_s or self.timeout_s, abort_urls=(ep.prefill, ep.decode), **kw)
+                         timeout_s=timeout_s or self.timeout_s, abort_urls=(ep.prefill, ep.decode),
+                         stall_s=self.stall_s, **kw)
 
     def __exit__(self, exc_type, exc, tb):
         if exc_type is not None:  # the method itself failed: nothing ran to judge
@@ -368,7 +370,8 @@ class Experiment:
         dep = Deployment.from_spec(spec, self.kv_layout, version) if spec is not None else Deployment()
         ops = nemesis_from_log(self.log.records, self.t_method or self.t_start or 0.0, self.t_method_end, skipped=why)
         sc = Scenario(name=self.name, seed=self.seed, deployment=dep,
-                      traffic=Traffic([plan_dict(p) for p in self.plans], self.concurrency, float(self.timeout_s), self.via),
+                      traffic=Traffic([plan_dict(p) for p in self.plans], self.concurrency, float(self.timeout_s), self.via,
+                                      self.stall_s),
                       nemesis=ops, checks=checks,
                       origin={"test": self.test_id, "experiment": self.id, "run_seed": self.run_seed,
                               "plans_digest": self.plans_digest, "complete": not why, "why_incomplete": why})
@@ -648,7 +651,7 @@ def run_scenario(experiment, scenario: Scenario, kit, cluster, *, reference_serv
     schedule = Schedule(scenario.ops(), kit, cluster)
     ex = experiment(scenario.name, scenario.traffic.request_plans(), checks, seed=scenario.seed,
                     concurrency=scenario.traffic.concurrency, timeout_s=scenario.traffic.timeout_s,
-                    via=scenario.traffic.via, **kw)
+                    via=scenario.traffic.via, stall_s=scenario.traffic.stall_s, **kw)
     ex.schedule, ex.source = schedule, scenario
     errors = []
     try:

@@ -53,7 +53,7 @@ ONCE_PER_RID = ("plan", "send", "body", "end")
 # request is part of what its client saw and is scanned.
 NOT_RECEIVED = frozenset(("plan", "send", "fault", "agent", "experiment", "method", "probe", "engine_error",
                           "observed", "aborted", "run", "truncated", "cache_flushed", "engine_healed",
-                          "leak_seen", "heal_failed"))
+                          "leak_seen", "heal_failed", "stall"))
 
 
 class HistoryError(ValueError):

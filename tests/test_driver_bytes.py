@@ -184,3 +184,49 @@ def test_openai_replies_carry_their_finish_reason():
                {"choices": [{"delta": {"content": "B"}, "finish_reason": "stop"}]}):
         merged = _merge_stream(merged, ch, "chat")
     assert _extract(merged, "chat") == ("AB", None, {"finish_reason": "stop"}, None)
+
+
+def _run_stall(behaviour, n=12, timeout_s=1.0, stall_s=1.0, kind="plain"):
+    wl = Workload(21, n_tenants=3)
+    plans = [wl.request(kind=kind) for _ in range(n)]
+    with FakeEngine(behaviour=behaviour) as eng, EventLog() as log:
+        t0 = time.monotonic()
+        ends = run_plans(eng.url, plans, log, concurrency=4, timeout_s=timeout_s, stall_s=stall_s)
+        elapsed = time.monotonic() - t0
+    assert [e["rid"] for e in ends] == [p.rid for p in plans]  # every plan ends, sent or not
+    return plans, log.records, elapsed
+
+
+def test_a_wedged_cluster_stops_the_run_sending():
+    """Every request hangs: the first wave's timeouts show nothing answered for stall_s, so the 8 plans
+    not yet sent end ``not_sent`` at once (no send record), after one ``stall`` record; the timeouts stay
+    and liveness still FAILs on them."""
+    plans, ev, elapsed = _run_stall("hang")
+    outcomes = [e["outcome"] for e in ev if e["ev"] == "end"]
+    assert outcomes.count("timeout") == 4 and outcomes.count("not_sent") == 8, outcomes
+    stall = [e for e in ev if e["ev"] == "stall"]
+    assert len(stall) == 1 and stall[0]["quiet_s"] >= 1.0 and stall[0]["timed_out"] in {p.rid for p in plans[:4]}
+    sent = {e["rid"] for e in ev if e["ev"] == "send"}
+    assert sent == {p.rid for p in plans[:4]}
+    assert elapsed < 2.5 * 1.0 + 1.5, elapsed  # one wave of timeouts, not three
+    v = oracles.liveness(ev, bound_s=1.0)
+    assert v.status == oracles.FAIL and {w["rid"] for w in v.witnesses} == {p.rid for p in plans[:4]}
+
+
+def test_without_stall_s_a_wedged_run_sends_every_plan():
+    plans, ev, _ = _run_stall("hang", n=8, stall_s=None)
+    assert [e["outcome"] for e in ev if e["ev"] == "end"] == ["timeout"] * 8
+    assert not [e for e in ev if e["ev"] == "stall"]
+
+
+def test_a_timeout_after_recent_reply_bytes_is_no_stall():
+    """Streams that sent every event and then went quiet time out after 1 s of silence, under stall_s
+    (5 s) since their last byte: the cluster answered, so every plan is sent."""
+    plans, ev, _ = _run_stall("stall", n=8, stall_s=5.0, kind="stream")
+    assert [e["outcome"] for e in ev if e["ev"] == "end"].count("not_sent") == 0
+    assert len({e["rid"] for e in ev if e["ev"] == "send"}) == 8
+
+
+def test_stall_s_must_be_positive():
+    with pytest.raises(ValueError, match="stall_s"):
+        run_plans("http://127.0.0.1:1", [], EventLog(), stall_s=0)

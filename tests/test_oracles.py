@@ -155,7 +155,7 @@ def test_http_semantics():
 
 @pytest.mark.parametrize("case,status", [
     ("clean", PASS), ("hang", FAIL), ("no_end", FAIL), ("slow", FAIL), ("pool_lost", FAIL),
-    ("dead_after", FAIL), ("no_probe", UNKNOWN)])
+    ("dead_after", FAIL), ("no_probe", UNKNOWN), ("not_sent", UNKNOWN), ("not_sent_after_timeout", FAIL)])
 def test_liveness(case, status):
     ev = clean_log()
     probes = [{"ev": "probe", "phase": "before", "role": "decode", "kv_used": 0},
@@ -171,6 +171,13 @@ def test_liveness(case, status):
         probes[1]["kv_used"] = 512
     elif case == "dead_after":
         probes[1]["ok"] = False
+    elif case.startswith("not_sent"):  # a plan a stalled run never sent (stall_s): no evidence, never PASS
+        ev = [e for e in ev if not (e.get("rid") == "r3" and e["ev"] not in ("plan", "end"))]
+        ev[[j for j, e in enumerate(ev) if e["ev"] == "end" and e["rid"] == "r3"][0]] = {
+            "ev": "end", "rid": "r3", "outcome": "not_sent", "latency_s": 0.0, "bytes_received": 0}
+        if case == "not_sent_after_timeout":
+            ev = [{**e, "outcome": "timeout", "latency_s": 30} if e["ev"] == "end" and e["rid"] == "r1" else e
+                  for e in ev]
     if case != "no_probe":
         ev += probes
     v = oracles.liveness(ev, bound_s=30)

@@ -172,6 +172,15 @@ def test_save_and_load(tmp_path):
     assert Scenario.load(d).digest() == sc.digest()
 
 
+def test_stall_s_round_trips_and_is_written_only_where_set():
+    """A search's traffic stops sending once the cluster is seen wedged (stall_s); a scenario without it
+    says nothing about it, so every scenario written before the field keeps its digest."""
+    plain = _scenario()
+    assert "stall_s" not in plain.to_dict()["traffic"] and _roundtrip(plain).traffic.stall_s is None
+    stalled = _roundtrip(_scenario(traffic=Traffic([plan_dict(p) for p in _plans()], 4, 30.0, "router", 30.0)))
+    assert stalled.traffic.stall_s == 30.0 and stalled.digest() != plain.digest()
+
+
 def test_digest_is_content_only():
     a, b = _scenario(), _scenario(name="other", origin={"test": "x"})
     assert a.digest() == b.digest()
@@ -209,6 +218,8 @@ def _doc(**patch):
     ({"traffic__concurrency": 0}, "concurrency=0"),
     ({"traffic__via": "carrier pigeon"}, "traffic.via"),
     ({"traffic__timeout_s": True}, "timeout_s=True"),
+    ({"traffic__stall_s": 0}, "stall_s=0"),
+    ({"traffic__stall_s": "30"}, "stall_s='30'"),
     ({"traffic__plans__0__endpoint": "grpc"}, r"plans\[0\].endpoint='grpc'"),
     ({"traffic__via": "pd", "traffic__plans__0__endpoint": "chat"}, r"plans\[0\].endpoint='chat': traffic via 'pd'"),
     ({"traffic__plans__1__after": "later"}, r"plans\[1\].after='later'"),

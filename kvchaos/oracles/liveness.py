@@ -35,13 +35,18 @@ def liveness(events, bound_s: float, pool_tolerance_tokens: int = 0) -> Verdict:
             if used > before_used[role] + pool_tolerance_tokens:
                 witnesses.append({"problem": f"{role} KV pool did not return to its idle baseline",
                                   "kv_used_before": before_used[role], "kv_used_after": used})
-    stats = {"requests": len(run.plans), "ended": len(run.ends), "pool": pool, "after_probes": len(after)}
+    # plans a wedged run never sent (kvchaos.workload.driver's stall_s): no evidence either way
+    not_sent = sum(e.get("outcome") == "not_sent" for e in run.ends.values())
+    stats = {"requests": len(run.plans), "ended": len(run.ends), "not_sent": not_sent, "pool": pool,
+             "after_probes": len(after)}
     if witnesses:
         return Verdict("liveness", FAIL, f"{len(witnesses)} liveness problems (first: "
                        f"{witnesses[0].get('rid', '')} {witnesses[0]['problem']})", witnesses, stats)
     if not after:
         return Verdict("liveness", UNKNOWN, f"all {len(run.plans)} requests ended within {bound_s:.0f} s, "
                        "but no post-run probe of the cluster was recorded", [], stats)
+    if not_sent:  # only a timeout stops a run sending, and that timeout is a witness: never here
+        return Verdict("liveness", UNKNOWN, f"{not_sent} of {len(run.plans)} plans were never sent", [], stats)
     return Verdict("liveness", PASS, f"all {len(run.plans)} requests ended within {bound_s:.0f} s; cluster answers"
                    + ("; KV pool back to baseline" if pool else ""), [], stats)
 

@@ -8,7 +8,14 @@ Each :class:`RequestPlan` runs as planned — plain or streaming ``/generate``, 
 arrive, before the first token. Every step is an event in the :class:`EventLog`; every request
 ends with exactly one ``end`` event (outcome ``ok``, ``http_error``, ``aborted``,
 ``disconnected``, ``timeout``, ``cut`` (the connection broke after the headers: a stream or body
-cut short) or ``error``) within ``timeout_s`` — nothing waits unbounded.
+cut short), ``error``, or ``not_sent``) within ``timeout_s`` — nothing waits unbounded.
+
+With ``stall_s`` set, a run stops sending once the cluster is seen wedged: a request timed out while no
+request anywhere had received a reply byte or ended with a reply for ``stall_s``. Every plan not yet sent
+then ends ``not_sent`` (never sent: no evidence either way), after one ``stall`` event saying when and
+why; the requests in flight still run to their own bounds, so the timeouts that showed the wedge are in
+the log (liveness FAILs on them). A wedged 0.5.19 cluster otherwise cost a search every plan's 30 s
+timeout in turn: 4-7 minutes of a 10-minute budget (reports/fuzz/20261205-0.5.19/).
 
 Whatever the outcome, a request that got a response (its headers) logs exactly one ``body`` event
 before its ``end``: ``text`` (the reply as parsed so far), ``raw`` (every body byte received,
@@ -39,9 +46,12 @@ class Driver:
     the engines' behaviour without whatever the router adds or drops. ``/generate`` only."""
 
     def __init__(self, base_url: str, log: EventLog, concurrency: int = 64, timeout_s: float = 60.0,
-                 abort_urls: tuple[str, ...] = (), model_name: str = "default", pd_direct: dict | None = None):
+                 abort_urls: tuple[str, ...] = (), model_name: str = "default", pd_direct: dict | None = None,
+                 stall_s: float | None = None):
         if concurrency < 1:
             raise ValueError(f"concurrency must be >= 1, got {concurrency}")
+        if stall_s is not None and not stall_s > 0:
+            raise ValueError(f"stall_s must be > 0 (or None: never stop sending), got {stall_s}")
         if pd_direct is not None:
             missing = {"prefill", "decode", "bootstrap_host", "bootstrap_port"} - set(pd_direct)
             if missing:
@@ -53,6 +63,9 @@ class Driver:
         self.abort_urls = abort_urls
         self.model_name = model_name
         self.pd_direct = pd_direct
+        self.stall_s = stall_s
+        self.stalled: dict | None = None  # the stall event, once the run stopped sending
+        self._progress = time.monotonic()  # the last reply byte, or reply end, of any request
 
     async def run(self, plans: list[RequestPlan]) -> list[dict]:
         sem = _Slots(self.concurrency)
@@ -81,6 +94,9 @@ class Driver:
                     # prefix was just cached; the rest go in plan order
                     await sem.acquire((0 if p.after is not None else 1, order[p.rid]))
                     try:
+                        if self.stalled is not None:
+                            return self.log.emit("end", rid=p.rid, outcome="not_sent", latency_s=0.0,
+                                                 bytes_received=0, reason="the run stopped sending: cluster wedged")
                         return await self._run_one(p)
                     finally:
                         sem.release()
@@ -92,6 +108,7 @@ class Driver:
 
             self._legs: set = set()
             self._legs_by_rid: dict = {}
+            self._progress = time.monotonic()
             try:
                 return await asyncio.gather(*(one(p) for p in plans))
             finally:
@@ -134,6 +151,11 @@ class Driver:
         except asyncio.TimeoutError as e:  # the overall bound, or no byte for timeout_s (aiohttp's read timeout)
             task.cancel()
             extra = {} if type(e) in (asyncio.TimeoutError, TimeoutError) else {"error": repr(e)}
+            quiet = time.monotonic() - self._progress
+            if self.stall_s is not None and self.stalled is None and quiet >= self.stall_s:
+                self.stalled = self.log.emit("stall", timed_out=p.rid, quiet_s=round(quiet, 2), stall_s=self.stall_s,
+                                             reason=f"{p.rid} timed out and no request received a reply byte "
+                                                    f"for {quiet:.0f} s: plans not yet sent end not_sent")
             return self._leave(p, t0, reply, "timeout", bound_s=self.timeout_s, **extra)
         except _Disconnected:
             await self._abort(p, "disconnect_before_first_token")
@@ -169,6 +191,7 @@ class Driver:
             else:
                 async for data in r.content.iter_any():
                     reply.raw.append(data)
+                    self._progress = time.monotonic()
                 if not reply.stream:
                     self.log.emit("first_byte", rid=p.rid)
             reply.complete = True
@@ -192,6 +215,7 @@ class Driver:
         pending = b""  # the line being received: its end is in a later chunk
         async for data in content.iter_any():
             reply.raw.append(data)
+            self._progress = time.monotonic()
             lines = (pending + data).split(b"\n")
             pending = lines.pop()
             for line in lines:
@@ -221,6 +245,7 @@ class Driver:
         return False
 
     def _finish(self, p: RequestPlan, t0: float, reply: _Reply) -> dict:
+        self._progress = time.monotonic()  # a reply ended (a header-only reply has no body byte)
         self.log.emit("status", rid=p.rid, status=reply.status)
         n = self._body(p, reply)
         return self._end(p, t0, "ok" if reply.status == 200 else "http_error", status=reply.status, bytes_received=n)

@@ -482,10 +482,12 @@ class Traffic:
     concurrency: int = 8
     timeout_s: float = 60.0
     via: str = "router"
+    # stop sending once the cluster is seen wedged (kvchaos.workload.driver); None: send every plan
+    stall_s: float | None = None
 
     @classmethod
     def from_dict(cls, d, where: str = "traffic") -> "Traffic":
-        d = _obj(where, d, ("plans", "concurrency", "timeout_s", "via"), required=("plans",))
+        d = _obj(where, d, ("plans", "concurrency", "timeout_s", "via", "stall_s"), required=("plans",))
         plans = _check_type(f"{where}.plans", d["plans"], list)
         seen: set = set()
         out = []
@@ -517,11 +519,18 @@ class Traffic:
                 if p.get("endpoint", "generate") != "generate":
                     raise ScenarioError(f"{where}.plans[{i}].endpoint={p['endpoint']!r}: traffic via 'pd' (straight to "
                                         "prefill and decode) sends /generate only; the OpenAI routes need via 'router'")
-        return cls(out, conc, float(timeout), via)
+        stall = d.get("stall_s")
+        if stall is not None:
+            stall = float(_check_type(f"{where}.stall_s", stall, float))
+            if stall <= 0:
+                raise ScenarioError(f"{where}.stall_s={stall}: must be > 0 (or absent: send every plan)")
+        return cls(out, conc, float(timeout), via, stall)
 
     def to_dict(self) -> dict:
+        # stall_s only where set: every scenario written before it keeps its digest
         return {"plans": [dict(p) for p in self.plans], "concurrency": self.concurrency,
-                "timeout_s": self.timeout_s, "via": self.via}
+                "timeout_s": self.timeout_s, "via": self.via,
+                **({"stall_s": self.stall_s} if self.stall_s is not None else {})}
 
     def request_plans(self) -> list:
         """The plans as :class:`kvchaos.workload.plan.RequestPlan` objects (what the driver sends)."""
