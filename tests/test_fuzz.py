@@ -107,6 +107,18 @@ def test_some_scenarios_send_no_abort_at_all():
     assert 0.1 < sum(a == 0 for a in aborts) / len(aborts) < 0.5 and max(aborts) >= 8
 
 
+def test_some_scenarios_carry_no_fault_and_a_search_stops_sending_to_a_wedged_cluster():
+    """The engine's own bugs show alone only where no fault adds its own hung or cut requests: about
+    a third of drawn scenarios carry no op (quiet, plus draws of zero ops), the rest do; every drawn
+    scenario's traffic stops sending once the cluster is seen wedged (stall_s: the driver's tests)."""
+    scs = _many(200)
+    quiet = sum(not s.nemesis for s in scs) / len(scs)
+    assert 0.3 < quiet < 0.5, quiet
+    assert {s.traffic.stall_s for s in scs} == {s.traffic.timeout_s for s in scs} == {30.0}
+    quiet_probes = [s for s in scs if not s.nemesis and any(p.get("extra", {}).get("probe") for p in s.traffic.plans)]
+    assert len(quiet_probes) >= 20  # band probes on a fault-free run: the hang band, the reject paths
+
+
 def test_the_probe_mutation_puts_band_prompts_among_the_traffic_as_it_is(monkeypatch):
     from kvchaos.fuzz import grammar
     monkeypatch.setattr(grammar, "MUTATORS", {"probe": 1})

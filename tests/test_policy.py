@@ -458,6 +458,32 @@ def test_hang_band_is_known_only_when_every_hung_request_is_a_band_prompt_or_que
             assert j.known[0].finding.id == "sglang-pd-hang-band"
 
 
+def _band_extra(ev, rid, outcome, tag=True):
+    """One more band prompt (tagged) that ended ``outcome`` and is no liveness witness."""
+    ev.append(plan(rid, "t8", canary.mint(random.Random(hash(rid) % 1000), 2), extra={"probe": "hang_band"} if tag else {}))
+    if outcome != "not_sent":
+        ev.append({"ev": "send", "rid": rid, "wall": 13.0})
+    ev.append({"ev": "end", "rid": rid, "outcome": outcome, "latency_s": 0.0 if outcome == "not_sent" else 0.2})
+
+
+def test_a_band_prompt_that_was_never_sent_or_cut_by_its_client_neither_confirms_nor_contradicts_the_hang_band():
+    """A wedged run stops sending (stall_s: the rest end not_sent) and a client may abort a band prompt
+    before any answer: neither says the prompt would have been answered. One that was answered does."""
+    p = Policy(accept_known=True)
+    for outcome, want in (("not_sent", "known"), ("aborted", "known"), ("disconnected", "known"), ("ok", FAIL)):
+        ev, live = _band_log(False)
+        _band_extra(ev, "b9", outcome)
+        j = p.judge([Verdict("isolation", PASS, "ok"), live], Context.of(ev), {"liveness": PASS})
+        assert j.status == want, (outcome, j.message())
+    # no tagged prompt that could show it hung: nothing to match
+    ev = [HEADER] + crowd()
+    ev.append(plan("q1", "t8", canary.mint(random.Random(3), 2)))
+    ev += [{"ev": "send", "rid": "q1", "wall": 12.0}, {"ev": "end", "rid": "q1", "outcome": "timeout", "latency_s": 30}]
+    _band_extra(ev, "b1", "not_sent")
+    live = Verdict("liveness", FAIL, "hung", [{"rid": "q1", "problem": "no answer within 30 s", "outcome": "timeout"}])
+    assert p.judge([Verdict("isolation", PASS, "ok"), live], Context.of(ev), {"liveness": PASS}).status == FAIL
+
+
 # an abort answered as a success is KNOWN (sglang-router-retries-aborted-requests) only when prefill saw
 # the request again under a new room after its abort; the same 200 on a single attempt stays a FAIL
 def _aborted_log(rooms):

@@ -75,15 +75,22 @@ def _sig_hung_behind(v, ctx, what):
         f"hung requests neither {what!r} nor sent after the first of them: {bad[:5]}"
 
 
+# outcomes that say nothing about whether the engine would have answered: a plan a wedged run never sent
+# (kvchaos.workload.driver's stall_s), or one its own client cut (abort, disconnect) before any answer
+NO_EVIDENCE = ("not_sent", "aborted", "disconnected")
+
+
 def _sig_all_tagged_hung(v, ctx, tag):
-    tagged = _tagged(ctx, tag)
+    """Every request tagged ``tag`` that could show it hung: those never sent or cut by their own client
+    neither confirm nor contradict, but at least one tagged request must have hung."""
+    tagged = {r for r in _tagged(ctx, tag) if ctx.history.outcome(r) not in NO_EVIDENCE}
     hung = {w["rid"] for w in _rid_witnesses(v)}
     miss = sorted(tagged - hung)
     return bool(tagged) and not miss, f"requests tagged {tag!r} that did not hang: {miss[:5]}"
 
 
 def _sig_oversized_all_hung(v, ctx, want):
-    big = {rid for rid, p in ctx.plans().items() if p.get("oversized")}
+    big = {rid for rid, p in ctx.plans().items() if p.get("oversized") and ctx.history.outcome(rid) != "not_sent"}
     miss = sorted(r for r in big if ctx.history.outcome(r) not in (None, "timeout"))
     ok = bool(big) and not miss
     return ok == bool(want), f"oversized requests that did not hang: {miss[:5]}"
