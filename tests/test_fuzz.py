@@ -536,6 +536,45 @@ def test_a_deployment_waiting_in_a_queue_gets_the_cluster_once_the_running_one_h
     assert len(set(started)) >= 2 and s["execs"] == 100
 
 
+def test_a_switched_to_deployment_runs_the_corpus_mutated_and_labels_follow_its_limits(tmp_path, monkeypatch):
+    """Once the search switched to another deployment, corpus entries mutated there run on it (relabelled
+    by its limits) instead of queueing back for the one it left; a restart-knob mutation still queues."""
+    monkeypatch.setattr(fuzz_loop, "SWITCH_AFTER", 1000)
+    monkeypatch.setattr(fuzz_loop, "STALE_AFTER", 1000)
+    from kvchaos.fuzz import grammar
+    monkeypatch.setattr(grammar, "WEIGHTS", {**grammar.WEIGHTS, "restart_knob": 0.3})
+    ran = []
+
+    def outcomes(sc):
+        ran.append(sc)
+        return _log(*[(2.0, {"agent_ev": "fault_fired", "rid": "r", "kind": o.kind}) for o in sc.nemesis
+                      if o.injector == "agent"], ends=[("r", 200, "ok")]), [_v("isolation", PASS)]
+    fz, started = _fuzzer(tmp_path, outcomes, budget=1500)
+    fz.run()
+    assert len(set(started)) >= 2, started
+    elsewhere = [sc for sc in ran if sc.deployment.restart and sc.origin.get("by") == "mutate"]
+    assert elsewhere, "no mutation ran on a deployment the search switched to"
+    for sc in elsewhere:  # labelled by the deployment it ran on
+        for p in sc.traffic.plans:
+            label = BASE.expect(p["n_tokens"], sc.deployment)
+            assert (p.get("extra") or {}).get("probe") in ((None, "answer") if label == "answer" else (label,))
+            assert p.get("oversized", False) == (label == "reject" and p.get("kind", "plain") in ("plain", "stream", "oversized"))
+
+
+def test_rebase_relabels_a_scenario_by_the_new_deployments_limits():
+    from kvchaos.fuzz.grammar import rebase
+    sc = baseline(random.Random(3), BASE, "b")
+    assert not any(p.get("oversized") for p in sc.traffic.plans)
+    big = max(p["n_tokens"] for p in sc.traffic.plans)
+    out = rebase(Scenario.from_dict(sc.to_dict()), BASE, {"prefill_pool_tokens": 576})
+    assert out.deployment.restart == {"prefill_pool_tokens": 576} and out.deployment.live == sc.deployment.live
+    over = [p for p in out.traffic.plans if p.get("oversized")]
+    assert big >= 570 and over and all(p["n_tokens"] >= 570 and p["extra"]["probe"] == "reject" for p in over)
+    back = rebase(out, BASE, {})
+    assert not any(p.get("oversized") for p in back.traffic.plans)
+    assert {p["extra"].get("probe") for p in back.traffic.plans} <= {None, "answer"}
+
+
 def test_the_side_by_side_table_says_who_is_ahead():
     g = {"strategy": "guided", "execs": 10, "execs_per_min": 2.0, "features": 40, "corpus": 9, "cluster_restarts": 1,
          "known": {"a": {"t": 5.0}, "b": {"t": 9.0}}, "new": {}}

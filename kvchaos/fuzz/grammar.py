@@ -287,10 +287,10 @@ def mutate(rng: random.Random, sc: Scenario, base: Base, name: str) -> Scenario:
     """One change to ``sc``: a knob, an op's parameter or time, an op added or dropped, the traffic
     redrawn in part, rarely a restart knob."""
     new = Scenario.from_dict(copy.deepcopy(sc.to_dict()))
-    new.name, new.origin = name, {"by": "mutate", "parent": sc.digest()}
     how = rng.choices(list(MUTATORS), list(MUTATORS.values()))[0]
     if how in ("op_param", "op_time", "drop_op") and not new.nemesis:
         how = "add_op"
+    new.name, new.origin = name, {"by": "mutate", "parent": sc.digest(), "how": how}
     if how == "knob":
         k = rng.choice(list(LIVE_KNOBS))
         if k in new.deployment.live and rng.random() < 0.4:
@@ -330,6 +330,22 @@ def mutate(rng: random.Random, sc: Scenario, base: Base, name: str) -> Scenario:
         _reindex(new)
         new.checks = default_checks(t)
     return new.validate()
+
+
+def rebase(sc: Scenario, base: Base, restart: dict) -> Scenario:
+    """``sc`` on another deployment's restart knobs (its live knobs kept): every plan is labelled again
+    with what that deployment's limits say it gets, so a prompt the new limits refuse is judged as
+    oversized and one they admit is not."""
+    sc.deployment = Deployment(dict(restart), sc.deployment.live)
+    for p in sc.traffic.plans:
+        label = base.expect(p["n_tokens"], sc.deployment) if p.get("n_tokens") else "answer"
+        extra = dict(p.get("extra") or {})
+        if label != "answer" or "probe" in extra:  # a probe keeps a label, "answer" included
+            extra["probe"] = label
+        p["extra"] = extra
+        p["oversized"] = label == "reject" and p.get("kind", "plain") in ("plain", "stream", "oversized")
+    sc.checks = default_checks(sc.traffic)
+    return sc.validate()
 
 
 def _add_probes(rng: random.Random, sc: Scenario, base: Base) -> None:

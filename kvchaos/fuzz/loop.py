@@ -5,8 +5,11 @@ Clusters (:class:`Clusters`) are the expensive part: a scenario whose restart kn
 running cluster's waits in a queue of its deployment until that queue is worth a restart
 (:data:`SWITCH_AFTER` scenarios), the running deployment went :data:`STALE_AFTER` runs without a new
 feature, or it has had :data:`AMORTIZE` cluster starts' worth of the search's time; otherwise the loop
-runs what fits the cluster it has. Live knobs cost nothing: they are agent
-ops of the scenario.
+runs what fits the cluster it has. A corpus entry mutated or spliced while another deployment runs is
+run on that deployment (its restart knobs are the running cluster's; a ``restart_knob`` mutation still
+queues): the corpus is traffic and nemesis, and a deployment the search switched to gets its share of
+them instead of sending every mutation back to the queue it left. Live knobs cost nothing: they are
+agent ops of the scenario.
 
 ``strategy="random"`` uses the same generator with no feedback (every scenario drawn fresh, the corpus
 only counts coverage), so guidance can be measured against it with the same budget and seed.
@@ -29,7 +32,7 @@ from kvchaos.workload.snapshots import settle as settle_cluster
 
 from .corpus import Corpus
 from .feedback import features
-from .grammar import Base, baseline, generate, mutate, splice
+from .grammar import Base, baseline, generate, mutate, rebase, splice
 from .shrink import shrink
 from .triage import Find, is_leak, triage
 
@@ -160,6 +163,7 @@ class Fuzzer:
         self._last_wall = 0.0  # the last run's wall time: what a confirmation run is expected to take
         self._start_cost = 0.0  # the longest cluster start seen (s)
         self._on_since = 0.0  # when the running cluster started (search time)
+        self._running: Deployment | None = None  # the running cluster's deployment
         self.out.mkdir(parents=True, exist_ok=True)
 
     # ------------------------------------------------------------------ the loop
@@ -205,6 +209,10 @@ class Fuzzer:
             if self.engine_version:
                 sc.deployment.restart["engine_version"] = self.engine_version
             key = sc.deployment.restart_key()
+            if self.clusters.key is not None and key != self.clusters.key and self._running is not None \
+                    and sc.origin.get("by") in ("mutate", "splice") and sc.origin.get("how") != "restart_knob":
+                rebase(sc, self.base, self._running.restart)
+                key = sc.deployment.restart_key()
             if self.clusters.key is None or key == self.clusters.key:
                 return sc
             q = self.queues.setdefault(key, [])
@@ -223,6 +231,7 @@ class Fuzzer:
             self.stats.restarts += 1
             self._start_cost = max(self._start_cost, self.clock() - t_get)
             self._on_since = self.elapsed()
+            self._running = Deployment(dict(sc.deployment.restart), {})
         run_dir = self.out / "execs"
         t = self.elapsed()
         self.stats.execs += 1
