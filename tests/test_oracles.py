@@ -153,6 +153,33 @@ def test_http_semantics():
     assert oracles.http_semantics(hang).status == UNKNOWN
 
 
+def test_http_semantics_of_a_stream_judges_what_came_after_its_200_headers():
+    """A stream's headers say 200 before the engine looked at the prompt: an error event and no content
+    is its rejection; content is an answer (FAIL); headers then nothing decide nothing (liveness's)."""
+    def stream(events):
+        return [plan("s1", "ta", [A], oversized=True, kind="stream"),
+                {"ev": "status", "rid": "s1", "status": 200, "headers_only": True}] + events
+
+    hung = stream([{"ev": "body", "rid": "s1", "text": "", "error": None, "raw": ""},
+                   {"ev": "end", "rid": "s1", "outcome": "timeout", "latency_s": 30, "status": 200}])
+    assert oracles.http_semantics(hung).status == UNKNOWN
+    rejected = stream([{"ev": "status", "rid": "s1", "status": 200},
+                       {"ev": "body", "rid": "s1", "text": "", "error": "Input length exceeds", "raw": "data: ..."},
+                       {"ev": "end", "rid": "s1", "outcome": "ok", "latency_s": 0.1}])
+    assert oracles.http_semantics(rejected).status == PASS
+    answered = stream([{"ev": "status", "rid": "s1", "status": 200},
+                       {"ev": "body", "rid": "s1", "text": "fluent " + A[1:], "error": None, "raw": "data: ..."},
+                       {"ev": "end", "rid": "s1", "outcome": "ok", "latency_s": 0.1}])
+    assert oracles.http_semantics(answered).status == FAIL
+    cut_with_content = stream([{"ev": "body", "rid": "s1", "text": "fluent " + A[1:], "error": None, "raw": "data:"},
+                               {"ev": "end", "rid": "s1", "outcome": "timeout", "latency_s": 30, "status": 200}])
+    assert oracles.http_semantics(cut_with_content).status == FAIL
+    empty_ok = stream([{"ev": "status", "rid": "s1", "status": 200},
+                       {"ev": "body", "rid": "s1", "text": "", "error": None, "raw": "data: [DONE]"},
+                       {"ev": "end", "rid": "s1", "outcome": "ok", "latency_s": 0.1}])
+    assert oracles.http_semantics(empty_ok).status == FAIL  # 200, ended, and no rejection said
+
+
 @pytest.mark.parametrize("case,status", [
     ("clean", PASS), ("hang", FAIL), ("no_end", FAIL), ("slow", FAIL), ("pool_lost", FAIL),
     ("dead_after", FAIL), ("no_probe", UNKNOWN), ("not_sent", UNKNOWN), ("not_sent_after_timeout", FAIL)])

@@ -1,5 +1,10 @@
 """``http_semantics``: a prompt the engine must reject (over the pool or the context) gets a 4xx
-with an error; HTTP 200 with content is a failure."""
+with an error; HTTP 200 with content is a failure.
+
+A stream is answered 200 at its headers before the engine has looked at the prompt (SGLang's streaming
+routes start the response first), so a stream's rejection is an error event in the stream: 200 with an
+error and no content is a rejection; 200 headers followed by nothing at all (no content, no error, no
+end) decide nothing here, and liveness judges the request that never ended."""
 
 from __future__ import annotations
 
@@ -18,8 +23,15 @@ def http_semantics(events) -> Verdict:
         if status is None:
             undecided.append(rid)
             continue
-        checked += 1
         body = run.bodies.get(rid) or {}
+        if p.get("kind") == "stream" and status == 200:
+            if not (body.get("text") or "").strip() and run.outcome(rid) != "ok" and not body.get("error"):
+                undecided.append(rid)  # headers only: the engine said nothing either way
+                continue
+            if body.get("error") and not (body.get("text") or "").strip():
+                checked += 1  # rejected in the stream, the only way a stream can be
+                continue
+        checked += 1
         if status == 200:
             witnesses.append({"rid": rid, "tenant": p.get("tenant"), "status": 200, "n_tokens": p.get("n_tokens"),
                               "problem": "rejected-size prompt answered HTTP 200", "text": (body.get("text") or "")[:200]})
