@@ -508,6 +508,20 @@ def test_a_known_finding_is_timed_once(tmp_path):
     assert (tmp_path / "out" / "finds" / "known-sglang-pd-hang-band" / "BUG.md").exists() and not s["new"]
 
 
+def test_a_known_finding_found_with_no_fault_op_is_timed_apart(tmp_path):
+    """The acceptance counts findings injected faults alone do not cause: the first find by a scenario
+    with no nemesis op is recorded (and written up) apart from the first find of all."""
+    def outcomes(sc):
+        return _log(ends=[("r", None, "timeout")]), [_v("liveness", FAIL, [{"rid": "r", "outcome": "timeout"}])]
+    fz, _ = _fuzzer(tmp_path, outcomes, budget=200.0)
+    s = fz.run()
+    first, quiet = s["known"]["sglang-pd-hang-band"], s["known_without_faults"]["sglang-pd-hang-band"]
+    assert quiet["ops"] == [] and quiet["t"] >= first["t"]
+    assert first["t"] == quiet["t"] == 0.0  # the steady state (no op) found it first
+    side = table([s, {**s, "strategy": "random", "known_without_faults": {}}])
+    assert "found with no fault op" in side and "with no fault op" in side.split("first sglang-pd-hang-band")[1]
+
+
 def test_random_never_draws_from_the_corpus(tmp_path, monkeypatch):
     monkeypatch.setattr(Corpus, "pick", lambda self, rng: pytest.fail("random strategy picked from the corpus"))
     fz, _ = _fuzzer(tmp_path, lambda sc: (_log(ends=[("r", 200, "ok")]), [_v("isolation", PASS)]), strategy="random")

@@ -71,7 +71,10 @@ class Stats:
     blind: int = 0
     expected: int = 0  # non-leak FAILs the scenario's own faults explain (kvchaos.fuzz.triage)
     timeline: list = field(default_factory=list)  # {t, execs, features, corpus, restarts, finds}
-    first_known: dict = field(default_factory=dict)  # finding id -> {t, scenario, oracle}
+    first_known: dict = field(default_factory=dict)  # finding id -> {t, scenario, oracle, ops, live, restart}
+    # finding id -> the first find by a scenario that carried no nemesis op (its deployment and traffic
+    # alone: the acceptance's "findings injected faults alone do not cause")
+    first_known_quiet: dict = field(default_factory=dict)
     new: dict = field(default_factory=dict)  # signature -> {...}
 
 
@@ -300,10 +303,17 @@ class Fuzzer:
             setattr(self.stats, f.kind, getattr(self.stats, f.kind) + 1)
             return
         if f.kind == "known":
+            rec = {"t": round(t, 1), "scenario": sc.digest(), "oracle": f.oracle, "events": str(ex.path),
+                   "power_met": f.power_met, "ops": sorted({o.kind for o in sc.nemesis}),
+                   "live": sorted(sc.deployment.live), "restart": sorted(k for k in sc.deployment.restart
+                                                                         if k != "engine_version")}
             if f.finding not in self.stats.first_known:
-                self.stats.first_known[f.finding] = {"t": round(t, 1), "scenario": sc.digest(), "oracle": f.oracle,
-                                                     "events": str(ex.path), "power_met": f.power_met}
+                self.stats.first_known[f.finding] = rec
                 self._write_find(f"known-{f.finding}", sc, f, ex)
+            if not sc.nemesis and f.finding not in self.stats.first_known_quiet:
+                self.stats.first_known_quiet[f.finding] = rec
+                if self.stats.first_known[f.finding] is not rec:
+                    self._write_find(f"known-{f.finding}-no-fault", sc, f, ex)
             return
         if f.signature in self.stats.new:
             self.stats.new[f.signature]["seen"] += 1
@@ -414,7 +424,8 @@ class Fuzzer:
              "stuck": self.stats.stuck,
              "expected": self.stats.expected,
              "features": len(self.corpus.seen), "corpus": len(self.corpus), "corpus_resumed": self.corpus.resumed,
-             "known": self.stats.first_known, "new": self.stats.new, "timeline": self.stats.timeline}
+             "known": self.stats.first_known, "known_without_faults": self.stats.first_known_quiet,
+             "new": self.stats.new, "timeline": self.stats.timeline}
         (self.out / "fuzz.json").write_text(json.dumps(s, indent=1, default=str) + "\n")
         return s
 
@@ -430,11 +441,17 @@ def table(runs: list[dict]) -> str:
             f"{'corpus':34s}" + "".join(f"{r['corpus']:>14d}" for r in runs),
             f"{'cluster restarts':34s}" + "".join(f"{r['cluster_restarts']:>14d}" for r in runs),
             f"{'distinct known findings':34s}" + "".join(f"{len(r['known']):>14d}" for r in runs),
+            f"{'  ... found with no fault op':34s}" + "".join(
+                f"{len(r.get('known_without_faults', {})):>14d}" for r in runs),
             f"{'NEW (confirmed)':34s}" + "".join(
                 f"{sum(1 for n in r['new'].values() if n.get('confirmed')):>14d}" for r in runs)]
     for i in ids:
         rows.append(f"  first {i[:30]:30s}" + "".join(
             f"{(str(r['known'][i]['t']) + ' s') if i in r['known'] else '-':>14s}" for r in runs))
+        if any(i in r.get("known_without_faults", {}) for r in runs):
+            rows.append(f"{'    with no fault op':38s}" + "".join(
+                f"{(str(r['known_without_faults'][i]['t']) + ' s') if i in r.get('known_without_faults', {}) else '-':>14s}"
+                for r in runs))
     if len(runs) == 2:
         a, b = runs
         da, db = len(a["known"]), len(b["known"])
