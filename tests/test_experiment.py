@@ -250,3 +250,21 @@ def test_a_scenario_for_another_deployment_is_refused_before_anything_is_sent(tm
     with pytest.raises(ScenarioError, match="pool_tokens: the scenario wants 8192, the cluster has 2048"):
         run_scenario(functools.partial(Experiment, cluster=fake, run_dir=tmp_path), sc, Kit(EventLog()), fake)
     assert not (tmp_path / "experiments.jsonl").exists()
+
+
+def test_a_run_that_stopped_sending_to_a_wedged_cluster_gives_its_pools_seconds_not_settle_s(tmp_path, monkeypatch):
+    """The after snapshot waits settle_s for the pools to drain; once the driver stopped sending to a
+    wedged cluster (its stall record) it waits STALLED_SETTLE_S: the wedge holds the pages anyway."""
+    import kvchaos.experiment as experiment_mod
+    seen = []
+    monkeypatch.setattr(experiment_mod, "snapshot", lambda cluster, log, phase, settle_s=0.0, **kw: seen.append((phase, settle_s)))
+    with FakeEngine(behaviour="hang") as eng:
+        plans = Workload(4, n_tenants=2, prefix="st").mix(12)
+        ex = Experiment("stall", plans, [Liveness(bound_s=1)], cluster=StandIn(eng.url), run_dir=tmp_path,
+                        settle_s=45.0, timeout_s=1.0, stall_s=1.0, test_id="t::s", seed=4, policy=Policy(),
+                        concurrency=4, probe_before=False)
+        with ex:
+            pass
+    assert ("after", experiment_mod.STALLED_SETTLE_S) in seen
+    assert any(e["ev"] == "stall" for e in ex.events) and ex.by["liveness"].status == "fail"
+    assert ex.scenario().traffic.stall_s == 1.0  # the scenario it writes says so too

@@ -172,10 +172,12 @@ def _traffic(rng: random.Random, base: Base, dep: Deployment, seed: int) -> Traf
     # at least 4 in flight: a fault's exposure class is the requests it acted on and those in flight beside
     # them, and at 2 a fault on one tenant saw 4 evidence requests, under the class floor of 5 (a first
     # 36-56-plan search, 2026-12-04: every run with such a fault was blind)
-    # a run whose cluster wedged stops sending at its first timeout with nothing answered for 30 s: on
-    # 0.5.19 a wedge otherwise cost every later plan its 30 s timeout, 4-7 minutes of a 10-minute search
+    # a run whose cluster wedged stops sending at its first timeout with nothing answered for 25 s: on
+    # 0.5.19 a wedge otherwise cost every later plan its 30 s timeout, 4-7 minutes of a 10-minute search.
+    # Under the client timeout, so the first request that times out (sent a moment after the last reply
+    # byte) stops it, before the slots its timeout frees send a second wave into the wedge
     return Traffic([plan_dict(p) for p in plans], concurrency=rng.choice((4, 8, 8, 16)),
-                   timeout_s=30.0, via=via, stall_s=30.0)
+                   timeout_s=30.0, via=via, stall_s=25.0)
 
 
 def _fix_order(plans) -> None:
