@@ -410,6 +410,28 @@ def test_a_new_find_is_confirmed_by_reruns_and_a_control_and_written_up(tmp_path
     assert fz.fresh[:2] == ["confirm1", "control"] and all(t.startswith("shrink") for t in fz.fresh[2:])
 
 
+def test_the_control_is_labelled_by_its_own_limits(tmp_path):
+    """The control drops the live knobs: a prompt only a lowered input limit refused is an ordinary
+    prompt there, not a rejected-size one (a control that kept the label judged ordinary 200s FAIL)."""
+    leak = [{"victim_rid": "v", "owner_rid": "o", "status": 200}]
+    controls = []
+
+    def outcomes(sc):
+        if sc.name.endswith("-control"):
+            controls.append(sc)
+        return _log(ends=[("v", 200, "ok")]), [_v("isolation", FAIL, leak)]
+    fz, _ = _fuzzer(tmp_path, outcomes, budget=30.0)
+    parent = baseline(random.Random(3), BASE, "p")
+    parent.deployment.live["prefill_input_limit"] = 256
+    from kvchaos.fuzz.grammar import rebase
+    rebase(parent, BASE, {})
+    assert any(p["oversized"] for p in parent.traffic.plans)
+    fz._confirm(next(iter(triage([_v("isolation", FAIL, leak)], None, _Registry({}), []))), parent,
+                "cluster", "kit", "policy", tmp_path)
+    (ctrl,) = controls
+    assert not ctrl.deployment.live and not any(p.get("oversized") for p in ctrl.traffic.plans)
+
+
 def test_a_confirmation_runs_as_on_a_fresh_cluster(tmp_path, monkeypatch):
     """Caches flushed on both roles and canaries of its own; a cluster that will not flush stops it by name."""
     from kvchaos.fuzz.loop import FuzzError

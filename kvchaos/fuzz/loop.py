@@ -362,6 +362,9 @@ class Fuzzer:
                 self.say(f"  confirm run of {sc.name} failed: {e}")
         ctrl = Scenario.from_dict({**sc.to_dict(), "name": f"{sc.name}-control", "nemesis": [],
                                    "deployment": {"restart": sc.deployment.restart, "live": {}}})
+        # labelled by the control's own limits: a prompt only a lowered live limit refused is an ordinary
+        # one without it (a control that kept the label judged ordinary replies as rejected-size ones)
+        rebase(ctrl, self.base, sc.deployment.restart)
         control_shows = None
         try:
             ctrl_run = self._fresh(ctrl, cluster, "control")
