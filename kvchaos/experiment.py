@@ -48,7 +48,6 @@ from kvchaos.workload.scenario import Deployment, Scenario, ScenarioError, Traff
 from kvchaos.workload.snapshots import server_field, snapshot
 
 VIAS = ("router", "pd")  # how plans reach the engines: the router, or prefill + decode directly
-STALLED_SETTLE_S = 5.0  # ... and after a run that stopped sending to a wedged cluster
 SETTLE_S = 45.0  # SGLang holds a failed/aborted transfer's decode pages up to 30 s (deferred release)
 DURING_JOIN_S = 180.0
 
@@ -227,12 +226,11 @@ class Experiment:
                     self.log.emit("heal_failed", error=err)
             if self.faults is not None:
                 self.faults.heal_all()  # rollback before the steady-state probe: pools must drain
-            # a run that stopped sending to a wedged cluster (the driver's stall record) gives its pools a
-            # few seconds, not settle_s per role: on 0.5.19 a wedge's pools waited out 45 s each, and what
-            # they hold then is evidence of the wedge (waited_s says how long they were given)
-            stalled = any(e.get("ev") == "stall" for e in self.log.records)
-            snapshot(self.cluster, self.log, "after", settle_s=min(self.settle_s, STALLED_SETTLE_S) if stalled
-                     else self.settle_s)
+            # the pools get settle_s to drain even after a run that stopped sending to a wedged cluster: a
+            # 5 s wait there (2026-12-05) left the pages of requests the engine was still aborting, a pool
+            # witness the hang band's signature (every witness a timeout) does not allow, and turned a
+            # KNOWN sglang-pd-hang-band into a NEW find
+            snapshot(self.cluster, self.log, "after", settle_s=self.settle_s)
             if self.faults is not None:
                 self._copy_fault_records()
             # what this experiment's requests left in decode's pages, for the experiments after it on the cluster

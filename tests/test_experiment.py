@@ -252,9 +252,11 @@ def test_a_scenario_for_another_deployment_is_refused_before_anything_is_sent(tm
     assert not (tmp_path / "experiments.jsonl").exists()
 
 
-def test_a_run_that_stopped_sending_to_a_wedged_cluster_gives_its_pools_seconds_not_settle_s(tmp_path, monkeypatch):
-    """The after snapshot waits settle_s for the pools to drain; once the driver stopped sending to a
-    wedged cluster (its stall record) it waits STALLED_SETTLE_S: the wedge holds the pages anyway."""
+
+def test_a_run_that_stopped_sending_to_a_wedged_cluster_still_gives_its_pools_settle_s(tmp_path, monkeypatch):
+    """The driver stops sending to a wedged cluster (its stall record), but the after snapshot still
+    gives the pools settle_s: pages the engine is still aborting a few seconds later are no evidence
+    of a wedge, and a pool witness breaks the hang band's signature (every witness a timeout)."""
     import kvchaos.experiment as experiment_mod
     seen = []
     monkeypatch.setattr(experiment_mod, "snapshot", lambda cluster, log, phase, settle_s=0.0, **kw: seen.append((phase, settle_s)))
@@ -265,6 +267,6 @@ def test_a_run_that_stopped_sending_to_a_wedged_cluster_gives_its_pools_seconds_
                         concurrency=4, probe_before=False)
         with ex:
             pass
-    assert ("after", experiment_mod.STALLED_SETTLE_S) in seen
+    assert ("after", 45.0) in seen
     assert any(e["ev"] == "stall" for e in ex.events) and ex.by["liveness"].status == "fail"
     assert ex.scenario().traffic.stall_s == 1.0  # the scenario it writes says so too
