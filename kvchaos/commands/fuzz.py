@@ -61,6 +61,7 @@ def launch(profile: str, layout: str | None, workdir: Path, say=print):
     from kvchaos.cluster.layouts import apply, parse
     from kvchaos.policy import Policy, load_policy_table
     from kvchaos.releases import engine_python
+    from kvchaos.fuzz.loop import settle
     from kvchaos.selftest import planted_leak_selftest
     from kvchaos.workload import EventLog
 
@@ -86,6 +87,11 @@ def launch(profile: str, layout: str | None, workdir: Path, say=print):
         try:
             policy = Policy(accept_known=table.get("accept_known", False))
             policy.selftest = planted_leak_selftest(c, wd, policy)
+            # the search's first run starts as every later one does: idle, caches flushed. The
+            # self-test's planted leak went into decode's radix cache where one was on, and the first
+            # run after it on 0.5.19 recited the self-test's canaries (4d2886894a4e, 2026-12-05:
+            # a 128-token cached prefix, no fault on a victim; confirmations after a flush did not)
+            settle(c)
             kit = FaultKit(c, EventLog())
         except BaseException:
             c.stop()
