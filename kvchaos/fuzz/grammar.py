@@ -160,12 +160,6 @@ def _traffic(rng: random.Random, base: Base, dep: Deployment, seed: int) -> Traf
     # straight to prefill + decode the driver speaks /generate only (the OpenAI routes need the router)
     endpoints = ("generate",) if via == "pd" else ("generate", "generate", "completions", "chat")
     plans = wl.mix(n, weights=weights, lengths=(64, hi), endpoints=endpoints)
-    for p in plans:  # a conversation's later turns grow past the limits: label them as the edges are
-        label = base.expect(p.n_tokens, dep)
-        if label != "answer":
-            p.extra["probe"] = label
-            # a plan the client cuts is judged by no rejection rule: it keeps its label only
-            p.oversized = label == "reject" and p.kind in ("plain", "stream")
     if rng.random() < WEIGHTS["oversized"]:
         victim = rng.choice(wl.tenants)
         _place(rng, plans, _probes(rng, wl, victim, base, dep, k=rng.choice((2, 3, 4))), lambda p: p.n_tokens)
@@ -177,7 +171,8 @@ def _traffic(rng: random.Random, base: Base, dep: Deployment, seed: int) -> Traf
     # 0.5.19 a wedge otherwise cost every later plan its 30 s timeout, 4-7 minutes of a 10-minute search.
     # Under the client timeout, so the first request that times out (sent a moment after the last reply
     # byte) stops it, before the slots its timeout frees send a second wave into the wedge
-    return Traffic([plan_dict(p) for p in plans], concurrency=rng.choice((4, 8, 8, 16)),
+    # a conversation's later turns grow past the limits: labelled as the edges are
+    return Traffic(_label_plans([plan_dict(p) for p in plans], base, dep), concurrency=rng.choice((4, 8, 8, 16)),
                    timeout_s=30.0, via=via, stall_s=25.0)
 
 
@@ -346,15 +341,24 @@ def rebase(sc: Scenario, base: Base, restart: dict) -> Scenario:
 
 def _relabel(sc: Scenario, base: Base) -> Scenario:
     """Every plan labelled again with what ``sc``'s deployment's limits say it gets."""
-    for p in sc.traffic.plans:
-        label = base.expect(p["n_tokens"], sc.deployment) if p.get("n_tokens") else "answer"
+    _label_plans(sc.traffic.plans, base, sc.deployment)
+    sc.checks = default_checks(sc.traffic)
+    return sc.validate()
+
+
+def _label_plans(plans: list[dict], base: Base, dep: Deployment) -> list[dict]:
+    """Label each plan (in place) with what ``dep``'s limits say it gets: ``extra.probe`` where that is
+    not an answer (a probe keeps its label, "answer" included), ``oversized`` where prefill's limit
+    refuses it and the client waits for the answer (a plan the client cuts is judged by no rejection
+    rule: it keeps its label only)."""
+    for p in plans:
+        label = base.expect(p["n_tokens"], dep) if p.get("n_tokens") else "answer"
         extra = dict(p.get("extra") or {})
-        if label != "answer" or "probe" in extra:  # a probe keeps a label, "answer" included
+        if label != "answer" or "probe" in extra:
             extra["probe"] = label
         p["extra"] = extra
         p["oversized"] = label == "reject" and p.get("kind", "plain") in ("plain", "stream", "oversized")
-    sc.checks = default_checks(sc.traffic)
-    return sc.validate()
+    return plans
 
 
 def _add_probes(rng: random.Random, sc: Scenario, base: Base) -> None:
