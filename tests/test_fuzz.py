@@ -493,8 +493,8 @@ def test_only_a_new_leak_is_confirmed_past_the_budgets_end(tmp_path, leak):
                else {"rid": "v", "status": 503, "problem": "x"})
     oracle = "isolation" if leak else "http_semantics"
 
-    def outcomes(sc):  # each run 10 s of the fake clock; the budget leaves 5 s after the first
-        bad = bool(sc.nemesis) or bool(sc.deployment.live)
+    def outcomes(sc):  # each run 10 s of the fake clock; the budget leaves 5 s after the second
+        bad = sc.origin.get("by") != "baseline" and not sc.name.endswith("-control")
         return _log(ends=[("v", 200, "ok")]), [_v(oracle, FAIL if bad else PASS, [witness] if bad else [])]
     fz, _ = _fuzzer(tmp_path, outcomes, budget=15.0)
     s = fz.run()
@@ -504,6 +504,74 @@ def test_only_a_new_leak_is_confirmed_past_the_budgets_end(tmp_path, leak):
     else:
         assert rec["confirmed"] is None and "too little of the budget" in rec["reproduced"] and fz.fresh == []
         assert s["elapsed_s"] <= 20.0
+
+
+def test_a_new_find_that_is_no_leak_is_confirmed_at_the_end_of_the_search_not_in_its_middle(tmp_path):
+    """The search runs on until only the pending finds' expected cost is left of the budget; then they are
+    confirmed, the most often seen first, and one the budget has no room for is written up unconfirmed."""
+    names = []
+
+    def outcomes(sc):
+        names.append(sc.name)
+        bad = bool(sc.nemesis) or bool(sc.deployment.live)
+        w = {"rid": "v", "status": 503, "problem": "x"}
+        return _log(ends=[("v", 200, "ok")]), [_v("http_semantics", FAIL if bad else PASS, [w] if bad else [])]
+    fz, _ = _fuzzer(tmp_path, outcomes, budget=200.0)
+    s = fz.run()
+    (sig, rec), = s["new"].items()
+    assert rec["seen"] >= 2 and rec["confirmed"] and rec["reproduced"] == "2/3" and rec["control_shows_it"] is False
+    # the search went on past the find; its reruns and control ran in the reserve (3 runs of 10 s) at the end
+    first_confirm = next(i for i, n in enumerate(names) if n.endswith("-confirm1"))
+    assert rec["t"] < 50 and first_confirm >= 16, names
+    found_by = names[first_confirm][:-len("-confirm1")]
+    assert all(n.startswith(found_by) for n in names[first_confirm:]), names  # the search had ended
+    assert fz.fresh[:2] == ["confirm1", "control"] and s["elapsed_s"] <= 200.0 + 10.0
+    find = json.loads((tmp_path / "out" / "finds" / f"new-{sig}" / "find.json").read_text())
+    assert find["confirmed"] and find["reproduced"] == "2/3"  # the write-up made pending was brought up to date
+
+
+def test_pending_finds_take_at_most_their_share_of_the_budget(tmp_path):
+    """Many NEW non-leak signatures: the reserve is capped (CONFIRM_RESERVE), the ones left out say why."""
+    n = {"i": 0}
+
+    def outcomes(sc):  # every faulty run a NEW signature of its own (a new problem text each time)
+        n["i"] += 1
+        bad = bool(sc.nemesis) or bool(sc.deployment.live)
+        w = {"rid": "v", "status": 503 + n["i"] % 90, "problem": f"p{n['i']}"}
+        return _log(ends=[("v", 200, "ok")]), [_v("http_semantics", FAIL if bad else PASS, [w] if bad else [])]
+    fz, _ = _fuzzer(tmp_path, outcomes, budget=400.0)
+    s = fz.run()
+    recs = list(s["new"].values())
+    assert len(recs) >= 3 and s["elapsed_s"] <= 410.0
+    assert any(r["confirmed"] is None and "too little of the budget" in r["reproduced"] for r in recs)
+    assert not any(r["reproduced"].startswith("pending") for r in recs)  # every one is settled either way
+    confirming = [t for t in fz.fresh if t in ("confirm1", "confirm2", "control")]
+    assert 10.0 * len(confirming) <= fuzz_loop.CONFIRM_RESERVE * 400.0 + 30.0
+
+
+def test_the_guided_search_learns_which_way_of_making_scenarios_pays():
+    """Thompson sampling over generate / mutate / splice: a way that keeps paying is drawn most."""
+    ops = fuzz_loop.Operators()
+    rng = random.Random(1)
+    for _ in range(200):
+        way = ops.pick(rng)
+        ops.paid(way, way == "generate")
+    runs = {w: n for w, (n, _k) in ops.record.items()}
+    assert runs["generate"] > 150 and runs["mutate"] < 30 and runs["splice"] < 30
+    ops2 = fuzz_loop.Operators()
+    assert {ops2.pick(random.Random(i), splice=False) for i in range(50)} == {"generate", "mutate"}
+    ops2.paid("baseline", True)  # a way the search does not choose is not counted
+    assert ops2.record == fuzz_loop.Operators().record
+
+
+def test_the_summary_says_how_each_way_paid(tmp_path):
+    def outcomes(sc):
+        return _log(ends=[("r", 200, "ok")]), [_v("isolation", PASS)]
+    fz, _ = _fuzzer(tmp_path, outcomes, budget=200.0)
+    s = fz.run()
+    assert set(s["operators"]) == {"generate", "mutate", "splice"}
+    assert sum(o["runs"] for o in s["operators"].values()) == s["execs"] - 1  # all but the steady state
+    assert all(0 <= o["paid"] <= o["runs"] for o in s["operators"].values())
 
 
 def test_a_cluster_a_run_left_dead_is_replaced_whatever_the_run_found(tmp_path):

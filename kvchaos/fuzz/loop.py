@@ -1,5 +1,7 @@
 """The fuzz loop: generate or mutate a scenario, run it on a cluster of its deployment, keep it if the
-engines did something new, triage what is not PASS, and confirm, shrink and write up what is NEW.
+engines did something new, triage what is not PASS, and confirm, shrink and write up what is NEW: a NEW leak at once, anything else
+at the end of the search (:data:`CONFIRM_RESERVE`). Guided chooses how it makes each scenario (draw,
+mutate, splice) by how each way has paid (:class:`Operators`).
 
 Clusters (:class:`Clusters`) are the expensive part: a scenario whose restart knobs differ from the
 running cluster's waits in a queue of its deployment until that queue is worth a restart
@@ -43,14 +45,17 @@ STALE_AFTER = 12
 # base deployment, so no scenario with a restart knob ran (auto-truncate's deployment among them)
 AMORTIZE = 8
 START_COST_FLOOR_S = 30.0  # a start's cost before one was measured, and the least one counts
-MUTATE_P = 0.8
-SPLICE_P = 0.15
 CONFIRM_RUNS = 3  # a NEW find must show its mechanism again in 2 of 3 runs
 CONFIRM_NEEDED = 2
 SHRINK_SHARE = 0.25  # at most this share of the budget shrinks one leak find
 # ... and one find that is no leak (an availability or protocol failure): a first 30-minute search spent
 # 8 of its minutes shrinking a router 503 the faults themselves had caused
 SHRINK_SHARE_OTHER = 0.1
+# A NEW find that is no leak waits for the end of the search (:meth:`Fuzzer._confirm_pending`): its
+# confirmation, control and shrink take the budget's last minutes, at most this share of it, instead of the
+# search's middle. Inline, a third 30-minute pair's guided arm (2026-12-05) spent 1334 of its 1800 s in five
+# executions of over 100 s, confirming and shrinking liveness finds, and found fewer findings than random
+CONFIRM_RESERVE = 0.25
 FLUSH_TIMEOUT_S = 30.0  # how long a run as on a fresh cluster waits for both roles to flush (idle)
 # after every run: how long each role may take to go idle (and again after aborting what the run left)
 # before the cluster is replaced. A first 10-minute search on 0.5.19 (2026-12-04) left hang-band requests
@@ -60,6 +65,31 @@ SETTLE_TIMEOUT_S = 15.0
 
 class FuzzError(RuntimeError):
     pass
+
+
+class Operators:
+    """Which way the guided search makes its next scenario — ``generate`` a fresh one, ``mutate`` a
+    corpus entry, ``splice`` two — chosen by Thompson sampling over each way's record: a run pays when
+    the engines showed a state not seen before (the corpus kept it) or a finding or NEW signature not
+    seen before. A fixed 80 % mutation share lost to plain random drawing on both coverage and findings
+    in a third 30-minute pair (2026-12-05, ``reports/fuzz/20261205-0.5.23-pair3/``: 50 vs 73 engine
+    states): where fresh draws still pay more than mutations, the search now learns that and draws more,
+    and mutates more where mutations pay. Every choice comes from the search's own ``random.Random``."""
+
+    WAYS = ("generate", "mutate", "splice")
+
+    def __init__(self):
+        self.record = {w: [0, 0] for w in self.WAYS}  # way -> [runs, runs that paid]
+
+    def pick(self, rng: random.Random, splice: bool = True) -> str:
+        ways = [w for w in self.WAYS if splice or w != "splice"]
+        draws = {w: rng.betavariate(1 + self.record[w][1], 1 + self.record[w][0] - self.record[w][1]) for w in ways}
+        return max(ways, key=lambda w: draws[w])
+
+    def paid(self, way: str | None, paid: bool) -> None:
+        if way in self.record:
+            self.record[way][0] += 1
+            self.record[way][1] += bool(paid)
 
 
 @dataclass
@@ -158,6 +188,7 @@ class Fuzzer:
         self.clock, self.say = clock, say
         self.stats = Stats()
         self.queues: dict[str, list[Scenario]] = {}
+        self.operators = Operators()
         self.since_new = 0
         self.engine_version = engine_version
         self.deployments = deployments
@@ -167,6 +198,7 @@ class Fuzzer:
         self._start_cost = 0.0  # the longest cluster start seen (s)
         self._on_since = 0.0  # when the running cluster started (search time)
         self._running: Deployment | None = None  # the running cluster's deployment
+        self.pending: list[dict] = []  # NEW finds that are no leak, to confirm at the end (CONFIRM_RESERVE)
         self.out.mkdir(parents=True, exist_ok=True)
 
     # ------------------------------------------------------------------ the loop
@@ -177,8 +209,12 @@ class Fuzzer:
         self.t0 = self.clock()
         try:
             while self.elapsed() < self.budget_s:
-                sc = self._next()
-                self._exec(sc)
+                if self.pending and self.elapsed() >= self.budget_s - self._reserve():
+                    self._confirm_pending()  # then search on if time is left
+                    continue
+                self._exec(self._next())
+            if self.pending:  # what the budget left no time to confirm is written up so
+                self._confirm_pending()
         finally:
             self.clusters.close()
         return self.summary()
@@ -190,11 +226,12 @@ class Fuzzer:
         name = self._name()
         if self.stats.execs == 0 and not self.corpus.resumed:
             return baseline(self.rng, self.base, name)
-        if self.strategy == "guided" and len(self.corpus) and self.rng.random() < MUTATE_P:
-            parent = self.corpus.pick(self.rng)
-            if len(self.corpus) > 1 and self.rng.random() < SPLICE_P:
-                return splice(self.rng, parent, self.corpus.pick(self.rng), name)
-            return mutate(self.rng, parent, self.base, name)
+        if self.strategy == "guided" and len(self.corpus):
+            how = self.operators.pick(self.rng, splice=len(self.corpus) > 1)
+            if how == "splice":
+                return splice(self.rng, self.corpus.pick(self.rng), self.corpus.pick(self.rng), name)
+            if how == "mutate":
+                return mutate(self.rng, self.corpus.pick(self.rng), self.base, name)
         return generate(self.rng, self.base, name)
 
     def _next(self) -> Scenario:
@@ -268,9 +305,12 @@ class Fuzzer:
             # every confirmation and shrink step, each into its timeouts: a fresh one of the same deployment
             self.say(f"  {sc.name}: the cluster is replaced, {str(broken)[:300]}")
             self.clusters.close()
-            if any(f.kind == "new" for f in finds):
+            if any(f.kind == "new" and is_leak(f) for f in finds):  # confirmed now, on a working cluster
                 (cluster, kit, policy), started = self.clusters.get(sc.deployment)
                 self.stats.restarts += bool(started)
+        first = [f for f in finds if (f.kind == "known" and f.finding not in self.stats.first_known)
+                 or (f.kind == "new" and f.signature not in self.stats.new)]
+        self.operators.paid(sc.origin.get("by"), kept or bool(first))
         for f in finds:
             self._note(f, sc, ex, t, cluster, kit, policy, run_dir)
         self.stats.timeline.append({"t": round(self.elapsed(), 1), "execs": self.stats.execs,
@@ -326,18 +366,62 @@ class Fuzzer:
             rec.update(confirmed=None, reproduced="not confirmed: this search confirms NEW leaks only")
             self._write_find(f"new-{f.signature}", sc, f, ex, rec)
             return
-        # a NEW leak is confirmed and shrunk whatever the clock says; anything else only within the budget
-        # (the first 30-minute searches ran 10 minutes over it, confirming router 503s)
-        if not rec["leak"] and self.budget_s - self.elapsed() < CONFIRM_RUNS * self._last_wall:
-            rec.update(confirmed=None, reproduced="not confirmed: too little of the budget was left for "
-                                                  f"{CONFIRM_RUNS} runs (NEW leaks are confirmed past it)")
+        if not rec["leak"]:  # confirmed at the end of the search (CONFIRM_RESERVE); written up now as pending
+            rec.update(confirmed=None, reproduced="pending: confirmed at the end of the search")
+            self.pending.append({"find": f, "scenario": sc, "ex": ex, "rec": rec, "wall_s": self._last_wall})
             self._write_find(f"new-{f.signature}", sc, f, ex, rec)
             return
+        # a NEW leak is confirmed and shrunk now, whatever the clock says
+        self._confirm_and_write(f, sc, ex, rec, cluster, kit, policy, run_dir)
+
+    def _confirm_and_write(self, f, sc, ex, rec, cluster, kit, policy, run_dir) -> None:
         rec.update(self._confirm(f, sc, cluster, kit, policy, run_dir))
         minimal = None
         if rec["confirmed"]:
             minimal, rec["shrink"] = self._shrink(f, sc, cluster, kit, policy, run_dir)
         self._write_find(f"new-{f.signature}", sc, f, ex, rec, minimal)
+
+    def _cost(self, p: dict) -> float:
+        """What confirming a pending find is expected to take: its reruns and control at its own run's
+        wall time, and a cluster start where its deployment is not the running one."""
+        start = 0.0 if p["scenario"].deployment.restart_key() == self.clusters.key else \
+            max(self._start_cost, START_COST_FLOOR_S)
+        return CONFIRM_RUNS * p["wall_s"] + start
+
+    def _reserve(self) -> float:
+        """The end of the budget kept for the pending finds: their expected cost, at most
+        :data:`CONFIRM_RESERVE` of the budget, but never less than the cheapest one's (a reserve too
+        short for any confirmation would confirm none)."""
+        costs = [self._cost(p) for p in self.pending]
+        return max(min(costs, default=0.0), min(CONFIRM_RESERVE * self.budget_s, sum(costs)))
+
+    def _confirm_pending(self) -> None:
+        """Confirm (and shrink, with what is left) the pending finds, the most often seen first, those on
+        the running deployment before those that need a cluster start; a find there is no time left for is
+        written up unconfirmed, saying so. Empties :attr:`pending`."""
+        todo = sorted(self.pending, key=lambda p: (-p["rec"]["seen"], self._cost(p), p["rec"]["t"]))
+        self.pending = []
+        for p in todo:
+            f, sc, ex, rec = p["find"], p["scenario"], p["ex"], p["rec"]
+            if self.budget_s - self.elapsed() < self._cost(p):
+                rec.update(confirmed=None, reproduced=f"not confirmed: too little of the budget was left for "
+                                                      f"{CONFIRM_RUNS} runs (NEW leaks are confirmed past it)")
+                self._write_find(f"new-{f.signature}", sc, f, ex, rec)
+                continue
+            t_get = self.clock()
+            try:
+                (cluster, kit, policy), started = self.clusters.get(sc.deployment)
+            except Exception as e:  # noqa: BLE001 - a deployment that would not start: said, not fatal
+                rec.update(confirmed=None, reproduced=f"not confirmed: its deployment did not start: {e}"[:300])
+                self._write_find(f"new-{f.signature}", sc, f, ex, rec)
+                continue
+            if started:
+                self.stats.restarts += 1
+                self._start_cost = max(self._start_cost, self.clock() - t_get)
+                self._on_since = self.elapsed()
+                self._running = Deployment(dict(sc.deployment.restart), {})
+            self.say(f"  confirming {f.signature} ({f.oracle}, seen {rec['seen']}x) from {sc.name}")
+            self._confirm_and_write(f, sc, ex, rec, cluster, kit, policy, self.out / "execs")
 
     def _fresh(self, sc: Scenario, cluster, tag: str) -> Scenario:
         settle(cluster)  # what the run before left in the engines is aborted first
@@ -428,7 +512,8 @@ class Fuzzer:
              "expected": self.stats.expected,
              "features": len(self.corpus.seen), "corpus": len(self.corpus), "corpus_resumed": self.corpus.resumed,
              "known": self.stats.first_known, "known_without_faults": self.stats.first_known_quiet,
-             "new": self.stats.new, "timeline": self.stats.timeline}
+             "new": self.stats.new, "timeline": self.stats.timeline,
+             "operators": {w: {"runs": n, "paid": k} for w, (n, k) in self.operators.record.items()}}
         (self.out / "fuzz.json").write_text(json.dumps(s, indent=1, default=str) + "\n")
         return s
 
