@@ -458,6 +458,22 @@ def test_hang_band_is_known_only_when_every_hung_request_is_a_band_prompt_or_que
             assert j.known[0].finding.id == "sglang-pd-hang-band"
 
 
+def test_behind_a_band_prompt_is_the_engines_order_where_it_has_one():
+    """Sent first by the client but queued after the band prompt by prefill (the same millisecond):
+    behind it. Queued before it by prefill: not behind, whatever the client's clock says."""
+    p = Policy(accept_known=True)
+    for q_early, q_b1, want in ((100.02, 100.01, "known"), (100.00, 100.01, FAIL)):
+        ev, live = _band_log(True)  # "early": sent at 5.0, before b1 (10.0)
+        ev += [{"ev": "agent", "agent_ev": "bootstrap_queued", "role": "prefill", "rid": r, "wall": w, "room": i}
+               for i, (r, w) in enumerate((("early", q_early), ("b1", q_b1), ("b2", 100.5), ("q1", 100.6)))]
+        j = p.judge([Verdict("isolation", PASS, "ok"), live], Context.of(ev), {"liveness": PASS})
+        assert j.status == want, (q_early, j.message())
+    # no engine order for the early request: the client's order decides (it was sent first: not behind)
+    ev, live = _band_log(True)
+    ev += [{"ev": "agent", "agent_ev": "bootstrap_queued", "role": "prefill", "rid": "b1", "wall": 100.0, "room": 1}]
+    assert p.judge([Verdict("isolation", PASS, "ok"), live], Context.of(ev), {"liveness": PASS}).status == FAIL
+
+
 def _band_extra(ev, rid, outcome, tag=True):
     """One more band prompt (tagged) that ended ``outcome`` and is no liveness witness."""
     ev.append(plan(rid, "t8", canary.mint(random.Random(hash(rid) % 1000), 2), extra={"probe": "hang_band"} if tag else {}))

@@ -63,16 +63,37 @@ def _culprits(ctx: Context, what: str) -> set:
     return _tagged(ctx, what)
 
 
+def _queued(ctx: Context) -> dict:
+    """rid -> when prefill first put it in its bootstrap queue (the agent's ``bootstrap_queued``, the
+    engine's own clock): the order the engine took requests in."""
+    out = {}
+    for e in ctx.history.agent_events("bootstrap_queued"):
+        rid, wall = e.get("rid"), e.get("wall")
+        if rid and isinstance(wall, (int, float)) and rid not in out:
+            out[rid] = float(wall)
+    return out
+
+
 def _sig_hung_behind(v, ctx, what):
-    """Every hung request is one of the culprits or was sent after the first of them (queued behind
-    a request that hangs the engine) — never one that was in flight before the culprits came."""
+    """Every hung request is one of the culprits or came after the first of them (queued behind a
+    request that hangs the engine) — never one that was in flight before the culprits came. "After" is
+    the engine's order where it has one for both (prefill's ``bootstrap_queued``), else the client's
+    send order: requests sent in the same millisecond reach the engine in either order (a guided search
+    on 0.5.23 saw a co-sent request the client sent first hang behind a band prompt the engine took
+    first, and left the hang band NEW)."""
     culprits = _culprits(ctx, what)
     sends = {rid: e.get("wall", 0) for rid, e in ctx.history.sends.items()}
     first = min((sends[r] for r in culprits if r in sends), default=None)
-    bad = [w["rid"] for w in _rid_witnesses(v)
-           if w["rid"] not in culprits and (first is None or sends.get(w["rid"], 0) < first)]
+    queued = _queued(ctx)
+    first_q = min((queued[r] for r in culprits if r in queued), default=None)
+
+    def behind(rid):
+        if first_q is not None and rid in queued:
+            return queued[rid] > first_q
+        return first is not None and sends.get(rid, 0) >= first
+    bad = [w["rid"] for w in _rid_witnesses(v) if w["rid"] not in culprits and not behind(w["rid"])]
     return bool(culprits) and first is not None and not bad, \
-        f"hung requests neither {what!r} nor sent after the first of them: {bad[:5]}"
+        f"hung requests neither {what!r} nor sent (or, by prefill's own queue, queued) after the first of them: {bad[:5]}"
 
 
 # outcomes that say nothing about whether the engine would have answered: a plan a wedged run never sent
