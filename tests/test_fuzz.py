@@ -78,6 +78,7 @@ def test_a_search_starts_from_its_steady_state_and_a_resumed_one_does_not(tmp_pa
         sc = baseline(random.Random(seed), base, "b")
         assert sc.nemesis == [] and sc.deployment.live == {} and sc.deployment.restart == {"engine_version": "0.5.19"}
         assert len(sc.traffic.plans) >= 20 and not any(p["extra"].get("probe") for p in sc.traffic.plans)
+        assert {p.get("kind", "plain") for p in sc.traffic.plans} <= {"plain", "stream"}, seed  # no client cuts
         rids = {p["rid"] for p in sc.traffic.plans}
         assert all(p.get("after") in rids for p in sc.traffic.plans if p.get("after")), seed  # no dangling wait
         assert sc.origin == {"by": "baseline"} and Scenario.from_dict(sc.to_dict()).digest() == sc.digest()
@@ -170,6 +171,31 @@ def test_probe_sizes_draw_bands_not_lengths_so_a_narrow_window_is_reached():
     assert len(window) / len(draws) > 0.7
     assert all(BASE.expect(n, dep) == "reject" for d in draws for n in d if 570 <= n <= 1536)
     assert {n for d in draws for n in d} >= {64, 570, 571, 1536, 1537, 8191}  # the edges themselves are drawn
+
+
+def test_a_limit_a_live_knob_moved_is_always_probed_on_both_sides():
+    """prefill's input limit lowered to 512 under decode's admission edge (1537): every drawn scenario
+    with that knob sends prompts into the bands on both sides of 512, among them the band prefill
+    rejects and decode would admit; one whose knobs moved no limit probes only half the time."""
+    dep = Deployment({}, {"prefill_input_limit": 512})
+    assert BASE.moved(dep) == {512} and BASE.moved(Deployment({}, {"chunked_prefill": 64})) == set()
+    assert BASE.moved(Deployment({}, {"decode_reservation": 64})) == {2048 - 64 + 1}
+    rng = random.Random(2)
+    for _ in range(100):
+        sizes = BASE.probe_sizes(rng, dep, 2)
+        assert any(512 <= n < 1537 for n in sizes) and any(n < 512 for n in sizes), sizes
+    rng = random.Random(4)
+    moved = probed = quiet = quiet_probed = 0
+    for i in range(300):
+        sc = generate(rng, BASE, f"g{i}")
+        has = any((p.get("extra") or {}).get("probe") for p in sc.traffic.plans)
+        if BASE.moved(sc.deployment):
+            moved += 1
+            probed += has
+        else:
+            quiet += 1
+            quiet_probed += has
+    assert moved > 50 and probed == moved and 0.3 < quiet_probed / quiet < 0.7
 
 
 @pytest.mark.parametrize("seed", range(5))
@@ -522,7 +548,7 @@ def test_a_new_find_that_is_no_leak_is_confirmed_at_the_end_of_the_search_not_in
     assert rec["seen"] >= 2 and rec["confirmed"] and rec["reproduced"] == "2/3" and rec["control_shows_it"] is False
     # the search went on past the find; its reruns and control ran in the reserve (3 runs of 10 s) at the end
     first_confirm = next(i for i, n in enumerate(names) if n.endswith("-confirm1"))
-    assert rec["t"] < 50 and first_confirm >= 16, names
+    assert rec["t"] < 50 and first_confirm >= 14, names
     found_by = names[first_confirm][:-len("-confirm1")]
     assert all(n.startswith(found_by) for n in names[first_confirm:]), names  # the search had ended
     assert fz.fresh[:2] == ["confirm1", "control"] and s["elapsed_s"] <= 200.0 + 10.0

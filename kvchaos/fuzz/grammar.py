@@ -88,13 +88,27 @@ class Base:
         cuts = sorted({64, pool - res + 1, lim, ppool, pool, ctx, 2 * ctx} & set(range(64, 2 * ctx + 1)))
         return [(a, b) for a, b in zip(cuts, cuts[1:]) if b - a >= 2]
 
+    def moved(self, dep: Deployment) -> set[int]:
+        """The limits ``dep``'s live knobs moved off the running deployment's own (as :meth:`bands`
+        cuts: prefill's input limit, decode's admission edge ``pool − reservation + 1``)."""
+        pool, _ppool, _ctx, res, lim = self.limits(dep)
+        _p, _pp, _c, res0, lim0 = self.limits(Deployment(dep.restart, {}))
+        return ({lim} if lim != lim0 else set()) | ({pool - res + 1} if res != res0 else set())
+
     def probe_sizes(self, rng: random.Random, dep: Deployment, k: int) -> list[int]:
         """``k`` prompt lengths from ``k`` different :meth:`bands` (stratified: a band is drawn, not a
         length, so a narrow band such as the reject path's window is as likely as a wide one), each at
-        the band's lower edge, just above it, just under its upper edge, or anywhere inside."""
+        the band's lower edge, just above it, just under its upper edge, or anywhere inside. The bands
+        on either side of a limit the live knobs moved (:meth:`moved`) come first: a knob that moves an
+        edge is tested at that edge (boundary values), where the engines it splits disagree."""
         bands = self.bands(dep)
+        moved = self.moved(dep)
+        edge = [b for b in bands if b[0] in moved or b[1] in moved]
+        rng.shuffle(edge)
+        edge = edge[:k]
+        rest = [b for b in bands if b not in edge]
         out = []
-        for lo, hi in rng.sample(bands, k=min(k, len(bands))):
+        for lo, hi in edge + rng.sample(rest, k=min(k - len(edge), len(rest))):
             out.append(rng.choice((lo, min(lo + 1, hi - 1), hi - 1, rng.randrange(lo, hi))))
         return out
 
@@ -160,7 +174,9 @@ def _traffic(rng: random.Random, base: Base, dep: Deployment, seed: int) -> Traf
     # straight to prefill + decode the driver speaks /generate only (the OpenAI routes need the router)
     endpoints = ("generate",) if via == "pd" else ("generate", "generate", "completions", "chat")
     plans = wl.mix(n, weights=weights, lengths=(64, hi), endpoints=endpoints)
-    if rng.random() < WEIGHTS["oversized"]:
+    # a scenario whose live knobs moved a limit always probes it (Base.probe_sizes): the knob is drawn to
+    # test that edge, and without probes a moved limit changes nothing the traffic reaches
+    if rng.random() < WEIGHTS["oversized"] or base.moved(dep):
         victim = rng.choice(wl.tenants)
         _place(rng, plans, _probes(rng, wl, victim, base, dep, k=rng.choice((2, 3, 4))), lambda p: p.n_tokens)
         _fix_order(plans)
@@ -254,13 +270,16 @@ def generate(rng: random.Random, base: Base, name: str, restart_p: float | None 
 
 def baseline(rng: random.Random, base: Base, name: str) -> Scenario:
     """The steady state a search starts from (Chaos Toolkit's hypothesis; AFL's seed input): a drawn
-    scenario's ordinary traffic on the base deployment, with no nemesis op, no live knob and none of the
-    prompts probing the limits' bands (nor what waits on them). What the engines do here is what they do
-    with nothing broken; its run must be powered, or no later run can see a leak either."""
+    scenario's ordinary traffic on the base deployment, with no nemesis op, no live knob, no client that
+    aborts or disconnects, and none of the prompts probing the limits' bands (nor what waits on them).
+    What the engines do here is what they do with nothing broken; its run must be powered, or no later run
+    can see a leak either. (A client's cut is a fault of its own: on 0.5.19 one wedges the PD pipeline,
+    and a 10-minute search whose steady state drew four lost five minutes of its budget to it.)"""
     sc = generate(rng, base, name, restart_p=0.0)
     gone = set()
     for p in sc.traffic.plans:  # in order: a plan waits only on one before it (_fix_order)
-        if p.get("extra", {}).get("probe") or p.get("after") in gone:
+        if p.get("extra", {}).get("probe") or p.get("after") in gone \
+                or p.get("kind") in ("abort_after", "disconnect_before_first_token"):
             gone.add(p["rid"])
     sc.traffic.plans = [p for p in sc.traffic.plans if p["rid"] not in gone]
     sc.nemesis = []

@@ -209,10 +209,19 @@ class Fuzzer:
         self.t0 = self.clock()
         try:
             while self.elapsed() < self.budget_s:
-                if self.pending and self.elapsed() >= self.budget_s - self._reserve():
+                # the next run (about as long as the last) must leave the pending finds their reserve,
+                # counted on the cluster it will run on
+                if self.pending and self.elapsed() + self._last_wall >= self.budget_s - self._reserve():
                     self._confirm_pending()  # then search on if time is left
                     continue
-                self._exec(self._next())
+                sc = self._next()
+                key = sc.deployment.restart_key()
+                if self.pending and key != self.clusters.key and self.elapsed() + self._last_wall + max(
+                        self._start_cost, START_COST_FLOOR_S) >= self.budget_s - self._reserve(key):
+                    self.queues.setdefault(key, []).insert(0, sc)  # it waits; the pending finds go first
+                    self._confirm_pending()
+                    continue
+                self._exec(sc)
             if self.pending:  # what the budget left no time to confirm is written up so
                 self._confirm_pending()
         finally:
@@ -381,18 +390,19 @@ class Fuzzer:
             minimal, rec["shrink"] = self._shrink(f, sc, cluster, kit, policy, run_dir)
         self._write_find(f"new-{f.signature}", sc, f, ex, rec, minimal)
 
-    def _cost(self, p: dict) -> float:
+    def _cost(self, p: dict, running: str | None = None) -> float:
         """What confirming a pending find is expected to take: its reruns and control at its own run's
-        wall time, and a cluster start where its deployment is not the running one."""
-        start = 0.0 if p["scenario"].deployment.restart_key() == self.clusters.key else \
-            max(self._start_cost, START_COST_FLOOR_S)
+        wall time, and a cluster start where its deployment is not the running one (``running``: the
+        restart key of the cluster it would follow; the running cluster's by default)."""
+        running = self.clusters.key if running is None else running
+        start = 0.0 if p["scenario"].deployment.restart_key() == running else max(self._start_cost, START_COST_FLOOR_S)
         return CONFIRM_RUNS * p["wall_s"] + start
 
-    def _reserve(self) -> float:
+    def _reserve(self, running: str | None = None) -> float:
         """The end of the budget kept for the pending finds: their expected cost, at most
         :data:`CONFIRM_RESERVE` of the budget, but never less than the cheapest one's (a reserve too
         short for any confirmation would confirm none)."""
-        costs = [self._cost(p) for p in self.pending]
+        costs = [self._cost(p, running) for p in self.pending]
         return max(min(costs, default=0.0), min(CONFIRM_RESERVE * self.budget_s, sum(costs)))
 
     def _confirm_pending(self) -> None:
