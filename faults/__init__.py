@@ -151,8 +151,9 @@ class FaultKit:
         return evs
 
 
-    def heal_all(self) -> list[str]:
-        """Heal every injector; return what is still armed afterwards (should be nothing)."""
+    def heal_all(self, wait_s: float = 60.0) -> list[str]:
+        """Heal every injector; return what is still armed afterwards (should be nothing), and, where
+        the cluster would not serve again within ``wait_s`` after the heal, that (0: not waited for)."""
         errors = []
         for name in ("proc", "net", "agent"):
             inj = getattr(self, name)
@@ -172,8 +173,8 @@ class FaultKit:
                 left = inj.armed()
                 if left:
                     errors.append(f"{name}: still armed after heal: {left}")
-        if not errors:
-            err = self.wait_serving()
+        if not errors and wait_s > 0:
+            err = self.wait_serving(wait_s)
             if err:
                 errors.append(err)
         return errors

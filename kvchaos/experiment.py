@@ -224,8 +224,11 @@ class Experiment:
             if self.schedule is not None:  # rollback: the scenario's ops first, then whatever else the kit armed
                 for err in self.schedule.heal():
                     self.log.emit("heal_failed", error=err)
-            if self.faults is not None:
-                self.faults.heal_all()  # rollback before the steady-state probe: pools must drain
+            if self.faults is not None:  # rollback before the steady-state probe: pools must drain
+                # after a run that stopped sending to a wedged cluster, waiting up to 60 s for it to serve
+                # again only delays the steady-state probe, which asks the same (a 0.5.19 wedge: 61 s)
+                stalled = any(r.get("ev") == "stall" for r in self.log.records)
+                self.faults.heal_all(wait_s=0.0 if stalled else 60.0)
             # the pools get settle_s to drain even after a run that stopped sending to a wedged cluster: a
             # 5 s wait there (2026-12-05) left the pages of requests the engine was still aborting, a pool
             # witness the hang band's signature (every witness a timeout) does not allow, and turned a

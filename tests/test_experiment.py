@@ -33,10 +33,11 @@ class Kit:
     """What the runner needs of a FaultKit: its log, heal_all, copy_agent_events."""
 
     def __init__(self, log):
-        self.log, self.healed = log, 0
+        self.log, self.healed, self.waits = log, 0, []
 
-    def heal_all(self):
+    def heal_all(self, wait_s=60.0):
         self.healed += 1
+        self.waits.append(wait_s)
         return []
 
     def copy_agent_events(self, log, since=0.0):
@@ -260,13 +261,22 @@ def test_a_run_that_stopped_sending_to_a_wedged_cluster_still_gives_its_pools_se
     import kvchaos.experiment as experiment_mod
     seen = []
     monkeypatch.setattr(experiment_mod, "snapshot", lambda cluster, log, phase, settle_s=0.0, **kw: seen.append((phase, settle_s)))
-    with FakeEngine(behaviour="hang") as eng:
-        plans = Workload(4, n_tenants=2, prefix="st").mix(12)
-        ex = Experiment("stall", plans, [Liveness(bound_s=1)], cluster=StandIn(eng.url), run_dir=tmp_path,
-                        settle_s=45.0, timeout_s=1.0, stall_s=1.0, test_id="t::s", seed=4, policy=Policy(),
-                        concurrency=4, probe_before=False)
-        with ex:
-            pass
+    kits = []
+    for stall_s, behaviour in ((1.0, "hang"), (None, "ok")):
+        kits.append(Kit(EventLog()))
+        with FakeEngine(behaviour=behaviour) as eng:
+            plans = Workload(4, n_tenants=2, prefix="st").mix(12)
+            ex = Experiment("stall", plans, [Liveness(bound_s=1)], cluster=StandIn(eng.url), run_dir=tmp_path / behaviour,
+                            settle_s=45.0, timeout_s=1.0, stall_s=stall_s, test_id="t::s", seed=4, policy=Policy(),
+                            concurrency=4, probe_before=False, faults=kits[-1])
+            with ex:
+                pass
+        if stall_s:
+            stalled = ex
+    ex = stalled
     assert ("after", 45.0) in seen
+    # the rollback does not wait for a wedged cluster to serve again (the after probe asks that), an
+    # ordinary run's does
+    assert kits[0].waits == [0.0] and kits[1].waits == [60.0]
     assert any(e["ev"] == "stall" for e in ex.events) and ex.by["liveness"].status == "fail"
     assert ex.scenario().traffic.stall_s == 1.0  # the scenario it writes says so too

@@ -105,7 +105,7 @@ class FaultKinds(Mapping):
     def __len__(self):
         return len(self._factories)
 
-    def heal_all(self) -> list[str]:
+    def heal_all(self, wait_s: float = 60.0) -> list[str]:  # noqa: ARG002 - the kit's own signature
         problems = []
         for name, f in self.armed:
             try:
