@@ -218,16 +218,21 @@ class AgentClient:
         """Agents of ``role`` whose hooks include each name in ``hooks`` (the scheduler process)."""
         deadline = time.monotonic() + timeout
         while True:
-            ok = []
+            ok, absent = [], set()
             for a in self.agents(role):
                 try:
-                    h = self._send(a, {"cmd": "ping"})["hooks"]
+                    got = self._send(a, {"cmd": "ping"})
                 except (OSError, AgentError):
                     continue
+                h = got["hooks"]
                 if all(any(x in name for name in h) for x in hooks):
                     ok.append(a)
+                absent |= {x for x in hooks for name in got.get("absent", ()) if name.endswith(f".{x}")}
             if ok:
                 return ok
+            if absent:  # the engine's class has no such method: waiting would not bring it
+                raise AgentError(f"the {role} engine has no {', '.join(sorted(absent))} (an optional hook its SGLang "
+                                 "release lacks): this fault cannot be armed there")
             if time.monotonic() > deadline:
                 why = f"; {self._unreachable[role]}" if role in self._unreachable else ""
                 raise AgentError(

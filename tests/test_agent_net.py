@@ -112,6 +112,30 @@ def test_every_interface_only_when_asked_and_a_token_is_required(tmp_path, monke
     net.Gateway(str(tmp_path), "0.0.0.0", 1, TOKEN, "decode")  # asked for: allowed
 
 
+def test_a_fault_needing_a_method_the_engines_class_lacks_is_refused_at_once_by_name(served):
+    """An optional hook the engine's class does not have (SGLang 0.5.19's decode mixin has no
+    ``_get_new_prebuilt_batch``) is reported by the agent; a fault that needs it is refused then, naming
+    it, not after the 30 s wait for hooks that are still being installed."""
+    from faults.agent import control
+
+    class Mixin:  # stands in for an engine class of a release without the method
+        def run(self):
+            return 1
+
+    class Mod:
+        SchedulerDisaggregationDecodeMixin = Mixin
+    control._hook_class(Mod, "SchedulerDisaggregationDecodeMixin", optional={"_get_new_prebuilt_batch": lambda o: o})
+    a, _gw, url = served
+    assert a.absent == ["SchedulerDisaggregationDecodeMixin._get_new_prebuilt_batch"]
+    ctl = AgentClient(remote={"prefill": url}, token=TOKEN, timeout=5)
+    t = time.monotonic()
+    with pytest.raises(AgentError, match="the prefill engine has no _get_new_prebuilt_batch"):
+        ctl.wait_agents("prefill", ("_get_new_prebuilt_batch",), timeout=20)
+    assert time.monotonic() - t < 5
+    with pytest.raises(AgentError, match="no prefill agent with hooks"):  # a hook not reported absent: waited for
+        ctl.wait_agents("prefill", ("some_other_hook",), timeout=0.5)
+
+
 def test_a_standby_process_takes_the_gateway_over(served):
     a, gw, url = served
     host, port = wire.parse_url(url)

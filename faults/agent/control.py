@@ -68,6 +68,9 @@ class Agent:
         self.faults: dict[str, dict] = {}
         self.events: list[dict] = []
         self.hooks: list[str] = []
+        # optional hooks this engine's classes do not have (``Class.method``): a fault that needs one is
+        # refused at once by name (faults.client.AgentClient.wait_agents), not after a wait for the hook
+        self.absent: list[str] = []
         self.room_rid: dict[int, str] = {}
         self.started_rooms: set[int] = set()
         self.holds: dict[str, threading.Event] = {}
@@ -231,7 +234,8 @@ class Agent:
     def command(self, req: dict) -> dict:
         cmd = req.get("cmd")
         if cmd == "ping":
-            return {"pid": self.pid, "role": ROLE, "hooks": list(self.hooks), "armed": self.armed()}
+            return {"pid": self.pid, "role": ROLE, "hooks": list(self.hooks), "absent": list(self.absent),
+                    "armed": self.armed()}
         if cmd == "arm":
             return {"fault": self.arm(req)}
         if cmd == "heal":
@@ -358,6 +362,8 @@ def _hook_class(mod, cls_name: str, makers: dict | None = None, optional: dict |
     for name, make in (optional or {}).items():
         if hasattr(cls, name):
             _wrap(cls, name, make)
+        elif AGENT is not None and f"{cls_name}.{name}" not in AGENT.absent:
+            AGENT.absent.append(f"{cls_name}.{name}")
     return cls
 
 
