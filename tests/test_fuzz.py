@@ -575,6 +575,24 @@ def test_pending_finds_take_at_most_their_share_of_the_budget(tmp_path):
     assert 10.0 * len(confirming) <= fuzz_loop.CONFIRM_RESERVE * 400.0 + 30.0
 
 
+def test_a_find_whose_confirmation_would_not_fit_the_reserve_never_interrupts_the_search(tmp_path):
+    """Three 10 s runs do not fit what a quarter of a 60 s budget leaves: the search runs to its end and
+    the find is written up unconfirmed, saying why (a 0.5.19 wedge's confirmation took a 10-minute
+    search's place)."""
+    names = []
+
+    def outcomes(sc):
+        names.append(sc.name)
+        bad = bool(sc.nemesis) or bool(sc.deployment.live)
+        w = {"rid": "v", "status": 503, "problem": "x"}
+        return _log(ends=[("v", 200, "ok")]), [_v("http_semantics", FAIL if bad else PASS, [w] if bad else [])]
+    fz, _ = _fuzzer(tmp_path, outcomes, budget=60.0)
+    s = fz.run()
+    (rec,) = s["new"].values()
+    assert rec["confirmed"] is None and "too little of the budget" in rec["reproduced"] and fz.fresh == []
+    assert s["execs"] == 6 and not [n for n in names if "-" in n]
+
+
 def test_the_guided_search_learns_which_way_of_making_scenarios_pays():
     """Thompson sampling over generate / mutate / splice: a way that keeps paying is drawn most."""
     ops = fuzz_loop.Operators()
