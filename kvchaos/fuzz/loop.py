@@ -1,7 +1,7 @@
 """The fuzz loop: generate or mutate a scenario, run it on a cluster of its deployment, keep it if the
-engines did something new, triage what is not PASS, and confirm, shrink and write up what is NEW: a NEW leak at once, anything else
-at the end of the search (:data:`CONFIRM_RESERVE`). Guided chooses how it makes each scenario (draw,
-mutate, splice) by how each way has paid (:class:`Operators`).
+engines did something new, triage what is not PASS, and confirm, shrink and write up what is NEW: a NEW
+leak at once, anything else at the end of the search (:data:`CONFIRM_RESERVE`). Guided chooses how it
+makes each scenario (draw, mutate, splice) by how each way has paid (:class:`Operators`).
 
 Clusters (:class:`Clusters`) are the expensive part: a scenario whose restart knobs differ from the
 running cluster's waits in a queue of its deployment until that queue is worth a restart
@@ -273,14 +273,20 @@ class Fuzzer:
         key = max(self.queues, key=lambda k: len(self.queues[k]))
         return self.queues[key].pop(0)
 
-    def _exec(self, sc: Scenario) -> None:
+    def _cluster(self, dep: Deployment):
+        """The running cluster if it is of ``dep``'s deployment, else a new one (counted, and its start
+        timed)."""
         t_get = self.clock()
-        (cluster, kit, policy), started = self.clusters.get(sc.deployment)
+        (cluster, kit, policy), started = self.clusters.get(dep)
         if started:
             self.stats.restarts += 1
             self._start_cost = max(self._start_cost, self.clock() - t_get)
             self._on_since = self.elapsed()
-            self._running = Deployment(dict(sc.deployment.restart), {})
+            self._running = Deployment(dict(dep.restart), {})
+        return cluster, kit, policy
+
+    def _exec(self, sc: Scenario) -> None:
+        cluster, kit, policy = self._cluster(sc.deployment)
         run_dir = self.out / "execs"
         t = self.elapsed()
         self.stats.execs += 1
@@ -418,18 +424,12 @@ class Fuzzer:
                                                       f"{CONFIRM_RUNS} runs (NEW leaks are confirmed past it)")
                 self._write_find(f"new-{f.signature}", sc, f, ex, rec)
                 continue
-            t_get = self.clock()
             try:
-                (cluster, kit, policy), started = self.clusters.get(sc.deployment)
+                cluster, kit, policy = self._cluster(sc.deployment)
             except Exception as e:  # noqa: BLE001 - a deployment that would not start: said, not fatal
                 rec.update(confirmed=None, reproduced=f"not confirmed: its deployment did not start: {e}"[:300])
                 self._write_find(f"new-{f.signature}", sc, f, ex, rec)
                 continue
-            if started:
-                self.stats.restarts += 1
-                self._start_cost = max(self._start_cost, self.clock() - t_get)
-                self._on_since = self.elapsed()
-                self._running = Deployment(dict(sc.deployment.restart), {})
             self.say(f"  confirming {f.signature} ({f.oracle}, seen {rec['seen']}x) from {sc.name}")
             self._confirm_and_write(f, sc, ex, rec, cluster, kit, policy, self.out / "execs")
 
