@@ -593,6 +593,78 @@ def test_a_find_whose_confirmation_would_not_fit_the_reserve_never_interrupts_th
     assert s["execs"] == 6 and not [n for n in names if "-" in n]
 
 
+def _wedge_scenario():
+    """A drawn scenario with client cuts, one prompt past decode's admission edge and an op aimed at it."""
+    from kvchaos.workload.scenario import Op
+    rng = random.Random(11)
+    while True:
+        sc = generate(rng, BASE, "w")
+        cuts = [p for p in sc.traffic.plans if p.get("kind") in ("abort_after", "disconnect_before_first_token")]
+        if cuts:
+            break
+    big = dict(sc.traffic.plans[-1], rid="big-1", n_tokens=1800)
+    sc.traffic.plans.append(big)
+    sc.nemesis = [Op(at_s=0.0, injector="agent", role="prefill", kind="hold", target={"rid": "big-1"}),
+                  Op(at_s=0.0, injector="action", kind="abort", rids=["big-1"], after=0)]
+    return sc.validate(), cuts
+
+
+def test_a_wedge_is_blamed_on_what_was_sent_before_the_first_request_that_hung():
+    from kvchaos.fuzz.grammar import wedge_traits
+    sc, cuts = _wedge_scenario()
+    plain = next(p for p in sc.traffic.plans if p.get("kind", "plain") == "plain" and p["n_tokens"] < 900)
+
+    def log(order, stall=True):
+        ev = [{"ev": "send", "rid": r, "wall": float(i)} for i, r in enumerate(order)]
+        ev += [{"ev": "end", "rid": plain["rid"], "outcome": "timeout", "wall": 40.0}]
+        return ev + ([{"ev": "stall", "wall": 40.0}] if stall else [])
+    assert wedge_traits(sc, log([cuts[0]["rid"], plain["rid"], "big-1"]), BASE) == {"cut"}
+    assert wedge_traits(sc, log(["big-1", plain["rid"], cuts[0]["rid"]]), BASE) == {"past_decode_edge"}
+    assert wedge_traits(sc, log([cuts[0]["rid"], plain["rid"]], stall=False), BASE) == set()  # no wedge
+
+
+def test_what_wedged_the_cluster_is_left_out_of_later_scenarios():
+    from kvchaos.fuzz.grammar import avoid, traits
+    sc, cuts = _wedge_scenario()
+    n = len(sc.traffic.plans)
+    out = avoid(Scenario.from_dict(sc.to_dict()), BASE, {"cut", "past_decode_edge"})
+    kinds = {p.get("kind", "plain") for p in out.traffic.plans}
+    assert not kinds & {"abort_after", "disconnect_before_first_token"} and len(out.traffic.plans) < n
+    assert "big-1" not in {p["rid"] for p in out.traffic.plans}
+    assert not any(traits(p, BASE, out.deployment) & {"cut", "past_decode_edge"} for p in out.traffic.plans)
+    assert out.nemesis == [] and out.origin["avoided"] == ["cut", "past_decode_edge"]  # the op aimed at it too
+    assert Scenario.from_dict(out.to_dict()).digest() == out.digest()
+    assert avoid(sc, BASE, set()) is sc
+    # the reject path's window (prefill refuses, decode would admit) is one trait of its own
+    dep = Deployment({}, {"prefill_input_limit": 512})
+    assert traits({"n_tokens": 700}, BASE, dep) == {"refused_within_decode_edge"}
+    assert traits({"n_tokens": 1537}, BASE, dep) == {"past_decode_edge"} and traits({"n_tokens": 500}, BASE, dep) == set()
+
+
+@pytest.mark.parametrize("strategy", ["guided", "random"])
+def test_only_the_guided_search_learns_what_wedges(tmp_path, strategy):
+    def outcomes(sc):  # a cut wedges the cluster: every request sent after it hangs
+        plans = sc.traffic.plans
+        ev = [{"ev": "send", "rid": p["rid"], "wall": float(i)} for i, p in enumerate(plans)]
+        cut = [i for i, p in enumerate(plans) if p.get("kind") in ("abort_after", "disconnect_before_first_token")]
+        if cut:
+            ev += [{"ev": "stall", "wall": 60.0}] + [{"ev": "end", "rid": p["rid"], "outcome": "timeout", "wall": 60.0}
+                                                     for p in plans[cut[0] + 1:]]
+        return ev, [_v("isolation", PASS)]
+    fz, _ = _fuzzer(tmp_path, outcomes, strategy=strategy, budget=400.0)
+    drawn = []
+    run = fz._run
+    fz._run = lambda sc, *a: (drawn.append(sc), run(sc, *a))[1]
+    s = fz.run()
+    with_cuts = [any(p.get("kind") in ("abort_after", "disconnect_before_first_token") for p in sc.traffic.plans)
+                 for sc in drawn]
+    first = with_cuts.index(True)
+    if strategy == "guided":
+        assert s["wedges_avoided"] == ["cut"] and not any(with_cuts[first + 1:])
+    else:
+        assert s["wedges_avoided"] == [] and sum(with_cuts[first + 1:]) >= 5
+
+
 def test_the_guided_search_learns_which_way_of_making_scenarios_pays():
     """Thompson sampling over generate / mutate / splice: a way that keeps paying is drawn most."""
     ops = fuzz_loop.Operators()

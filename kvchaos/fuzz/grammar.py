@@ -350,6 +350,67 @@ def mutate(rng: random.Random, sc: Scenario, base: Base, name: str) -> Scenario:
     return new.validate()
 
 
+CUTS = ("abort_after", "disconnect_before_first_token")
+
+
+def traits(plan: dict, base: Base, dep: Deployment) -> set[str]:
+    """The traffic traits a wedge is blamed on (:func:`wedge_traits`): ``cut`` (the client aborts or
+    disconnects), ``past_decode_edge`` (longer than decode's admission edge, pool − reservation: decode
+    can never pre-allocate it), ``refused_within_decode_edge`` (prefill's limit refuses it, decode would
+    admit it: the reject path's window)."""
+    pool, _ppool, _ctx, res, lim = base.limits(dep)
+    n = plan.get("n_tokens") or 0
+    out = {"cut"} if plan.get("kind") in CUTS else set()
+    if n > pool - res:
+        out.add("past_decode_edge")
+    elif n >= lim:
+        out.add("refused_within_decode_edge")
+    return out
+
+
+def wedge_traits(sc: Scenario, events: list[dict], base: Base) -> set[str]:
+    """What a run that wedged the cluster (the driver's ``stall`` record) is blamed on: the traits of the
+    requests sent no later than the first request that then hung (timed out). Empty when it did not stall."""
+    if not any(e.get("ev") == "stall" for e in events):
+        return set()
+    sends = {e["rid"]: e.get("wall", 0.0) for e in events if e.get("ev") == "send" and e.get("rid")}
+    hung = [sends[e["rid"]] for e in events if e.get("ev") == "end" and e.get("outcome") == "timeout"
+            and e.get("rid") in sends]
+    if not hung:
+        return set()
+    first = min(hung)
+    out = set()
+    for p in sc.traffic.plans:
+        if p["rid"] in sends and sends[p["rid"]] <= first:
+            out |= traits(p, base, sc.deployment)
+    return out
+
+
+def avoid(sc: Scenario, base: Base, wedges: set[str]) -> Scenario:
+    """``sc`` without the traits that already wedged this search's cluster: a cut becomes the same
+    request with no cut, a prompt with another such trait is dropped (and what waits on it). Each wedge
+    costs a cluster restart and hides the rest of its run, and one already seen shows nothing new
+    (AFL keeps a hang once). ``origin["avoided"]`` says what was taken out."""
+    if not wedges:
+        return sc
+    gone, cut = set(), 0
+    for p in sc.traffic.plans:  # in order: a plan waits only on one before it
+        t = traits(p, base, sc.deployment) & wedges
+        if p.get("after") in gone or t - {"cut"}:
+            gone.add(p["rid"])
+        elif "cut" in t:
+            p["kind"], cut = "plain", cut + 1
+            p.pop("abort_after_ms", None)
+    if not gone and not cut:
+        return sc
+    sc.traffic.plans = [p for p in sc.traffic.plans if p["rid"] not in gone]
+    targets = {p["rid"] for p in sc.traffic.plans}
+    while (i := next((i for i, o in enumerate(sc.nemesis) if _names_missing(o, targets)), None)) is not None:
+        _drop(sc, i)  # an op aimed at a dropped request (and what waits on it)
+    sc.origin = {**sc.origin, "avoided": sorted(wedges)}
+    return _relabel(sc, base)
+
+
 def rebase(sc: Scenario, base: Base, restart: dict) -> Scenario:
     """``sc`` on another deployment's restart knobs (its live knobs kept): every plan is labelled again
     with what that deployment's limits say it gets, so a prompt the new limits refuse is judged as

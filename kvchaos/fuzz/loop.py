@@ -34,7 +34,7 @@ from kvchaos.workload.snapshots import settle as settle_cluster
 
 from .corpus import Corpus
 from .feedback import features
-from .grammar import Base, baseline, generate, mutate, rebase, splice
+from .grammar import Base, avoid, baseline, generate, mutate, rebase, splice, wedge_traits
 from .shrink import shrink
 from .triage import Find, is_leak, triage
 
@@ -199,6 +199,7 @@ class Fuzzer:
         self._on_since = 0.0  # when the running cluster started (search time)
         self._running: Deployment | None = None  # the running cluster's deployment
         self.pending: list[dict] = []  # NEW finds that are no leak, to confirm at the end (CONFIRM_RESERVE)
+        self.wedges: set[str] = set()  # traffic traits a run that wedged the cluster was blamed on (guided)
         self.out.mkdir(parents=True, exist_ok=True)
 
     # ------------------------------------------------------------------ the loop
@@ -215,6 +216,8 @@ class Fuzzer:
                     self._confirm_pending()  # then search on if time is left
                     continue
                 sc = self._next()
+                if self.strategy == "guided":  # what already wedged this search's cluster, left out
+                    sc = avoid(sc, self.base, self.wedges)
                 key = sc.deployment.restart_key()
                 if self.pending and key != self.clusters.key and self.elapsed() + self._last_wall + max(
                         self._start_cost, START_COST_FLOOR_S) >= self.budget_s - self._reserve(key):
@@ -310,6 +313,11 @@ class Fuzzer:
             feats = feats | {"after_run:requests_left_in_engine"}
         # both strategies count coverage the same way; only guided draws from what the corpus kept
         kept = self.corpus.add(sc, feats, t, run=str(ex.path), wall_s=wall_s)
+        if self.strategy == "guided":  # random draws on regardless: the baseline guidance is measured against
+            blamed = wedge_traits(sc, ex.events, self.base) - self.wedges
+            if blamed:
+                self.wedges |= blamed
+                self.say(f"  {sc.name} wedged the cluster: later scenarios leave out {sorted(blamed)}")
         self.since_new = 0 if kept else self.since_new + 1
         finds = triage(ex.verdicts, ex.context(), self.registry, ex.events)
         broken = f"it would not go idle: {left}" if left else None
@@ -523,7 +531,8 @@ class Fuzzer:
              "features": len(self.corpus.seen), "corpus": len(self.corpus), "corpus_resumed": self.corpus.resumed,
              "known": self.stats.first_known, "known_without_faults": self.stats.first_known_quiet,
              "new": self.stats.new, "timeline": self.stats.timeline,
-             "operators": {w: {"runs": n, "paid": k} for w, (n, k) in self.operators.record.items()}}
+             "operators": {w: {"runs": n, "paid": k} for w, (n, k) in self.operators.record.items()},
+             "wedges_avoided": sorted(self.wedges)}
         (self.out / "fuzz.json").write_text(json.dumps(s, indent=1, default=str) + "\n")
         return s
 
