@@ -199,7 +199,10 @@ class Fuzzer:
         self._on_since = 0.0  # when the running cluster started (search time)
         self._running: Deployment | None = None  # the running cluster's deployment
         self.pending: list[dict] = []  # NEW finds that are no leak, to confirm at the end (CONFIRM_RESERVE)
-        self.wedges: set[str] = set()  # traffic traits a run that wedged the cluster was blamed on (guided)
+        # restart key -> traffic traits a run that wedged that deployment's cluster was blamed on (guided):
+        # per deployment, since one that wedges on the base (a prompt past decode's admission edge: the hang
+        # band) is what another one is for (--allow-auto-truncate truncates exactly those)
+        self.wedges: dict[str, set[str]] = {}
         self.out.mkdir(parents=True, exist_ok=True)
 
     # ------------------------------------------------------------------ the loop
@@ -216,8 +219,8 @@ class Fuzzer:
                     self._confirm_pending()  # then search on if time is left
                     continue
                 sc = self._next()
-                if self.strategy == "guided":  # what already wedged this search's cluster, left out
-                    sc = avoid(sc, self.base, self.wedges)
+                if self.strategy == "guided":  # what already wedged this deployment's cluster, left out
+                    sc = avoid(sc, self.base, self.wedges.get(sc.deployment.restart_key(), set()))
                 key = sc.deployment.restart_key()
                 if self.pending and key != self.clusters.key and self.elapsed() + self._last_wall + max(
                         self._start_cost, START_COST_FLOOR_S) >= self.budget_s - self._reserve(key):
@@ -314,9 +317,10 @@ class Fuzzer:
         # both strategies count coverage the same way; only guided draws from what the corpus kept
         kept = self.corpus.add(sc, feats, t, run=str(ex.path), wall_s=wall_s)
         if self.strategy == "guided":  # random draws on regardless: the baseline guidance is measured against
-            blamed = wedge_traits(sc, ex.events, self.base) - self.wedges
+            seen = self.wedges.setdefault(sc.deployment.restart_key(), set())
+            blamed = wedge_traits(sc, ex.events, self.base) - seen
             if blamed:
-                self.wedges |= blamed
+                seen |= blamed
                 self.say(f"  {sc.name} wedged the cluster: later scenarios leave out {sorted(blamed)}")
         self.since_new = 0 if kept else self.since_new + 1
         finds = triage(ex.verdicts, ex.context(), self.registry, ex.events)
@@ -532,7 +536,7 @@ class Fuzzer:
              "known": self.stats.first_known, "known_without_faults": self.stats.first_known_quiet,
              "new": self.stats.new, "timeline": self.stats.timeline,
              "operators": {w: {"runs": n, "paid": k} for w, (n, k) in self.operators.record.items()},
-             "wedges_avoided": sorted(self.wedges)}
+             "wedges_avoided": {k: sorted(v) for k, v in self.wedges.items() if v}}
         (self.out / "fuzz.json").write_text(json.dumps(s, indent=1, default=str) + "\n")
         return s
 
