@@ -614,12 +614,15 @@ def test_a_wedge_is_blamed_on_what_was_sent_before_the_first_request_that_hung()
     sc, cuts = _wedge_scenario()
     plain = next(p for p in sc.traffic.plans if p.get("kind", "plain") == "plain" and p["n_tokens"] < 900)
 
-    def log(order, stall=True):
+    def log(order, stall=True, answered=()):
         ev = [{"ev": "send", "rid": r, "wall": float(i)} for i, r in enumerate(order)]
         ev += [{"ev": "end", "rid": plain["rid"], "outcome": "timeout", "wall": 40.0}]
+        ev += [{"ev": "end", "rid": r, "outcome": "ok", "wall": 3.0} for r in answered]
         return ev + ([{"ev": "stall", "wall": 40.0}] if stall else [])
     assert wedge_traits(sc, log([cuts[0]["rid"], plain["rid"], "big-1"]), BASE) == {"cut"}
     assert wedge_traits(sc, log(["big-1", plain["rid"], cuts[0]["rid"]]), BASE) == {"past_decode_edge"}
+    # answered before the wedge: not what wedged it (0.5.19's reject window answers 200 beside the cuts)
+    assert wedge_traits(sc, log(["big-1", cuts[0]["rid"], plain["rid"]], answered=["big-1"]), BASE) == {"cut"}
     assert wedge_traits(sc, log([cuts[0]["rid"], plain["rid"]], stall=False), BASE) == set()  # no wedge
 
 

@@ -370,18 +370,21 @@ def traits(plan: dict, base: Base, dep: Deployment) -> set[str]:
 
 def wedge_traits(sc: Scenario, events: list[dict], base: Base) -> set[str]:
     """What a run that wedged the cluster (the driver's ``stall`` record) is blamed on: the traits of the
-    requests sent no later than the first request that then hung (timed out). Empty when it did not stall."""
+    requests sent no later than the first request that then hung (timed out), except those answered (a
+    prompt that got its reply did not wedge the pipeline: on 0.5.19 the reject path's window answers
+    HTTP 200, and blaming it for the cuts sent beside it would keep the search out of that window).
+    Empty when it did not stall."""
     if not any(e.get("ev") == "stall" for e in events):
         return set()
     sends = {e["rid"]: e.get("wall", 0.0) for e in events if e.get("ev") == "send" and e.get("rid")}
-    hung = [sends[e["rid"]] for e in events if e.get("ev") == "end" and e.get("outcome") == "timeout"
-            and e.get("rid") in sends]
+    ends = {e["rid"]: e.get("outcome") for e in events if e.get("ev") == "end" and e.get("rid")}
+    hung = [sends[r] for r, o in ends.items() if o == "timeout" and r in sends]
     if not hung:
         return set()
     first = min(hung)
     out = set()
     for p in sc.traffic.plans:
-        if p["rid"] in sends and sends[p["rid"]] <= first:
+        if p["rid"] in sends and sends[p["rid"]] <= first and ends.get(p["rid"]) not in ("ok", "http_error"):
             out |= traits(p, base, sc.deployment)
     return out
 
