@@ -532,16 +532,22 @@ def test_only_a_new_leak_is_confirmed_past_the_budgets_end(tmp_path, leak):
         assert s["elapsed_s"] <= 20.0
 
 
-def test_a_new_find_that_is_no_leak_is_confirmed_at_the_end_of_the_search_not_in_its_middle(tmp_path):
-    """The search runs on until only the pending finds' expected cost is left of the budget; then they are
-    confirmed, the most often seen first, and one the budget has no room for is written up unconfirmed."""
-    names = []
-
+def _faulty_runs_answer_503(names: list):
+    """Outcomes where a run with an op or a live knob gets a 503 (one NEW non-leak signature); ``names``
+    collects the scenarios run, in order."""
     def outcomes(sc):
         names.append(sc.name)
         bad = bool(sc.nemesis) or bool(sc.deployment.live)
         w = {"rid": "v", "status": 503, "problem": "x"}
         return _log(ends=[("v", 200, "ok")]), [_v("http_semantics", FAIL if bad else PASS, [w] if bad else [])]
+    return outcomes
+
+
+def test_a_new_find_that_is_no_leak_is_confirmed_at_the_end_of_the_search_not_in_its_middle(tmp_path):
+    """The search runs on until only the pending finds' expected cost is left of the budget; then they are
+    confirmed, the most often seen first, and one the budget has no room for is written up unconfirmed."""
+    names = []
+    outcomes = _faulty_runs_answer_503(names)
     fz, _ = _fuzzer(tmp_path, outcomes, budget=200.0)
     s = fz.run()
     (sig, rec), = s["new"].items()
@@ -580,12 +586,7 @@ def test_a_find_whose_confirmation_would_not_fit_the_reserve_never_interrupts_th
     the find is written up unconfirmed, saying why (a 0.5.19 wedge's confirmation took a 10-minute
     search's place)."""
     names = []
-
-    def outcomes(sc):
-        names.append(sc.name)
-        bad = bool(sc.nemesis) or bool(sc.deployment.live)
-        w = {"rid": "v", "status": 503, "problem": "x"}
-        return _log(ends=[("v", 200, "ok")]), [_v("http_semantics", FAIL if bad else PASS, [w] if bad else [])]
+    outcomes = _faulty_runs_answer_503(names)
     fz, _ = _fuzzer(tmp_path, outcomes, budget=60.0)
     s = fz.run()
     (rec,) = s["new"].values()
