@@ -612,7 +612,10 @@ def _wedge_scenario():
 
 def test_a_wedge_is_blamed_on_what_was_sent_before_the_first_request_that_hung():
     from kvchaos.fuzz.grammar import wedge_traits
-    sc, cuts = _wedge_scenario()
+    from kvchaos.workload.scenario import Op
+    held, cuts = _wedge_scenario()  # it holds a request itself (its hold op)
+    sc = Scenario.from_dict(held.to_dict())
+    sc.nemesis = []
     plain = next(p for p in sc.traffic.plans if p.get("kind", "plain") == "plain" and p["n_tokens"] < 900)
 
     def log(order, stall=True, answered=()):
@@ -625,6 +628,12 @@ def test_a_wedge_is_blamed_on_what_was_sent_before_the_first_request_that_hung()
     # answered before the wedge: not what wedged it (0.5.19's reject window answers 200 beside the cuts)
     assert wedge_traits(sc, log(["big-1", cuts[0]["rid"], plain["rid"]], answered=["big-1"]), BASE) == {"cut"}
     assert wedge_traits(sc, log([cuts[0]["rid"], plain["rid"]], stall=False), BASE) == set()  # no wedge
+    # a scenario that holds a request itself: the fault explains the wedge as well as the traffic; a
+    # delay lets every request go on, and the traffic is blamed as without it
+    assert any(o.kind == "hold" for o in held.nemesis)
+    assert wedge_traits(held, log([cuts[0]["rid"], plain["rid"]]), BASE) == set()
+    sc.nemesis = [Op(at_s=0.0, injector="agent", role="prefill", kind="delay", params={"ms": 100})]
+    assert wedge_traits(sc, log([cuts[0]["rid"], plain["rid"]]), BASE) == {"cut"}
 
 
 def test_what_wedged_the_cluster_is_left_out_of_later_scenarios():
