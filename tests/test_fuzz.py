@@ -625,6 +625,12 @@ def test_a_wedge_is_blamed_on_what_was_sent_before_the_first_request_that_hung()
         return ev + ([{"ev": "stall", "wall": 40.0}] if stall else [])
     assert wedge_traits(sc, log([cuts[0]["rid"], plain["rid"], "big-1"]), BASE) == {"cut"}
     assert wedge_traits(sc, log(["big-1", plain["rid"], cuts[0]["rid"]]), BASE) == {"past_decode_edge"}
+    # the first request that hung has a trait of its own: it is blamed, not the cut sent before it (a cut
+    # is never answered); one that hung after the first did not wedge anything
+    hung_big = log([cuts[0]["rid"], "big-1", plain["rid"]]) + [{"ev": "end", "rid": "big-1", "outcome": "timeout"}]
+    assert wedge_traits(sc, hung_big, BASE) == {"past_decode_edge"}
+    later_big = log([cuts[0]["rid"], plain["rid"], "big-1"]) + [{"ev": "end", "rid": "big-1", "outcome": "timeout"}]
+    assert wedge_traits(sc, later_big, BASE) == {"cut"}
     # answered before the wedge: not what wedged it (0.5.19's reject window answers 200 beside the cuts)
     assert wedge_traits(sc, log(["big-1", cuts[0]["rid"], plain["rid"]], answered=["big-1"]), BASE) == {"cut"}
     assert wedge_traits(sc, log([cuts[0]["rid"], plain["rid"]], stall=False), BASE) == set()  # no wedge
@@ -656,13 +662,17 @@ def test_what_wedged_the_cluster_is_left_out_of_later_scenarios():
 
 @pytest.mark.parametrize("strategy", ["guided", "random"])
 def test_only_the_guided_search_learns_what_wedges(tmp_path, strategy):
-    def outcomes(sc):  # a cut wedges the cluster: every request sent after it hangs
+    from kvchaos.fuzz.grammar import traits
+
+    def outcomes(sc):  # a cut wedges the cluster: the ordinary requests sent after it hang, the rest not sent
         plans = sc.traffic.plans
         ev = [{"ev": "send", "rid": p["rid"], "wall": float(i)} for i, p in enumerate(plans)]
         cut = [i for i, p in enumerate(plans) if p.get("kind") in ("abort_after", "disconnect_before_first_token")]
         if cut:
-            ev += [{"ev": "stall", "wall": 60.0}] + [{"ev": "end", "rid": p["rid"], "outcome": "timeout", "wall": 60.0}
-                                                     for p in plans[cut[0] + 1:]]
+            ev += [{"ev": "stall", "wall": 60.0}] + [
+                {"ev": "end", "rid": p["rid"], "wall": 60.0,
+                 "outcome": "not_sent" if traits(p, BASE, sc.deployment) else "timeout"}
+                for p in plans[cut[0] + 1:]]
         return ev, [_v("isolation", PASS)]
     fz, _ = _fuzzer(tmp_path, outcomes, strategy=strategy, budget=400.0)
     drawn = []

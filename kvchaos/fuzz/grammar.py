@@ -387,6 +387,15 @@ def wedge_traits(sc: Scenario, events: list[dict], base: Base) -> set[str]:
     if not hung:
         return set()
     first = min(hung)
+    # the first request that hung, if it has a trait of its own, is the likelier culprit than a cut sent
+    # before it (a cut never gets an answer, by design): on 0.5.23 a prompt in the reject window hangs
+    # and the cuts sent before it do not wedge; on 0.5.19 a cut does, and what hung first is plain
+    hung_itself = set()
+    for p in sc.traffic.plans:
+        if ends.get(p["rid"]) == "timeout" and sends.get(p["rid"]) == first:
+            hung_itself |= traits(p, base, sc.deployment) - {"cut"}
+    if hung_itself:
+        return hung_itself
     out = set()
     for p in sc.traffic.plans:
         if p["rid"] in sends and sends[p["rid"]] <= first and ends.get(p["rid"]) not in ("ok", "http_error"):
