@@ -474,6 +474,29 @@ def test_behind_a_band_prompt_is_the_engines_order_where_it_has_one():
     assert p.judge([Verdict("isolation", PASS, "ok"), live], Context.of(ev), {"liveness": PASS}).status == FAIL
 
 
+def test_an_oversized_prompt_the_front_end_refused_neither_confirms_nor_contradicts_the_intake_reject_hang():
+    """A live input limit (256) moves only the schedulers' limit: a prompt past the limit the
+    TokenizerManager read at start is refused there with a 400 and never reaches the reject path. The
+    ones that did hang; one answered 200 still contradicts; one 4xx alone confirms nothing."""
+    p = Policy(accept_known=True)
+
+    def log(third):
+        ev = [HEADER] + crowd() + [{"ev": "fault", "action": "armed", "kind": "input_limit", "injector": "agent"}]
+        for i, rid in enumerate(("o1", "o2")):
+            ev += [plan(rid, "t9", canary.mint(random.Random(40 + i), 2), oversized=True),
+                   {"ev": "send", "rid": rid, "wall": 100.0}, {"ev": "end", "rid": rid, "outcome": "timeout", "wall": 130.0}]
+        if third is not None:
+            ev += [plan("o3", "t9", canary.mint(random.Random(49), 2), oversized=True)] + reply("o3", "", status=third)
+        return ev
+    hung = Verdict("liveness", FAIL, "hung", [{"rid": r, "outcome": "timeout", "problem": "no answer within 30 s"}
+                                             for r in ("o1", "o2")])
+    for third, want in ((None, "known"), (400, "known"), (200, FAIL)):
+        j = p.judge([Verdict("isolation", PASS, "ok"), hung], Context.of(log(third)), {"liveness": PASS})
+        assert j.status == want, (third, j.message())
+        if want == "known":
+            assert j.known[0].finding.id == "sglang-intake-reject-hang"
+
+
 def _band_extra(ev, rid, outcome, tag=True):
     """One more band prompt (tagged) that ended ``outcome`` and is no liveness witness."""
     ev.append(plan(rid, "t8", canary.mint(random.Random(hash(rid) % 1000), 2), extra={"probe": "hang_band"} if tag else {}))
