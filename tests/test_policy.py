@@ -474,10 +474,10 @@ def test_behind_a_band_prompt_is_the_engines_order_where_it_has_one():
     assert p.judge([Verdict("isolation", PASS, "ok"), live], Context.of(ev), {"liveness": PASS}).status == FAIL
 
 
-def test_an_oversized_prompt_the_front_end_refused_neither_confirms_nor_contradicts_the_intake_reject_hang():
-    """A live input limit (256) moves only the schedulers' limit: a prompt past the limit the
-    TokenizerManager read at start is refused there with a 400 and never reaches the reject path. The
-    ones that did hang; one answered 200 still contradicts; one 4xx alone confirms nothing."""
+def test_an_oversized_prompt_refused_with_a_4xx_neither_confirms_nor_contradicts_the_intake_reject_hang():
+    """Prefill's input limit lowered to 256: a prompt past decode's own limit (2042) is refused by decode
+    with a 400 and never waits on the reject path. The ones that did hang; one answered 200 still
+    contradicts; a 4xx confirms nothing."""
     p = Policy(accept_known=True)
 
     def log(third):

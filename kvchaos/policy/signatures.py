@@ -112,10 +112,10 @@ def _sig_all_tagged_hung(v, ctx, tag):
 
 def _sig_oversized_all_hung(v, ctx, want):
     """Every oversized request that reached the engine's reject path hung. Set aside: those never sent,
-    and those the front end refused with a 4xx (a prompt past the limit the TokenizerManager read at
-    start: a live knob lowers only the schedulers' ``max_req_input_len``, so a longer prompt never
-    reaches the reject path — a guided search on 0.5.23 saw a 2048-token prompt answered 400 beside
-    256-token ones that hung, and left the intake-reject hang NEW). At least one must have hung."""
+    and those refused with a 4xx (a prompt past decode's own input limit: decode answers it 400
+    ``decode_bad_request``, and it never waits on prefill's reject path — a guided search on 0.5.23 with
+    prefill's limit lowered to 256 saw a 2048-token prompt answered so beside 256-token ones that hung,
+    and left the intake-reject hang NEW). At least one must have hung."""
     h = ctx.history
     big = {rid for rid, p in ctx.plans().items() if p.get("oversized") and h.outcome(rid) != "not_sent"
            and not (h.outcome(rid) == "http_error" and 400 <= (h.statuses.get(rid) or 0) < 500)}
