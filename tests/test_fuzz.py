@@ -766,6 +766,21 @@ def test_a_known_finding_found_with_no_fault_op_is_timed_apart(tmp_path):
     assert "found with no fault op" in side and "with no fault op" in side.split("first sglang-pd-hang-band")[1]
 
 
+def test_every_scenario_of_a_search_has_a_name_of_its_own_so_no_event_log_replaces_another(tmp_path, monkeypatch):
+    """Scenarios queued for another deployment run later than they were drawn: each still has its own
+    name (the run dir is shared, and an experiment's files are named after its scenario)."""
+    monkeypatch.setattr(fuzz_loop, "SWITCH_AFTER", 2)
+    names = []
+
+    def outcomes(sc):
+        names.append(sc.name)
+        return _log(ends=[("r", 200, "ok")]), [_v("isolation", PASS)]
+    fz, started = _fuzzer(tmp_path, outcomes, strategy="random", budget=600.0)
+    fz.run()
+    assert len(set(started)) >= 2  # deployments changed, so scenarios waited in queues
+    assert len(names) == len(set(names)) == 60, names
+
+
 def test_random_never_draws_from_the_corpus(tmp_path, monkeypatch):
     monkeypatch.setattr(Corpus, "pick", lambda self, rng: pytest.fail("random strategy picked from the corpus"))
     fz, _ = _fuzzer(tmp_path, lambda sc: (_log(ends=[("r", 200, "ok")]), [_v("isolation", PASS)]), strategy="random")

@@ -189,6 +189,7 @@ class Fuzzer:
         self.stats = Stats()
         self.queues: dict[str, list[Scenario]] = {}
         self.operators = Operators()
+        self._draws = 0  # scenarios drawn (each gets its own name: _name)
         self.since_new = 0
         self.engine_version = engine_version
         self.deployments = deployments
@@ -235,7 +236,11 @@ class Fuzzer:
         return self.summary()
 
     def _name(self) -> str:
-        return f"fz{self.stats.execs:05d}"
+        """A name no other scenario of this search has: one per draw (a scenario queued for another
+        deployment runs later, and a name taken from the run count gave it the name of the run after it,
+        whose event log its own then replaced)."""
+        self._draws += 1
+        return f"fz{self._draws - 1:05d}"
 
     def _draw(self) -> Scenario:
         name = self._name()
