@@ -766,9 +766,9 @@ def test_a_known_finding_found_with_no_fault_op_is_timed_apart(tmp_path):
     assert "found with no fault op" in side and "with no fault op" in side.split("first sglang-pd-hang-band")[1]
 
 
-def test_every_scenario_of_a_search_has_a_name_of_its_own_so_no_event_log_replaces_another(tmp_path, monkeypatch):
+def test_every_scenario_of_a_search_has_a_name_of_its_own(tmp_path, monkeypatch):
     """Scenarios queued for another deployment run later than they were drawn: each still has its own
-    name (the run dir is shared, and an experiment's files are named after its scenario)."""
+    name (a find's write-up and the search's output name the scenario)."""
     monkeypatch.setattr(fuzz_loop, "SWITCH_AFTER", 2)
     names = []
 

@@ -237,8 +237,8 @@ class Fuzzer:
 
     def _name(self) -> str:
         """A name no other scenario of this search has: one per draw (a scenario queued for another
-        deployment runs later, and a name taken from the run count gave it the name of the run after it,
-        whose event log its own then replaced)."""
+        deployment runs later, and a name taken from the run count gave it the name of the run after it:
+        two scenarios under one name in the search's output and its finds' write-ups)."""
         self._draws += 1
         return f"fz{self._draws - 1:05d}"
 
