@@ -459,8 +459,8 @@ def test_hang_band_is_known_only_when_every_hung_request_is_a_band_prompt_or_que
 
 
 def test_behind_a_band_prompt_is_the_engines_order_where_it_has_one():
-    """Sent first by the client but queued after the band prompt by prefill (the same millisecond):
-    behind it. Queued before it by prefill: not behind, whatever the client's clock says."""
+    """Sent first by the client but queued after the band prompt by prefill, or never queued (the same
+    millisecond): behind it. Queued before it by prefill: not behind, whatever the client's clock says."""
     p = Policy(accept_known=True)
     for q_early, q_b1, want in ((100.02, 100.01, "known"), (100.00, 100.01, FAIL)):
         ev, live = _band_log(True)  # "early": sent at 5.0, before b1 (10.0)
@@ -468,9 +468,13 @@ def test_behind_a_band_prompt_is_the_engines_order_where_it_has_one():
                for i, (r, w) in enumerate((("early", q_early), ("b1", q_b1), ("b2", 100.5), ("q1", 100.6)))]
         j = p.judge([Verdict("isolation", PASS, "ok"), live], Context.of(ev), {"liveness": PASS})
         assert j.status == want, (q_early, j.message())
-    # no engine order for the early request: the client's order decides (it was sent first: not behind)
+    # prefill queued the band prompt but never the early request: it did not reach prefill ahead of it
     ev, live = _band_log(True)
     ev += [{"ev": "agent", "agent_ev": "bootstrap_queued", "role": "prefill", "rid": "b1", "wall": 100.0, "room": 1}]
+    assert p.judge([Verdict("isolation", PASS, "ok"), live], Context.of(ev), {"liveness": PASS}).status == "known"
+    # prefill queued no band prompt: the client's order decides (the early request was sent first: not behind)
+    ev, live = _band_log(True)
+    ev += [{"ev": "agent", "agent_ev": "bootstrap_queued", "role": "prefill", "rid": "early", "wall": 100.0, "room": 1}]
     assert p.judge([Verdict("isolation", PASS, "ok"), live], Context.of(ev), {"liveness": PASS}).status == FAIL
 
 
