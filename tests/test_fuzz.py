@@ -867,8 +867,11 @@ def test_the_side_by_side_table_says_who_is_ahead():
     g = {"strategy": "guided", "execs": 10, "execs_per_min": 2.0, "features": 40, "corpus": 9, "cluster_restarts": 1,
          "known": {"a": {"t": 5.0}, "b": {"t": 9.0}}, "new": {}}
     r = {**g, "strategy": "random", "features": 30, "known": {"a": {"t": 7.0}}}
-    assert "ahead: guided on distinct findings (2 vs 1)" in table([g, r])
-    assert "ahead: guided on coverage (40 vs 30 features)" in table([g, {**r, "known": g["known"]}])
+    t = table([g, r])
+    assert "ahead on distinct findings: guided (2 vs 1)" in t and "ahead on coverage: guided (40 vs 30 features)" in t
+    t = table([g, {**r, "known": {"a": {"t": 1.0}, "b": {"t": 2.0}, "c": {"t": 3.0}}}])
+    assert "ahead on distinct findings: random (3 vs 2)" in t and "ahead on coverage: guided (40 vs 30 features)" in t
+    assert "ahead on distinct findings: neither (2 each)" in table([g, {**r, "known": g["known"]}])
 
 
 def test_budget_parsing(capsys):

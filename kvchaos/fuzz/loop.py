@@ -568,16 +568,13 @@ def table(runs: list[dict]) -> str:
             rows.append(f"{'    with no fault op':38s}" + "".join(
                 f"{(str(r['known_without_faults'][i]['t']) + ' s') if i in r.get('known_without_faults', {}) else '-':>14s}"
                 for r in runs))
-    if len(runs) == 2:
+    if len(runs) == 2:  # each measure said on its own line: one arm can lead on one and trail on the other
         a, b = runs
-        da, db = len(a["known"]), len(b["known"])
-        if da != db:
-            w = a if da > db else b
-            rows.append(f"ahead: {w['strategy']} on distinct findings ({max(da, db)} vs {min(da, db)})")
-        elif a["features"] != b["features"]:
-            w = a if a["features"] > b["features"] else b
-            rows.append(f"ahead: {w['strategy']} on coverage ({w['features']} vs "
-                        f"{min(a['features'], b['features'])} features), equal on distinct findings ({da})")
-        else:
-            rows.append("ahead: neither (same distinct findings and coverage)")
+        for what, (x, y), unit in (("distinct findings", (len(a["known"]), len(b["known"])), ""),
+                                   ("coverage", (a["features"], b["features"]), " features")):
+            if x == y:
+                rows.append(f"ahead on {what}: neither ({x}{unit} each)")
+            else:
+                w = a if x > y else b
+                rows.append(f"ahead on {what}: {w['strategy']} ({max(x, y)} vs {min(x, y)}{unit})")
     return "\n".join(rows)
