@@ -202,7 +202,9 @@ class Fuzzer:
         self.pending: list[dict] = []  # NEW finds that are no leak, to confirm at the end (CONFIRM_RESERVE)
         # restart key -> traffic traits a run that wedged that deployment's cluster was blamed on (guided):
         # per deployment, since one that wedges on the base (a prompt past decode's admission edge: the hang
-        # band) is what another one is for (--allow-auto-truncate truncates exactly those)
+        # band) is what another one is for (--allow-auto-truncate truncates exactly those). A client's cut
+        # is the engine's front end, not a deployment's: once blamed it is left out everywhere ("*"; a
+        # 0.5.19 search left cuts out of the base deployment, then wedged a decode-radix-cache one with them)
         self.wedges: dict[str, set[str]] = {}
         self.out.mkdir(parents=True, exist_ok=True)
 
@@ -221,7 +223,8 @@ class Fuzzer:
                     continue
                 sc = self._next()
                 if self.strategy == "guided":  # what already wedged this deployment's cluster, left out
-                    sc = avoid(sc, self.base, self.wedges.get(sc.deployment.restart_key(), set()))
+                    sc = avoid(sc, self.base, self.wedges.get(sc.deployment.restart_key(), set())
+                               | self.wedges.get("*", set()))
                 key = sc.deployment.restart_key()
                 if self.pending and key != self.clusters.key and self.elapsed() + self._last_wall + max(
                         self._start_cost, START_COST_FLOOR_S) >= self.budget_s - self._reserve(key):
@@ -319,14 +322,18 @@ class Fuzzer:
         if aborted:  # the engines kept requests their clients had given up on: an engine state too
             self.stats.stuck += 1
             feats = feats | {"after_run:requests_left_in_engine"}
-        # both strategies count coverage the same way; only guided draws from what the corpus kept
-        kept = self.corpus.add(sc, feats, t, run=str(ex.path), wall_s=wall_s)
+        blamed = set()
         if self.strategy == "guided":  # random draws on regardless: the baseline guidance is measured against
             seen = self.wedges.setdefault(sc.deployment.restart_key(), set())
-            blamed = wedge_traits(sc, ex.events, self.base) - seen
+            blamed = wedge_traits(sc, ex.events, self.base) - seen - self.wedges.get("*", set())
             if blamed:
-                seen |= blamed
+                seen |= blamed - {"cut"}
+                if "cut" in blamed:
+                    self.wedges.setdefault("*", set()).add("cut")
                 self.say(f"  {sc.name} wedged the cluster: later scenarios leave out {sorted(blamed)}")
+        # both strategies count coverage the same way; only guided draws from what the corpus kept. A run
+        # a wedge took long is not picked less for it: its mutations leave the wedge's traits out
+        kept = self.corpus.add(sc, feats, t, run=str(ex.path), wall_s=None if blamed else wall_s)
         self.since_new = 0 if kept else self.since_new + 1
         finds = triage(ex.verdicts, ex.context(), self.registry, ex.events)
         broken = f"it would not go idle: {left}" if left else None
