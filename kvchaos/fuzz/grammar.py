@@ -371,14 +371,15 @@ def traits(plan: dict, base: Base, dep: Deployment) -> set[str]:
 
 
 def wedge_traits(sc: Scenario, events: list[dict], base: Base) -> set[str]:
-    """What a run that wedged the cluster (the driver's ``stall`` record) is blamed on: the traits of the
-    requests sent no later than the first request that then hung (timed out), except those answered (a
-    prompt that got its reply did not wedge the pipeline: on 0.5.19 the reject path's window answers
-    HTTP 200, and blaming it for the cuts sent beside it would keep the search out of that window).
-    Empty when it did not stall, or when the run carried an op that can hold requests by itself (a hold,
-    a park, a stalled status read, a process stopped or killed, a toxic on a leg): the fault explains the
-    wedge as well as the traffic (a first guided search on 0.5.23 blamed a run of six ops on its cuts,
-    which do not wedge that release)."""
+    """What a run that wedged the cluster (the driver's ``stall`` record) is blamed on: the first request
+    that then hung (timed out), where it has a trait of its own; else the traits of the requests sent no
+    later than it, except those answered (a prompt that got its reply did not wedge the pipeline: on
+    0.5.19 the reject path's window answers HTTP 200, and blaming it for the cuts sent beside it would
+    keep the search out of that window). Empty when it did not stall, or when the run carried an op
+    that can hold requests by itself (anything but :data:`BOUNDED_OPS`: a hold, a park, a stalled status
+    read, a process stopped or killed, a toxic other than latency): the fault explains the wedge as well
+    as the traffic (a first guided search on 0.5.23 blamed a run of six ops on its cuts, which do not
+    wedge that release)."""
     if not any(e.get("ev") == "stall" for e in events) or any(o.kind not in BOUNDED_OPS for o in sc.nemesis):
         return set()
     sends = {e["rid"]: e.get("wall", 0.0) for e in events if e.get("ev") == "send" and e.get("rid")}
