@@ -472,6 +472,11 @@ def test_behind_a_band_prompt_is_the_engines_order_where_it_has_one():
     ev, live = _band_log(True)
     ev += [{"ev": "agent", "agent_ev": "bootstrap_queued", "role": "prefill", "rid": "b1", "wall": 100.0, "room": 1}]
     assert p.judge([Verdict("isolation", PASS, "ok"), live], Context.of(ev), {"liveness": PASS}).status == "known"
+    # ... unless it went by an OpenAI route, whose requests reach the engines under ids of their own
+    ev, live = _band_log(True)
+    ev = [dict(e, endpoint="chat") if e.get("ev") == "plan" and e["rid"] == "early" else e for e in ev]
+    ev += [{"ev": "agent", "agent_ev": "bootstrap_queued", "role": "prefill", "rid": "b1", "wall": 100.0, "room": 1}]
+    assert p.judge([Verdict("isolation", PASS, "ok"), live], Context.of(ev), {"liveness": PASS}).status == FAIL
     # prefill queued no band prompt: the client's order decides (the early request was sent first: not behind)
     ev, live = _band_log(True)
     ev += [{"ev": "agent", "agent_ev": "bootstrap_queued", "role": "prefill", "rid": "early", "wall": 100.0, "room": 1}]

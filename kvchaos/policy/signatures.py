@@ -78,9 +78,10 @@ def _sig_hung_behind(v, ctx, what):
     """Every hung request is one of the culprits or came after the first of them (queued behind a
     request that hangs the engine) — never one that was in flight before the culprits came. "After" is
     the engine's order where prefill queued a culprit (its ``bootstrap_queued``): a request it queued
-    later, or never queued at all (prefill queues what it receives in order, so one that reached it
-    before the culprit would have been queued before it), is behind. Where prefill queued no culprit,
-    the client's send order decides. Requests sent in the same millisecond reach the engine in either
+    later, or a ``/generate`` request it never queued at all (prefill queues what it receives in order,
+    so one that reached it before the culprit would have been queued before it), is behind. The OpenAI
+    routes reach the engines under ids of their own (not the client's rid), so for them, and where
+    prefill queued no culprit, the client's send order decides. Requests sent in the same millisecond reach the engine in either
     order: guided searches on 0.5.23 saw a request the client sent 10 ms before a band prompt, which
     prefill never queued, hang behind it, and left the hang band NEW."""
     culprits = _culprits(ctx, what)
@@ -89,9 +90,13 @@ def _sig_hung_behind(v, ctx, what):
     queued = _queued(ctx)
     first_q = min((queued[r] for r in culprits if r in queued), default=None)
 
+    plans = ctx.plans()
+
     def behind(rid):
-        if first_q is not None:
-            return rid not in queued or queued[rid] > first_q
+        if first_q is not None and rid in queued:
+            return queued[rid] > first_q
+        if first_q is not None and (plans.get(rid) or {}).get("endpoint", "generate") == "generate":
+            return True  # never queued by prefill, which had queued the culprit
         return first is not None and sends.get(rid, 0) >= first
     bad = [w["rid"] for w in _rid_witnesses(v) if w["rid"] not in culprits and not behind(w["rid"])]
     return bool(culprits) and first is not None and not bad, \
