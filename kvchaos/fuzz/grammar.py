@@ -25,6 +25,7 @@ import copy
 import random
 
 from kvchaos.workload import Workload
+from kvchaos.workload.plan import CLIENT_CUTS
 from kvchaos.workload.snapshots import server_field
 from kvchaos.workload.scenario import (AGENT_MUTATIONS, LIVE_KNOBS, TOXIC_TYPES, Deployment, Op, Scenario, Traffic,
                                        plan_dict)
@@ -278,8 +279,7 @@ def baseline(rng: random.Random, base: Base, name: str) -> Scenario:
     sc = generate(rng, base, name, restart_p=0.0)
     gone = set()
     for p in sc.traffic.plans:  # in order: a plan waits only on one before it (_fix_order)
-        if p.get("extra", {}).get("probe") or p.get("after") in gone \
-                or p.get("kind") in ("abort_after", "disconnect_before_first_token"):
+        if p.get("extra", {}).get("probe") or p.get("after") in gone or p.get("kind") in CLIENT_CUTS:
             gone.add(p["rid"])
     sc.traffic.plans = [p for p in sc.traffic.plans if p["rid"] not in gone]
     sc.nemesis = []
@@ -350,7 +350,6 @@ def mutate(rng: random.Random, sc: Scenario, base: Base, name: str) -> Scenario:
     return new.validate()
 
 
-CUTS = ("abort_after", "disconnect_before_first_token")
 # ops that cannot hold a request by themselves: each delays, fails or shortens one step and lets it go on
 BOUNDED_OPS = ("delay", "fail", "short", "latency")
 
@@ -362,7 +361,7 @@ def traits(plan: dict, base: Base, dep: Deployment) -> set[str]:
     admit it: the reject path's window)."""
     pool, _ppool, _ctx, res, lim = base.limits(dep)
     n = plan.get("n_tokens") or 0
-    out = {"cut"} if plan.get("kind") in CUTS else set()
+    out = {"cut"} if plan.get("kind") in CLIENT_CUTS else set()
     if n > pool - res:
         out.add("past_decode_edge")
     elif n >= lim:

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from kvchaos.oracles import FAIL, PASS, UNKNOWN
 from kvchaos.policy.core import is_leak_checker
 from kvchaos.policy.signatures import power_met
+from kvchaos.workload.plan import CLIENT_CUTS
 
 
 @dataclass
@@ -102,9 +103,6 @@ def mechanism(verdict, records) -> dict:
 
 def signature(mech: dict) -> str:
     return hashlib.sha256(json.dumps(mech, sort_keys=True).encode()).hexdigest()[:12]
-
-
-CLIENT_CUTS = ("abort_after", "disconnect_before_first_token")
 
 
 def broken_on_purpose(records) -> tuple[set, bool]:

@@ -37,6 +37,7 @@ from kvchaos import canary
 from kvchaos.probe import MIN_HEAD, MIN_TAIL, TRIGGER, max_new_tokens, prompt
 
 REQUEST_KINDS = ("plain", "stream", "oversized", "abort_after", "disconnect_before_first_token")
+CLIENT_CUTS = ("abort_after", "disconnect_before_first_token")  # the kinds whose client cuts its own request
 ENDPOINTS = ("generate", "completions", "chat")
 SHARING = ("none", "public", "tenant", "conversation", "diverge", "identical")
 PUBLIC_LEN = 128  # the public system prompt (characters = probe tokens)
