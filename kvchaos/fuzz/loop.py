@@ -223,11 +223,10 @@ class Fuzzer:
                     continue
                 sc = self._next()
                 if self.strategy == "guided":  # what already wedged this deployment's cluster, left out
-                    sc = avoid(sc, self.base, self.wedges.get(sc.deployment.restart_key(), set())
-                               | self.wedges.get("*", set()))
+                    sc = avoid(sc, self.base, self._avoided(sc.deployment.restart_key()))
                 key = sc.deployment.restart_key()
-                if self.pending and key != self.clusters.key and self.elapsed() + self._last_wall + max(
-                        self._start_cost, START_COST_FLOOR_S) >= self.budget_s - self._reserve(key):
+                if self.pending and key != self.clusters.key and \
+                        self.elapsed() + self._last_wall + self._start_estimate() >= self.budget_s - self._reserve(key):
                     self.queues.setdefault(key, []).insert(0, sc)  # it waits; the pending finds go first
                     self._confirm_pending()
                     continue
@@ -262,7 +261,7 @@ class Fuzzer:
         is worth it (module doc)."""
         waiting = [k for k, q in self.queues.items() if q]
         if waiting and self.clusters.key is not None and \
-                self.elapsed() - self._on_since >= AMORTIZE * max(self._start_cost, START_COST_FLOOR_S):
+                self.elapsed() - self._on_since >= AMORTIZE * self._start_estimate():
             self.since_new = 0  # the running deployment has had its share: the longest queue gets the cluster
             return self.queues[max(waiting, key=lambda k: len(self.queues[k]))].pop(0)
         for _ in range(50):
@@ -286,6 +285,15 @@ class Fuzzer:
         # nothing drawn fits: run the longest queue
         key = max(self.queues, key=lambda k: len(self.queues[k]))
         return self.queues[key].pop(0)
+
+    def _start_estimate(self) -> float:
+        """What a cluster start is expected to cost: the longest seen, at least :data:`START_COST_FLOOR_S`."""
+        return max(self._start_cost, START_COST_FLOOR_S)
+
+    def _avoided(self, key: str) -> set[str]:
+        """The traits left out of scenarios on the deployment of restart key ``key``: its own wedges' and
+        the cut, where one wedged any deployment."""
+        return self.wedges.get(key, set()) | self.wedges.get("*", set())
 
     def _cluster(self, dep: Deployment):
         """The running cluster if it is of ``dep``'s deployment, else a new one (counted, and its start
@@ -325,7 +333,7 @@ class Fuzzer:
         blamed = set()
         if self.strategy == "guided":  # random draws on regardless: the baseline guidance is measured against
             seen = self.wedges.setdefault(sc.deployment.restart_key(), set())
-            blamed = wedge_traits(sc, ex.events, self.base) - seen - self.wedges.get("*", set())
+            blamed = wedge_traits(sc, ex.events, self.base) - self._avoided(sc.deployment.restart_key())
             if blamed:
                 seen |= blamed - {"cut"}
                 if "cut" in blamed:
@@ -425,7 +433,7 @@ class Fuzzer:
         wall time, and a cluster start where its deployment is not the running one (``running``: the
         restart key of the cluster it would follow; the running cluster's by default)."""
         running = self.clusters.key if running is None else running
-        start = 0.0 if p["scenario"].deployment.restart_key() == running else max(self._start_cost, START_COST_FLOOR_S)
+        start = 0.0 if p["scenario"].deployment.restart_key() == running else self._start_estimate()
         return CONFIRM_RUNS * p["wall_s"] + start
 
     def _reserve(self, running: str | None = None) -> float:
