@@ -420,6 +420,28 @@ def test_the_loop_spends_its_budget_counts_restarts_and_keeps_the_new(tmp_path):
     assert len(s["timeline"]) == 10 and json.loads((tmp_path / "out" / "fuzz.json").read_text())["execs"] == 10
 
 
+def test_the_loop_never_runs_one_scenario_twice(tmp_path, monkeypatch):
+    """A draw that repeats a scenario the search ran (the same digest) is drawn again, counted in
+    ``repeats``; a search whose every draw repeats still runs (bounded: REDRAWS)."""
+    from kvchaos.fuzz import loop
+    ran = []
+
+    def outcomes(sc):
+        ran.append(sc.digest())
+        return _log(ends=[("r", 200, "ok")]), [_v("isolation", PASS)]
+    fz, _ = _fuzzer(tmp_path, outcomes, budget=60.0)
+    a, b = _many(2, seed=21)
+    draws = iter([a, a, b, a, b, b, a] + _many(10, seed=22))
+    monkeypatch.setattr(fz, "_next", lambda: Scenario.from_dict(next(draws).to_dict()))
+    s = fz.run()
+    assert len(ran) == len(set(ran)) == 6 and ran[:2] == [a.digest(), b.digest()]
+    assert s["repeats"] == 5
+    monkeypatch.setattr(loop, "REDRAWS", 3)
+    fz, _ = _fuzzer(tmp_path / "2", outcomes, budget=20.0)
+    monkeypatch.setattr(fz, "_next", lambda: Scenario.from_dict(a.to_dict()))
+    assert fz.run()["execs"] == 2  # each after 3 redraws
+
+
 def test_a_new_find_is_confirmed_by_reruns_and_a_control_and_written_up(tmp_path):
     leak = [{"victim_rid": "v", "owner_rid": "o", "status": 200}]
 
@@ -847,6 +869,31 @@ def test_a_knob_mutation_relabels_the_traffic_by_the_limits_it_moved(monkeypatch
             assert p.get("oversized", False) == (label == "reject" and p.get("kind", "plain") in ("plain", "stream", "oversized"))
             moved += label == "reject" and BASE.expect(p["n_tokens"], parent.deployment) != "reject"
     assert moved >= 10
+
+
+def test_a_knob_mutation_that_moves_a_limit_probes_it_on_both_sides(monkeypatch):
+    """A knob mutation of the steady state (no probes in it) that lowers prefill's input limit under
+    decode's admission edge sends prompts into the window it opened (prefill refuses, decode would admit:
+    the GLM-5.3 reject path) and under it; one that moves no limit adds none. A 0.5.19 search lowered
+    the limit to 1024 on its steady state twice and probed nothing."""
+    from kvchaos.fuzz import grammar
+    monkeypatch.setattr(grammar, "MUTATORS", {"knob": 1})
+    rng, moved = random.Random(11), 0
+    for i in range(200):
+        parent = baseline(random.Random(i), BASE, f"b{i}")
+        assert not any((p.get("extra") or {}).get("probe") for p in parent.traffic.plans)
+        child = mutate(rng, parent, BASE, f"k{i}")
+        probes = [p["n_tokens"] for p in child.traffic.plans if (p.get("extra") or {}).get("probe")]
+        lim = child.deployment.live.get("prefill_input_limit")
+        if not BASE.moved(child.deployment):
+            assert not probes, probes
+            continue
+        moved += 1
+        if lim is not None and lim < 2048 - 512 + 1:
+            assert any(lim <= n < 1537 for n in probes) and any(n < lim for n in probes), (lim, probes)
+        else:
+            assert probes
+    assert moved >= 50
 
 
 def test_rebase_relabels_a_scenario_by_the_new_deployments_limits():

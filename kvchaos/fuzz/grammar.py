@@ -315,6 +315,12 @@ def mutate(rng: random.Random, sc: Scenario, base: Base, name: str) -> Scenario:
         else:
             new.deployment.live[k] = _knobs(random.Random(rng.random()), base, 0.0, 1.0).live[k]
         _relabel(new, base)  # a limit moved: what each prompt gets moved with it
+        if base.moved(new.deployment) - base.moved(sc.deployment):
+            # a limit moved to where none was: probe it there (Base.probe_sizes puts its bands first), as a
+            # drawn scenario does. Without probes the move changes nothing the traffic reaches: a 0.5.19
+            # search (2026-12-05, seed 3) lowered prefill's limit to 1024 on its steady state twice, opening
+            # the GLM-5.3 reject path's window, and sent no prompt into it
+            _add_probes(rng, new, base, k=rng.choice((2, 3)))
     elif how == "restart_knob":
         rebase(new, base, _knobs(rng, base, 1.0, 0.0).restart)
     elif how == "op_param":
@@ -458,7 +464,7 @@ def _label_plans(plans: list[dict], base: Base, dep: Deployment) -> list[dict]:
     return plans
 
 
-def _add_probes(rng: random.Random, sc: Scenario, base: Base) -> None:
+def _add_probes(rng: random.Random, sc: Scenario, base: Base, k: int | None = None) -> None:
     """AFL's interesting values for this search: 1-3 prompts into the bands the scenario's deployment cuts
     (:meth:`Base.probe_sizes`), from one of its tenants (with that tenant's salt), put among the
     traffic as it is, so the earlier traffic that fills the pages stays."""
@@ -467,7 +473,7 @@ def _add_probes(rng: random.Random, sc: Scenario, base: Base) -> None:
     salt = next((p.get("cache_salt") for p in sc.traffic.plans if p["tenant"] == victim), None)
     seed = rng.randrange(1, 2**31)  # its own rids and canaries: none of the scenario's are reused
     wl = Workload(seed, n_tenants=int(max(tenants)[1:]) + 1, prefix=f"fz{seed % 100000}-", page_size=base.page_size)
-    probes = _probes(rng, wl, wl.tenant(victim), base, sc.deployment, k=rng.choice((1, 2, 3)))
+    probes = _probes(rng, wl, wl.tenant(victim), base, sc.deployment, k=k or rng.choice((1, 2, 3)))
     for p in probes:
         p.cache_salt = salt
     _place(rng, sc.traffic.plans, [plan_dict(p) for p in probes], lambda p: p["n_tokens"])

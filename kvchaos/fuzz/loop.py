@@ -56,6 +56,7 @@ SHRINK_SHARE_OTHER = 0.1
 # search's middle. Inline, a third 30-minute pair's guided arm (2026-12-05) spent 1334 of its 1800 s in five
 # executions of over 100 s, confirming and shrinking liveness finds, and found fewer findings than random
 CONFIRM_RESERVE = 0.25
+REDRAWS = 50  # at most this many draws in a row may repeat a scenario the search already ran
 FLUSH_TIMEOUT_S = 30.0  # how long a run as on a fresh cluster waits for both roles to flush (idle)
 # after every run: how long each role may take to go idle (and again after aborting what the run left)
 # before the cluster is replaced. A first 10-minute search on 0.5.19 (2026-12-04) left hang-band requests
@@ -98,6 +99,7 @@ class Stats:
     restarts: int = 0
     errors: int = 0
     stuck: int = 0  # runs after which the engines held requests their clients had given up on
+    repeats: int = 0  # draws left unrun: the same scenario (digest) had run already
     blind: int = 0
     expected: int = 0  # non-leak FAILs the scenario's own faults explain (kvchaos.fuzz.triage)
     timeline: list = field(default_factory=list)  # {t, execs, features, corpus, restarts, finds}
@@ -206,6 +208,7 @@ class Fuzzer:
         # is the engine's front end, not a deployment's: once blamed it is left out everywhere ("*"; a
         # 0.5.19 search left cuts out of the base deployment, then wedged a decode-radix-cache one with them)
         self.wedges: dict[str, set[str]] = {}
+        self.ran: set[str] = set()  # digests of the scenarios run: a draw that repeats one is drawn again
         self.out.mkdir(parents=True, exist_ok=True)
 
     # ------------------------------------------------------------------ the loop
@@ -214,6 +217,7 @@ class Fuzzer:
 
     def run(self) -> dict:
         self.t0 = self.clock()
+        repeats = 0
         try:
             while self.elapsed() < self.budget_s:
                 # the next run (about as long as the last) must leave the pending finds their reserve,
@@ -224,6 +228,14 @@ class Fuzzer:
                 sc = self._next()
                 if self.strategy == "guided":  # what already wedged this deployment's cluster, left out
                     sc = avoid(sc, self.base, self._avoided(sc.deployment.restart_key()))
+                if sc.digest() in self.ran and repeats < REDRAWS:
+                    # the same engines, knobs and traffic again show what they showed (a confirmation
+                    # reruns on purpose, elsewhere): a 0.5.19 search (2026-12-05, seed 3) spent 2 of its 10
+                    # runs on one knob mutation of its steady state, drawn twice
+                    repeats += 1
+                    self.stats.repeats += 1
+                    continue
+                repeats = 0
                 key = sc.deployment.restart_key()
                 if self.pending and key != self.clusters.key and \
                         self.elapsed() + self._last_wall + self._start_estimate() >= self.budget_s - self._reserve(key):
@@ -312,6 +324,7 @@ class Fuzzer:
         run_dir = self.out / "execs"
         t = self.elapsed()
         self.stats.execs += 1
+        self.ran.add(sc.digest())
         t_run = self.clock()
         try:
             ex = self._run(sc, cluster, kit, policy, run_dir)
@@ -550,7 +563,7 @@ class Fuzzer:
         s = {"strategy": self.strategy, "seed": self.seed, "budget_s": self.budget_s, "elapsed_s": round(el, 1),
              "execs": self.stats.execs, "execs_per_min": round(60 * self.stats.execs / el, 2),
              "cluster_restarts": self.stats.restarts, "errors": self.stats.errors, "blind": self.stats.blind,
-             "stuck": self.stats.stuck,
+             "stuck": self.stats.stuck, "repeats": self.stats.repeats,
              "expected": self.stats.expected,
              "features": len(self.corpus.seen), "corpus": len(self.corpus), "corpus_resumed": self.corpus.resumed,
              "known": self.stats.first_known, "known_without_faults": self.stats.first_known_quiet,
