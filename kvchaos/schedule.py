@@ -15,6 +15,7 @@ The two client calls a scenario's ops and checkers need live here too (suites im
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 
@@ -53,6 +54,11 @@ def abort_on_both(cluster, rid: str) -> dict:
     return out
 
 
+# an abort counts as sent to a held request only this far inside the hold's own bound (max_hold_s): one
+# sent as the bound ran out may reach a request already let go, whose complete reply is then no lost abort
+HELD_MARGIN_S = 0.5
+
+
 class NemesisError(RuntimeError):
     pass
 
@@ -63,10 +69,12 @@ class Schedule:
     ``cluster`` (for ``action`` aborts). Times are seconds after :meth:`start`."""
 
     def __init__(self, ops: list[Op], kit, cluster=None, *, wait_s: float = 60.0, clock=time.monotonic,
-                 abort=None):
+                 abort=None, sleep=time.sleep):
         self.ops, self.kit, self.cluster = list(ops), kit, cluster
-        self.wait_s, self.clock = wait_s, clock
+        self.wait_s, self.clock, self.sleep = wait_s, clock, sleep
         self.handles: dict[int, object] = {}
+        self.done: set[int] = set()  # ops carried out (armed, or an action taken): each once
+        self.held: dict[int, dict] = {}  # op index of a hold or park -> the agent's event: it parked a request
         self.healed: set[int] = set()
         self.records: list[dict] = []  # what happened, op by op: armed / healed / action / error
         self.t0: float | None = None
@@ -93,7 +101,8 @@ class Schedule:
             j = op.after
             due[i] = max(op.at_s, due[j]) if j is not None and j in due else op.at_s
             depth[i] = depth[j] + 1 if j is not None and j in depth else 0
-        steps = [(due[i], 0, depth[i], i) for i, op in enumerate(self.ops) if i not in self.handles]
+        # not what start() already did: an action due at 0 had no handle to say so, and was taken twice
+        steps = [(due[i], 0, depth[i], i) for i, op in enumerate(self.ops) if i not in self.done]
         steps += [(op.heal_s, 1, 0, i) for i, op in enumerate(self.ops) if op.heal_s is not None]
         for at, what, _depth, i in sorted(steps):
             if self.stop.is_set():
@@ -115,10 +124,15 @@ class Schedule:
     # ------------------------------------------------------------------ one op
     def _arm(self, i: int) -> None:
         op = self.ops[i]
+        self.done.add(i)
         if op.after is not None and not self._wait_for(i, op.after):
             self.records.append({"op": i, "what": "skipped", "at_s": round(self.clock() - self.t0, 3),
                                  "why": f"the method ended before op {op.after}, which it waits for, was armed"})
             return
+        if op.delay_s:
+            # waited out even if the workload ends meanwhile: the op it waits for has fired, and this action
+            # is the rest of it (a held write released past decode's release timeout; the schema bounds it)
+            self.sleep(op.delay_s)
         t = round(self.clock() - self.t0, 3)
         if op.injector == "agent":
             h = self._need("agent").arm(op.role, op.kind, target=op.target, params=dict(op.params), count=op.count)
@@ -130,7 +144,7 @@ class Schedule:
         else:
             h = None
             if op.kind == "abort":
-                out = {rid: self._abort_one(rid) for rid in op.rids}
+                out = {rid: self._abort_logged(i, op, rid) for rid in op.rids}
                 self.records.append({"op": i, "what": "action", "kind": "abort", "at_s": t, "status": out})
                 return
             held = self.handles.get(op.after)
@@ -143,6 +157,27 @@ class Schedule:
             self.handles[i] = h
         self.records.append({"op": i, "what": "armed", "injector": op.injector, "kind": op.kind, "at_s": t,
                              "id": getattr(h, "id", None)})
+
+    def _abort_logged(self, i: int, op: Op, rid: str):
+        """Abort ``rid`` and say so in the kit's log as :func:`kvchaos.suite.abort_at_stages` does (a
+        ``fault`` record, action ``abort_request``: the stage it was held at and whether it provably still
+        was), which ``abort_semantics`` judges: an abort the log does not name is never judged."""
+        stage, held = None, False
+        j = op.after
+        if j is not None and j in self.held:
+            by, ev = self.ops[j], self.held[j]
+            stage = "transferring" if by.kind == "hold" else (by.params or {}).get("stage")
+            # held now: the hold parked this very request, is not healed, and its own bound has not let it go
+            bound = float((by.params or {}).get("max_hold_s", 60)) if by.kind == "hold" else math.inf
+            held = (ev.get("rid") == rid and j not in self.healed
+                    and time.time() - float(ev.get("wall", 0.0)) < bound - HELD_MARGIN_S)
+        at = time.time()
+        status = self._abort_one(rid)
+        emit = getattr(getattr(self.kit, "log", None), "emit", None)
+        if emit is not None:
+            emit("fault", action="abort_request", kind="abort", rid=rid, stage=stage,
+                     held=held, abort_status=status, at=at, op=i)
+        return status
 
     def _abort_one(self, rid: str):
         if self._abort is not None:
@@ -165,7 +200,8 @@ class Schedule:
         if dep.injector == "agent" and dep.kind in ("hold", "park"):
             left = max(0.0, deadline - self.clock())
             try:
-                self.kit.agent.wait_event(dep.role, "fault_fired", timeout=left, fault=self.handles[j].id, phase="held")
+                self.held[j] = self.kit.agent.wait_event(dep.role, "fault_fired", timeout=left,
+                                                         fault=self.handles[j].id, phase="held")
             except TimeoutError:
                 raise NemesisError(f"op {i} waits for op {j} ({dep.kind} on {dep.role}) to park a request: "
                                    f"nothing parked within {self.wait_s} s") from None

@@ -99,8 +99,26 @@ def test_actions_round_trip():
     hold = Op(at_s=0, injector="agent", role="prefill", kind="hold", target={"rid": plans[1].rid})
     abort = Op(at_s=0, injector="action", kind="abort", rids=[plans[1].rid], after=0)
     release = Op(at_s=0.5, injector="action", kind="release", after=0)
-    sc = _roundtrip(_scenario(traffic=Traffic([plan_dict(p) for p in plans]), nemesis=[hold, abort, release]))
-    assert sc.nemesis == [hold, abort, release]
+    late = Op(at_s=0, injector="action", kind="release", after=0, delay_s=5.0)
+    sc = _roundtrip(_scenario(traffic=Traffic([plan_dict(p) for p in plans]), nemesis=[hold, abort, release, late]))
+    assert sc.nemesis == [hold, abort, release, late]
+    assert "delay_s" not in sc.to_dict()["nemesis"][2] and sc.to_dict()["nemesis"][3]["delay_s"] == 5.0
+
+
+@pytest.mark.parametrize("bad, says", [
+    ({"delay_s": 2.0}, "a delay counts from the op named in 'after'"),
+    ({"after": 0, "delay_s": -1}, "must be in [0, 120]"),
+    ({"after": 0, "delay_s": 500}, "must be in [0, 120]"),
+    ({"after": 0, "delay_s": "3"}, "nemesis[1].delay_s='3': must be a number"),
+])
+def test_an_actions_delay_is_refused_by_name_where_it_means_nothing(bad, says):
+    plans = _plans()
+    d = _scenario(traffic=Traffic([plan_dict(p) for p in plans]),
+                  nemesis=[Op(at_s=0, injector="agent", role="prefill", kind="hold", target={"rid": plans[1].rid})]).to_dict()
+    d["nemesis"].append({"at_s": 0, "injector": "action", "kind": "abort", "rids": [plans[1].rid], **bad})
+    with pytest.raises(ScenarioError) as e:
+        Scenario.from_dict(d)
+    assert says in str(e.value)
 
 
 @pytest.mark.parametrize("knob", sorted(RESTART_KNOBS))
@@ -327,9 +345,11 @@ class _Handle:
 class _Agent:
     def __init__(self, log, park_after_s=0.05, never_parks=False):
         self.log, self.park_after_s, self.never_parks = log, park_after_s, never_parks
+        self.targets = {}
 
     def arm(self, role, kind, target=None, params=None, count=None):
         h = _Handle(self.log, kind)
+        self.targets[h.id] = target or {}
         self.log.append(("arm", h.id, time.monotonic()))
         return h
 
@@ -338,7 +358,7 @@ class _Agent:
             time.sleep(min(timeout, 0.2))
             raise TimeoutError("never")
         time.sleep(self.park_after_s)
-        return {"ev": ev, **match}
+        return {"ev": ev, **match, "rid": self.targets.get(match.get("fault"), {}).get("rid"), "wall": time.time()}
 
 
 class _Kit:
@@ -370,6 +390,51 @@ def test_ops_are_armed_on_time_healed_at_heal_s_and_the_rest_in_the_rollback():
     assert any(x[0] == "release" for x in kit.log)
     assert s.heal() == []
     assert {h[1] for h in kit.log if h[0] == "heal"} == {a[1] for a in arms}  # every op healed, once
+
+
+class _Log(list):
+    def emit(self, ev, **fields):
+        self.append({"ev": ev, **fields})
+
+
+@pytest.mark.parametrize("hold, delay_s, rid_of, want", [
+    ({"kind": "hold", "params": {"max_hold_s": 30}}, None, "victim", ("transferring", True)),
+    ({"kind": "park", "role": "decode", "params": {"stage": "decode_prealloc"}}, None, "victim", ("decode_prealloc", True)),
+    # the hold's own bound let the request go before the abort came: not provably held
+    ({"kind": "hold", "params": {"max_hold_s": 0.6}}, 0.3, "victim", ("transferring", False)),
+    # another request than the one parked is aborted: not held
+    ({"kind": "hold", "params": {"max_hold_s": 30}}, None, "other", ("transferring", False)),
+    (None, None, "victim", (None, False)),  # an abort that waits for nothing
+])
+def test_a_scheduled_abort_is_logged_for_abort_semantics_with_its_stage_and_whether_it_was_held(hold, delay_s, rid_of, want):
+    """A scenario's abort is a ``fault`` record (action ``abort_request``) as the suites' choreography
+    writes it: without one, abort_semantics judged no scenario's abort (UNKNOWN, 0 aborts sent), and a
+    lost abort answered 200 passed unseen. The record's ``held`` gates that FAIL; it is true only where
+    the request was provably still parked."""
+    from kvchaos.oracles import abort_semantics
+    plans = _plans()
+    victim, other = plans[0].rid, plans[1].rid
+    ops = []
+    if hold:
+        ops.append(Op(at_s=0, injector="agent", role=hold.get("role", "prefill"), kind=hold["kind"],
+                      target={"rid": victim}, params=hold["params"]))
+    ops.append(Op(at_s=0, injector="action", kind="abort", rids=[victim if rid_of == "victim" else other],
+                  after=0 if hold else None, delay_s=delay_s if hold else None))
+    kit = _Kit()
+    kit.log = _Log()
+    kit.agent.log = kit.log
+    s = Schedule(ops, kit, cluster="c", abort=lambda c, rid: {"prefill": 200, "decode": 200})
+    s.run()
+    s.heal()
+    (rec,) = [e for e in kit.log if isinstance(e, dict) and e.get("action") == "abort_request"]
+    assert (rec["stage"], rec["held"]) == want and rec["abort_status"] == {"prefill": 200, "decode": 200}
+    # the request came back 200 finished as a success: a lost abort exactly when it was provably held
+    aborted = rec["rid"]
+    log = [{"ev": "plan", "rid": aborted, "tenant": "t000"},
+           {"ev": "end", "rid": aborted, "status": 200, "outcome": "ok",
+            "body": {"text": "x", "meta": {"finish_reason": {"type": "length"}}}}, rec]
+    v = abort_semantics(log)
+    assert v.stats["aborted"] == 1 and (v.status == "fail") == want[1], v
 
 
 def test_a_wait_that_never_ends_is_an_error_naming_both_ops_and_heal_still_heals():
@@ -409,6 +474,26 @@ def test_an_action_due_before_the_op_it_waits_for_runs_after_it_and_a_method_tha
     th.join(2)
     assert not th.is_alive() and not s2.handles
     assert s2.heal() == []
+
+
+def test_an_actions_delay_counts_from_the_park_and_outlasts_the_workload():
+    """A release ``delay_s`` after the hold parked its request is carried out then, even when the method
+    ends (stop) during the delay: a late write past decode's release timeout needs the wait itself."""
+    plans = _plans()
+    ops = [Op(at_s=0.1, injector="agent", role="prefill", kind="hold", target={"rid": plans[0].rid}),
+           Op(at_s=0, injector="action", kind="abort", rids=[plans[0].rid], after=0),
+           Op(at_s=0, injector="action", kind="release", after=0, delay_s=0.4)]
+    kit, aborted = _Kit(), []
+    s = Schedule(ops, kit, cluster="c", wait_s=5.0, abort=lambda c, rid: aborted.append(time.monotonic()) or 200)
+    th = threading.Thread(target=s.run)
+    th.start()
+    time.sleep(0.25)
+    s.stop.set()  # the workload ended: the release still comes, 0.4 s after the park
+    th.join(3)
+    assert not th.is_alive()
+    rel = next(r for r in s.records if r.get("kind") == "release")
+    assert rel["at_s"] >= 0.1 + 0.4 - 0.02 and aborted and aborted[0] - s.t0 < 0.3
+    assert s.heal() == []
 
 
 def test_stop_ends_the_timeline_and_heal_reports_every_failure():

@@ -76,6 +76,7 @@ STREAMS = ("upstream", "downstream")
 PROCESS_KINDS = ("kill", "stop", "restart")
 PROCESS_ROLES = ("prefill", "decode")
 ACTION_KINDS = ("abort", "release")
+MAX_DELAY_S = 120.0  # an action's delay after the op it waits for (Op.delay_s): the method waits that long at most
 INJECTORS = ("agent", "proxy", "process", "action")
 VIAS = ("router", "pd")
 STATUSES = ("pass", "fail", "unknown")
@@ -352,7 +353,10 @@ class Op:
     """One timed nemesis operation. ``at_s``: seconds after the method starts; ``heal_s``: when it is
     healed (None: when the method ends — every op is healed then, whatever happened). ``after``: the
     index of an earlier op this one waits for (an ``action`` that aborts requests once a hold parked
-    them); ``knob``: the live deployment knob it stands for (written by :meth:`Deployment.live_ops`)."""
+    them); ``delay_s``: how long after that op parked its request (or armed) the action is carried out,
+    waited out even when the workload ends first (a write released seconds after its request was aborted,
+    past decode's deferred-release timeout: the late write needs the wait, not more traffic);
+    ``knob``: the live deployment knob it stands for (written by :meth:`Deployment.live_ops`)."""
     at_s: float
     injector: str
     kind: str
@@ -367,12 +371,13 @@ class Op:
     rids: list | None = None
     after: int | None = None
     knob: str | None = None
+    delay_s: float | None = None
 
     FIELDS = {
         "agent": ("role", "kind", "target", "params", "count"),
         "proxy": ("proxy", "kind", "stream", "toxicity", "params"),
         "process": ("role", "kind"),
-        "action": ("kind", "rids", "after"),
+        "action": ("kind", "rids", "after", "delay_s"),
     }
 
     @classmethod
@@ -445,6 +450,14 @@ class Op:
                 if not 0 <= a < n_before:
                     raise ScenarioError(f"{where}.after={a}: the index of an earlier op (0..{n_before - 1})")
                 op.after = a
+            if d.get("delay_s") is not None:
+                delay = _check_type(f"{where}.delay_s", d["delay_s"], float)
+                if op.after is None:
+                    raise ScenarioError(f"{where}.delay_s={delay!r}: a delay counts from the op named in 'after', "
+                                        "and there is none (use at_s for a time after the method starts)")
+                if not 0 <= delay <= MAX_DELAY_S:
+                    raise ScenarioError(f"{where}.delay_s={delay!r}: must be in [0, {MAX_DELAY_S:g}] seconds")
+                op.delay_s = float(delay)
         return op
 
     def to_dict(self) -> dict:
@@ -468,6 +481,8 @@ class Op:
                 d["rids"] = list(self.rids)
             if self.after is not None:
                 d["after"] = self.after
+            if self.delay_s is not None:
+                d["delay_s"] = float(self.delay_s)
         return d
 
     @property
