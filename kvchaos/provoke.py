@@ -4,6 +4,10 @@ agent and the network fault proxy) and its summary (``provoke.json`` and the rep
 line). A provoke script reproduces a finding on a cluster of its own, outside pytest:
 
     python reports/findings/<id>/provoke.py --trials 10 --control 3
+
+A trial that can be said as data is a :class:`~kvchaos.workload.scenario.Scenario` (:func:`scenario_trial`):
+it runs through the experiment runner, writes its ``scenario.json`` beside its event log, and replays with
+``kvchaos fuzz --replay DIR/trial-NN.scenario.json``.
 """
 
 from __future__ import annotations
@@ -17,9 +21,13 @@ import time
 from contextlib import contextmanager
 from typing import Callable, NamedTuple
 
-from faults import AGENT_MODULE, open_network_proxy
+from faults import AGENT_MODULE, FaultKit, open_network_proxy
 from kvchaos.cluster import Cluster, ClusterSpec
 from kvchaos.cluster.layouts import apply, parse
+from kvchaos.experiment import Experiment, kv_layout, run_scenario
+from kvchaos.workload import EventLog
+from kvchaos.workload.scenario import Deployment, Scenario
+from kvchaos.workload.snapshots import server_field
 
 
 def parser(doc: str, out: str, control_help: str) -> argparse.ArgumentParser:
@@ -125,3 +133,26 @@ def run_trials(a, results: dict, one: Callable[[int, bool], dict], line: Callabl
         r["armed"] = armed
         results["trials"].append(r)
         print(f"trial {i:2d} {'armed  ' if armed else 'control'}{line(r)}", flush=True)
+
+
+def deployment(c: Cluster, **live) -> Deployment:
+    """The deployment ``c`` runs (its spec's restart knobs, layout and the engines' own version), with
+    ``live`` knobs on top: what a trial's scenario says it needs to replay."""
+    version = server_field(c.server_info("prefill"), "version")
+    return Deployment(Deployment.from_spec(c.spec, kv_layout(c), version).restart, dict(live))
+
+
+def scenario_trial(c: Cluster, out: str, sc: Scenario) -> Experiment:
+    """Run ``sc`` on the script's cluster through the experiment runner: its live knobs and nemesis ops
+    armed on time and healed in a ``finally`` (:func:`kvchaos.experiment.run_scenario`), its checkers
+    judging the log. Writes ``out/<name>.events.jsonl``, ``.verdicts.json`` and ``.scenario.json`` (which
+    replays: ``kvchaos fuzz --replay``). The experiment is returned unjudged: the script counts what it
+    reproduces from the verdicts' witnesses; nothing here raises on a FAIL."""
+    with EventLog(os.path.join(out, f"{sc.name}.faults.jsonl")) as flog:
+        kit = FaultKit(c, flog)
+        try:
+            return run_scenario(lambda name, plans, checks, **kw: Experiment(
+                name, plans, checks, cluster=c, run_dir=out, faults=kit, test_id=f"provoke::{sc.name}",
+                path=os.path.join(out, f"{sc.name}.events.jsonl"), **kw), sc, kit, c)
+        finally:
+            kit.heal_all(wait_s=0.0)

@@ -27,6 +27,7 @@ from kvchaos.cluster import Cluster
 from kvchaos.schedule import abort_on_both, single_server_reference  # noqa: F401 - suites import them from here
 from kvchaos.selftest import planted_leak_selftest
 from kvchaos.workload import Workload
+from kvchaos.workload.scenario import Op
 from kvchaos.workload.snapshots import server_field  # noqa: F401 - suites import it from here
 
 
@@ -122,6 +123,22 @@ def abort_in_flight(cluster, faults, victims, hold_s=0.3, wait_s=90.0):
 ABORT_STAGES = {"decode_prealloc": ("decode", "park"), "prefill_waiting": ("prefill", "park"),
                 "transferring": ("prefill", "hold"), "decode_waiting": ("decode", "park"),
                 "decoding": (None, None)}
+
+
+def abort_at_stage_ops(stage: str, rid: str, first: int = 0, settle_s: float = 0.5) -> list:
+    """:func:`abort_at_stages`'s choreography for one victim as scenario data (three
+    :class:`~kvchaos.workload.scenario.Op`, to sit at nemesis index ``first`` on): what holds ``rid`` at
+    ``stage`` (armed when the method starts), the abort of its exact rid on prefill and decode once it is
+    held there, and its release ``settle_s`` later. ``decoding`` is not data: nothing holds a request
+    there (the choreography waits for its first streamed byte)."""
+    role, kind = ABORT_STAGES.get(stage, (None, None))
+    if kind is None:
+        raise ValueError(f"abort stage {stage!r}: one of {[s for s, (_r, k) in ABORT_STAGES.items() if k]} "
+                         "(nothing holds a request at 'decoding': it is no scenario op)")
+    params = {"max_hold_s": 30} if kind == "hold" else {"stage": stage}
+    return [Op(at_s=0.0, injector="agent", role=role, kind=kind, target={"rid": rid}, params=params),
+            Op(at_s=0.0, injector="action", kind="abort", rids=[rid], after=first),
+            Op(at_s=0.0, injector="action", kind="release", after=first, delay_s=settle_s)]
 
 
 def abort_at_stages(ex, cluster, faults, victims: dict, settle_s: float = 0.5, wait_s: float = 90.0):

@@ -72,3 +72,79 @@ def test_bad_input_is_named(monkeypatch, tmp_path, capsys, argv, msg):
         with provoke.session("doc", "/unused", "help", "src", SUMMARY, knob=("ms", 300.0)):
             pass
     assert msg in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------ the findings' trials, as scenario data
+def _script(finding):
+    import importlib.util
+    from pathlib import Path
+    path = Path(__file__).resolve().parents[1] / "reports" / "findings" / finding / "provoke.py"
+    spec = importlib.util.spec_from_file_location(f"provoke_{finding.replace('-', '_')}", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+class _Cluster:
+    """What a trial's scenario reads off its cluster: the spec and the engines' version."""
+    def __init__(self):
+        from kvchaos.cluster import ClusterSpec
+        self.spec = ClusterSpec.load("cpu")
+
+    def server_info(self, role):
+        return {"version": "0.5.23"}
+
+
+def _same_after_a_round_trip(sc, version="0.5.23"):
+    from kvchaos.workload.scenario import Scenario
+    back = Scenario.from_dict(json.loads(json.dumps(sc.to_dict())))
+    assert back.digest() == sc.digest() and back.deployment.restart.get("engine_version") == version
+    return back
+
+
+def test_the_router_retry_trials_are_scenarios_whose_abort_waits_for_the_hold():
+    mod = _script("sglang-router-retries-aborted-requests")
+    seen = set()
+    for i, via_router in ((0, True), (1, True), (2, True), (3, False)):
+        sc, stage, victim = mod.scenario(_Cluster(), i, via_router)
+        sc = _same_after_a_round_trip(sc)
+        hold, abort, release = sc.nemesis
+        assert hold.target == {"rid": victim} and hold.kind == ("hold" if stage == "transferring" else "park")
+        assert (abort.kind, abort.rids, abort.after) == ("abort", [victim], 0)
+        assert (release.kind, release.after, release.delay_s) == ("release", 0, 0.5)
+        assert sc.traffic.via == ("router" if via_router else "pd") and len(sc.traffic.plans) == 12
+        assert {c["name"] for c in sc.checks} >= {"abort_semantics", "isolation"}
+        seen.add(stage)
+    assert seen == set(mod.STAGES)
+
+
+def test_the_late_write_trials_carry_the_timeout_as_a_knob_and_the_release_as_a_delay():
+    mod = _script("sglang-deferred-release-timeout-late-write")
+    armed, _ = mod.scenario(_Cluster(), 3, 3.0, 5.0)
+    control, _ = mod.scenario(_Cluster(), 0, 3.0, 0.3)
+    for sc, delay in ((armed, 5.0), (control, 0.3)):
+        sc = _same_after_a_round_trip(sc)
+        assert sc.deployment.live == {"deferred_release_timeout_s": 3.0}
+        assert [(o.kind, o.after, o.delay_s) for o in sc.nemesis] == [("hold", None, None), ("abort", 0, None),
+                                                                      ("release", 0, delay)]
+        assert any(o.kind == "deferred_release_timeout" for o in sc.ops())  # the knob is armed with the rest
+
+
+def test_the_transfer_worker_trials_stall_only_when_armed():
+    mod = _script("sglang-mooncake-transfer-worker-dies")
+    armed, victim = mod.scenario(_Cluster(), 5, 300.0)
+    control, _ = mod.scenario(_Cluster(), 0, None, plain=200)
+    (op,) = _same_after_a_round_trip(armed).nemesis
+    assert (op.kind, op.target, op.params) == ("stall_status_read", {"rid": victim}, {"ms": 300.0})
+    control = _same_after_a_round_trip(control)
+    assert not control.nemesis and len(control.traffic.plans) == 200 and control.traffic.concurrency == 64
+
+
+def test_the_salt_trials_send_salted_tenants_one_at_a_time_over_one_shared_prefix():
+    mod = _script("sglang-router-drops-cache-salt")
+    sc = _same_after_a_round_trip(mod.scenario(41, "router"), version=None)  # run against any deployment
+    assert [p.get("cache_salt") for p in sc.traffic.plans] == [None, None, "A41", "B41", "A41"]
+    assert sc.traffic.concurrency == 1 and {c["name"] for c in sc.checks} >= {"cache_isolation"}
+    head = sc.traffic.plans[0]["prompt"][:sc.traffic.plans[0]["shared_chars"]]
+    assert head and all(p["prompt"].startswith(head) for p in sc.traffic.plans)
+    assert mod.scenario(42, "pd").traffic.via == "pd"

@@ -25,6 +25,10 @@ and after").
 ``--status-hook always`` wraps ``check_status`` at import as kvchaos did before 2026-12-04 (the
 "before" arm); ``armed`` (default) is today's: only while a ``stall_status_read`` is armed.
 
+Each trial is a scenario (``DIR/trial-NN.scenario.json``: the requests and the stall as data; it replays
+with ``kvchaos fuzz --replay``; the amplifiers below are the cluster's environment, not the scenario's),
+run by kvchaos' experiment runner.
+
 Writes DIR/provoke.json (per trial: armed, fired, cleared during the stall, died, the witness, request
 outcomes) and the cluster's logs under DIR/cluster/; prints a line per trial and "reproduced K/N".
 """
@@ -37,37 +41,48 @@ from collections import Counter
 
 from faults.client import AgentClient
 from kvchaos.cluster import Cluster
-from kvchaos.provoke import Summary, run_trials, session
-from kvchaos.workload import EventLog, Workload, run_plans
+from kvchaos.provoke import Summary, deployment, run_trials, scenario_trial, session
+from kvchaos.workload import Workload
+from kvchaos.workload.scenario import Op, Scenario, Traffic, plan_dict
 
 SIGNATURE = "mooncake_transfer_worker_died"
 
 
-def trial(c: Cluster, ctl: AgentClient, out: str, i: int, ms: float | None, plain: int = 0) -> dict:
-    """One trial: 6 requests of 3 tenants, the first stalled ``ms`` when armed; with ``plain`` (a
-    control trial only) ``plain`` requests of 8 tenants at concurrency 64 instead, nothing armed."""
+def scenario(c: Cluster, i: int, ms: float | None, plain: int = 0) -> tuple[Scenario, str]:
+    """Trial ``i`` as data: 6 requests of 3 tenants sent at once, the first's status read stalled ``ms``
+    when armed; with ``plain`` (a control trial only) ``plain`` requests of 8 tenants at concurrency 64
+    instead, nothing armed."""
     n, tenants = (plain, 8) if plain else (6, 3)
-    plans = Workload(1000 + i, n_tenants=tenants, prefix=f"x{i:02d}").mix(n, lengths=(100, 300))
+    wl = Workload(1000 + i, n_tenants=tenants, prefix=f"x{i:02d}")
+    plans = wl.mix(n, lengths=(100, 300))
     victim = plans[0]
-    f = ctl.arm("prefill", "stall_status_read", target={"rid": victim.rid}, params={"ms": ms}) if ms else None
+    ops = [Op(at_s=0.0, injector="agent", role="prefill", kind="stall_status_read", target={"rid": victim.rid},
+              params={"ms": ms})] if ms else []
+    sc = Scenario(name=f"trial-{i:02d}", seed=wl.seed, deployment=deployment(c),
+                  traffic=Traffic([plan_dict(p) for p in plans], concurrency=min(len(plans), 64), timeout_s=20.0),
+                  nemesis=ops, checks=[{"name": "liveness", "bound_s": 25.0}, {"name": "isolation"}],
+                  origin={"by": "provoke sglang-mooncake-transfer-worker-dies", "trial": i})
+    return sc.validate(), victim.rid
+
+
+def trial(c: Cluster, ctl: AgentClient, out: str, i: int, ms: float | None, plain: int = 0) -> dict:
+    sc, victim = scenario(c, i, ms, plain)
     t0 = time.monotonic()
-    with EventLog(os.path.join(out, f"trial-{i:02d}.events.jsonl")) as log:
-        run_plans(c.endpoints.router, plans, log, concurrency=min(len(plans), 64), timeout_s=20)
-        ends = {e["rid"]: e for e in log.records if e.get("ev") == "end"}
+    ex = scenario_trial(c, out, sc)
     wall = time.monotonic() - t0
-    fired = f.fired_events() if f else []
-    if f:
-        f.heal()
+    ends = {e["rid"]: e for e in ex.events if e.get("ev") == "end"}
+    fired = [e for e in ex.events if e.get("ev") == "agent" and e.get("agent_ev") == "fault_fired"
+             and e.get("kind") == "stall_status_read"]
     time.sleep(2)  # the traceback is written as the thread dies; give the log a moment
-    errors = [e for e in c.engine_errors() if e["signature"] == SIGNATURE]
+    errors = [e for e in list(ex.engine_errors) + c.engine_errors() if e["signature"] == SIGNATURE]
     rooms = {str(e["room"]) for e in fired}
-    rec = {"trial": i, "armed": bool(ms), "ms": ms, "requests": len(plans), "wall_s": round(wall, 1),
-           "victim": victim.rid, "fired": len(fired),
+    rec = {"trial": i, "armed": bool(ms), "ms": ms, "requests": len(sc.traffic.plans), "wall_s": round(wall, 1),
+           "victim": victim, "fired": len(fired), "scenario": str(ex.scenario_path),
            "cleared_during_stall": [e.get("cleared_during_stall") for e in fired],
            "died": bool(errors), "witness_is_the_stalled_room": bool(rooms & {str(e.get("cause")) for e in errors}),
            "witness": errors[0]["line"] if errors else None,
            "outcomes": dict(Counter(str(e.get("outcome")) for e in ends.values()))}
-    if errors:
+    if any(e.get("healed") is None for e in errors):  # the run's engine watch may have restarted it already
         rec["restart"] = c.heal_engine_errors()[0]["healed"]
         ctl.wait_agents("prefill", ("MooncakeKVManager.send_kvcache",), timeout=60)
     return rec

@@ -20,56 +20,41 @@ Writes DIR/provoke.json and the cluster's logs under DIR/cluster/; prints a line
 """
 from __future__ import annotations
 
-import os
-import threading
-import time
-import types
-from urllib.parse import urlsplit
-
 from faults.client import AgentClient
 from kvchaos.cluster import Cluster
-from kvchaos.oracles import abort_semantics
-from kvchaos.provoke import Summary, run_trials, session
-from kvchaos.suite import abort_at_stages
-from kvchaos.workload import EventLog, Workload, run_plans
+from kvchaos.provoke import Summary, deployment, run_trials, scenario_trial, session
+from kvchaos.suite import abort_at_stage_ops
+from kvchaos.workload import Workload
+from kvchaos.workload.scenario import Scenario, Traffic, plan_dict
 
 STAGES = ("decode_prealloc", "prefill_waiting", "transferring")
 
 
-def trial(c: Cluster, ctl: AgentClient, out: str, i: int, via_router: bool) -> dict:
+def scenario(c: Cluster, i: int, via_router: bool) -> tuple[Scenario, str, str]:
+    """Trial ``i`` as data: 12 requests of 4 tenants, the third held at the trial's stage, aborted there
+    and let go 0.5 s later (:func:`kvchaos.suite.abort_at_stage_ops`)."""
     stage = STAGES[i % len(STAGES)]
     wl = Workload(3000 + i, n_tenants=4, prefix=f"ab{i:02d}")
     plans = wl.mix(12, lengths=(150, 400), sharing={"none": 1})
     victim = plans[2]
-    t0 = time.time()
-    log = EventLog(os.path.join(out, f"trial-{i:02d}.events.jsonl"))
-    flog = EventLog(os.path.join(out, f"trial-{i:02d}.faults.jsonl"))
-    kw = {"concurrency": 4, "timeout_s": 60}
-    if not via_router:
-        ep = c.endpoints
-        kw["pd_direct"] = {"prefill": ep.prefill, "decode": ep.decode, "bootstrap_port": ep.bootstrap_port,
-                           "bootstrap_host": urlsplit(ep.prefill).hostname}
-    chor = abort_at_stages(types.SimpleNamespace(log=log), c, types.SimpleNamespace(agent=ctl, log=flog),
-                           {stage: victim})
-    driver = threading.Thread(target=run_plans, args=(c.endpoints.router, plans, log), kwargs=kw, daemon=True)
-    driver.start()
-    rec = {"trial": i, "stage": stage, "via": "router" if via_router else "pd", "victim": victim.rid}
-    try:
-        rec["choreography"] = chor()
-    finally:
-        for h in chor.holds.values():
-            h.heal()
-        driver.join(timeout=180)
-        log.close()
-        flog.close()
-    time.sleep(1)
-    evs = log.records + flog.records + [{"ev": "agent", "agent_ev": e["ev"], **{k: v for k, v in e.items() if k != "ev"}}
-                                        for e in ctl.events() if e["wall"] >= t0]
-    v = abort_semantics(evs)
-    o = v.stats["outcomes"].get(stage, {})
-    rec.update(abort_semantics=v.status, summary=v.summary, outcome=o, witnesses=v.witnesses,
-               reproduced=any(w["rid"] == victim.rid and (w.get("attempts") or 0) >= 2 for w in v.witnesses))
-    return rec
+    sc = Scenario(name=f"trial-{i:02d}", seed=wl.seed, deployment=deployment(c),
+                  traffic=Traffic([plan_dict(p) for p in plans], concurrency=4, timeout_s=60.0,
+                                  via="router" if via_router else "pd"),
+                  nemesis=abort_at_stage_ops(stage, victim.rid),
+                  checks=[{"name": "abort_semantics"}, {"name": "isolation"}, {"name": "liveness", "bound_s": 65.0}],
+                  origin={"by": "provoke sglang-router-retries-aborted-requests", "trial": i})
+    return sc.validate(), stage, victim.rid
+
+
+def trial(c: Cluster, out: str, i: int, via_router: bool) -> dict:
+    sc, stage, victim = scenario(c, i, via_router)
+    ex = scenario_trial(c, out, sc)
+    v = ex.by["abort_semantics"]
+    held = [e.get("held") for e in ex.events if e.get("ev") == "fault" and e.get("action") == "abort_request"]
+    return {"trial": i, "stage": stage, "via": sc.traffic.via, "victim": victim, "held": held,
+            "scenario": str(ex.scenario_path), "abort_semantics": v.status, "summary": v.summary,
+            "outcome": v.stats.get("outcomes", {}).get(stage, {}), "witnesses": v.witnesses,
+            "reproduced": any(w["rid"] == victim and (w.get("attempts") or 0) >= 2 for w in v.witnesses)}
 
 
 SUMMARY = Summary(lambda r: r["reproduced"], lambda r: r["abort_semantics"] == "fail", "control_failed",
@@ -78,16 +63,16 @@ SUMMARY = Summary(lambda r: r["reproduced"], lambda r: r["abort_semantics"] == "
 
 def line(r: dict) -> str:
     o = r["outcome"]
-    return (f" via {r['via']:6s} abort at {r['stage']:15s}: HTTP {o.get('status')} {o.get('finish_reason')!s:6s} "
-            f"attempts {o.get('attempts')}, abort_semantics {r['abort_semantics']}, reproduced {r['reproduced']}")
+    return (f" via {r['via']:6s} abort at {r['stage']:15s} (held {r['held']}): HTTP {o.get('status')} "
+            f"{o.get('finish_reason')!s:6s} attempts {o.get('attempts')}, abort_semantics {r['abort_semantics']}, "
+            f"reproduced {r['reproduced']}")
 
 
 def main():
     with session(__doc__, "/tmp/kvchaos-router-retries-aborted", "trials driven straight to prefill and decode",
                  "provoke sglang-router-retries-aborted-requests", SUMMARY) as (a, c, results):
-        ctl = AgentClient(c.agent_dir)
-        ctl.wait_agents("decode", ("_update_handshake_waiters",), timeout=60)
-        run_trials(a, results, lambda i, armed: trial(c, ctl, a.out, i, via_router=armed), line)
+        AgentClient(c.agent_dir).wait_agents("decode", ("_update_handshake_waiters",), timeout=60)
+        run_trials(a, results, lambda i, armed: trial(c, a.out, i, via_router=armed), line)
 
 
 if __name__ == "__main__":
