@@ -163,8 +163,8 @@ class Registry:
 
     def add_page_evidence(self, records) -> None:
         """From one experiment's log: each request's reply text and decode's ``kv_prealloc`` of it (the
-        first), so a later experiment on the same cluster can tell what those requests left in the pages
-        it reads unwritten."""
+        first; the canaries its input text held make it one of their carriers), so a later experiment on
+        the same cluster can tell what those requests left in the pages it reads unwritten."""
         with self._lock:
             for e in records:
                 rid = e.get("rid")
@@ -172,10 +172,16 @@ class Registry:
                     continue
                 if e.get("ev") == "body" and isinstance(e.get("text"), str):
                     self._pages.setdefault(rid, {}).setdefault("output", e["text"])
-                elif e.get("ev") == "agent" and e.get("agent_ev") == "kv_prealloc" and e.get("dst_pages"):
-                    rec = {k: e.get(k) for k in ("dst_pages_total", "page_size", "room")}
-                    rec["dst_pages"] = array("l", e["dst_pages"])  # a session's worth: 8 bytes a page, not 36
-                    self._pages.setdefault(rid, {}).setdefault("prealloc", rec)
+                elif e.get("ev") == "agent" and e.get("agent_ev") == "kv_prealloc":
+                    # what decode read in its input text: the request (under the engine's own id, where the
+                    # router did not pass the client's on) carried these, whoever they were minted for
+                    for c in e.get("canaries") or ():
+                        if is_canary(c):
+                            self._carriers.setdefault(c, set()).add(rid)
+                    if e.get("dst_pages"):
+                        rec = {k: e.get(k) for k in ("dst_pages_total", "page_size", "room")}
+                        rec["dst_pages"] = array("l", e["dst_pages"])  # a session's worth: 8 bytes a page, not 36
+                        self._pages.setdefault(rid, {}).setdefault("prealloc", rec)
 
     def page_record(self, rid: str) -> dict:
         """What :meth:`add_plans` and :meth:`add_page_evidence` kept of ``rid`` (empty when nothing)."""

@@ -141,6 +141,27 @@ def test_page_size_1_pages_are_slots_and_prev_holders_run_length(decode_agent):
     assert ey["fill_len"] == 5 and ey["total_prefix_len"] == 0
 
 
+def test_a_requests_canaries_are_read_from_its_input_text_or_its_ids(decode_agent):
+    """``kv_prealloc.canaries``: the canaries in the request's input text, else in its ids decoded by
+    the scheduler's tokenizer (an OpenAI chat request comes as ids); none listed where it holds none."""
+    q = _decode_module("fake_decode_canaries", 1, range(10, 400))
+    a = Req("from-text", 6, room=1)
+    a.origin_input_text = "hello [ABCDEFGHIJ] and [ZZZZZZZZZZ] again [ABCDEFGHIJ]"
+    q._pre_alloc(a)
+    b = Req("9f1c0e7a", 6, room=2)  # the engine's own id; only token ids, as a chat request has them
+    b.origin_input_text = None
+    text = "<|user|> [QQQQQQ2345] tail"
+    b.origin_input_ids = [ord(ch) for ch in text]
+    q.scheduler.tokenizer = types.SimpleNamespace(decode=lambda ids: "".join(chr(i) for i in ids))
+    q._pre_alloc(b)
+    c = Req("plain", 6, room=3)
+    c.origin_input_text = "no canary here [abc]"
+    q._pre_alloc(c)
+    ea, eb, ec = _events(decode_agent, "kv_prealloc")
+    assert ea["canaries"] == ["[ABCDEFGHIJ]", "[ZZZZZZZZZZ]"] and eb["canaries"] == ["[QQQQQQ2345]"]
+    assert "canaries" not in ec
+
+
 def test_page_size_64_lists_page_ids_at_each_pages_first_token(decode_agent):
     q = _decode_module("fake_decode_p64", 64, [7, 3, 9, 4, 12, 2])
     a = Req("rid-a", 130, room=5)  # 3 pages: 64 + 64 + 2 tokens

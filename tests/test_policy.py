@@ -102,6 +102,29 @@ def test_short_transfer_leak_is_known_only_with_its_witness_and_red_unless_accep
     assert judge(ev, {"isolation": PASS}, accept_known=True).status == FAIL
 
 
+def test_a_page_holder_under_the_engines_own_id_is_named_by_the_canaries_decode_read_in_its_input():
+    """An OpenAI-route request through sglang-router reaches decode under a uuid of decode's, not the
+    client's rid: the pages it left are held by that uuid, which no plan names. Decode's own record of
+    the canaries in that request's input text (``kv_prealloc.canaries``) makes it a carrier of the
+    recited canary, so the shorted victim's leak is the finding; without that record it stays a plain
+    FAIL (a fuzz find, 2026-12-05, stayed NEW for want of it)."""
+    def log(carried):
+        rng = random.Random(2)
+        ev = [HEADER] + crowd()
+        own, foreign = canary.mint(rng, 2), ev[1]["canaries"]
+        ev += [plan("s1", "t5", own)] + reply("s1", foreign[0][1:-1] + "][")
+        ev += [agent("fault_fired", kind="short", rid="s1", pages_sent=1, pages_reserved=10)]
+        ev += stale_pages("a3fbefd1c66f452f", "s1", 10, 1)
+        ev += [agent("kv_prealloc", rid="a3fbefd1c66f452f", room=1, dst_pages=list(range(1000, 1010)),
+                     dst_pages_total=10, prev_holders=[[0, 10, None]], wall=100.1,
+                     **({"canaries": sorted({foreign[0], "[AAAAAAAAAA]"})} if carried else {}))]
+        return ev
+    j = judge(log(carried=True), {"isolation": PASS}, accept_known=True)
+    assert j.status == "known" and j.known[0].finding.id == "sglang-short-transfer-unchecked"
+    j = judge(log(carried=False), {"isolation": PASS}, accept_known=True)
+    assert j.status == FAIL and j.red and not j.known
+
+
 # a chimera (a recital nobody minted) in a shorted victim is the finding only when every character of it
 # is copyable from the canaries its unwritten pages' writers carried (a fresh clone's make test at
 # ec1c9ad went red on one)

@@ -23,7 +23,11 @@ Evidence:
   says when cut), and ``step_stats`` (the decode-step hook's own cost so far: ``steps``,
   ``hook_s``, ``orig_s``, ``skipped`` per reason, ``resets``). A retracted request resumed into new
   pages (``resume_retracted_reqs``) gets one too (same room; its KV comes back from the host copy,
-  not from prefill).
+  not from prefill). ``canaries``, where its input text holds any: the kvchaos canaries in
+  the request's input text (``req.origin_input_text``, else its ``origin_input_ids`` decoded by the
+  scheduler's tokenizer; at most ``CANARIES_MAX``), which name the request a page's holder was when
+  its id is the engine's own: an OpenAI-route request through sglang-router reaches decode under a
+  uuid of decode's, not the client's rid, and only its text says which request it was.
 * ``provenance_skipped`` (once per reason per process): a path the map does not follow (HiSparse,
   speculative decoding, beam rows, a row count that does not match the batch).
 * ``hook_error`` (``hook``: ``_pre_alloc`` / ``prepare_for_decode``; at most ``ERRORS_MAX`` per
@@ -86,6 +90,8 @@ from __future__ import annotations
 import threading
 import time
 
+from kvchaos.canary import PATTERN as _CANARY
+
 from . import control as _ctl
 from .control import _wrap
 from .transfer import DST_PAGES_MAX
@@ -93,6 +99,7 @@ from .transfer import DST_PAGES_MAX
 RUNS_MAX = 4096  # prev_holders runs listed per event
 HOLDERS_MAX = 1 << 22  # pages remembered (a pool never has this many; a guard, not a working bound)
 ERRORS_MAX = 20  # hook_error events per hook per process
+CANARIES_MAX = 64  # canaries of a request's input text listed in its kv_prealloc
 
 
 class Holders:
@@ -161,6 +168,21 @@ def _pages_of(queue, req, total_prefix_len: int, fill_len: int, ps: int) -> list
     return [int(x) for x in (row[::ps] // ps).tolist()]
 
 
+def _input_text(queue, req) -> str:
+    """The request's prompt as text: ``origin_input_text``, else its ``origin_input_ids`` decoded by the
+    scheduler's own tokenizer (an OpenAI chat request reaches the scheduler as token ids: SGLang's
+    serving_chat renders the template to ids); empty when neither is there."""
+    text = getattr(req, "origin_input_text", None)
+    if isinstance(text, str):
+        return text
+    tok = getattr(getattr(queue, "scheduler", None), "tokenizer", None)
+    ids = getattr(req, "origin_input_ids", None)
+    if tok is None or ids is None or not len(ids):
+        return ""
+    out = tok.decode(list(ids))
+    return out if isinstance(out, str) else ""
+
+
 def _note_prealloc(queue, req, a, k) -> None:
     h = holders()
     if getattr(getattr(queue, "scheduler", None), "enable_hisparse", False):
@@ -190,6 +212,9 @@ def _note_prealloc(queue, req, a, k) -> None:
             m[p] = rid
     runs = _runs(prev)
     extra = {"prev_holders_truncated": True} if len(runs) > RUNS_MAX else {}
+    carried = sorted({m.group() for m in _CANARY.finditer(_input_text(queue, req))})
+    if carried:
+        extra["canaries"] = carried[:CANARIES_MAX]
     _ctl.AGENT.emit("kv_prealloc", rid=rid, room=getattr(req, "bootstrap_room", None), page_size=ps,
                     fill_len=fill_len, total_prefix_len=total, dst_pages=pages[:DST_PAGES_MAX],
                     dst_pages_total=len(pages), prev_holders=runs[:RUNS_MAX], **extra, step_stats=h.stats())

@@ -132,19 +132,26 @@ def shorted(h, rid: str) -> list[dict]:
 
 def carriers(h: History, c: str | None, registry=None) -> set:
     """Every request known to have carried canary ``c`` in its prompt: this history's plans and the
-    registry's (a conversation's turns and a tenant's system prompt carry the same canary)."""
+    registry's (a conversation's turns and a tenant's system prompt carry the same canary), and every
+    decode request whose own input text held it (``kv_prealloc.canaries``: under the engine's id, which
+    a page's holder is named by where the router did not pass the client's rid on)."""
     if not c:
         return set()
     out = {rid for rid, p in h.plans.items() if c in (p.get("canaries") or [])}
+    out |= {e["rid"] for e in h.agent_events("kv_prealloc") if e.get("rid") and c in (e.get("canaries") or ())}
     if registry is not None:
         out |= registry.carriers(c)
     return out
 
 
 def carried_by(h: History, rid: str, registry=None) -> set:
-    """The canaries ``rid`` carried in its prompt (its plan here, else the registry's record)."""
+    """The canaries ``rid`` carried in its prompt (its plan here, decode's record of its input text, the
+    registry's record)."""
     p = h.plans.get(rid)
     out = set(p.get("canaries") or []) if p else set()
+    for e in h.agent_events("kv_prealloc"):
+        if e.get("rid") == rid:
+            out |= set(e.get("canaries") or ())
     if registry is not None:
         out |= registry.carried_by(rid)
     return out
