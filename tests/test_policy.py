@@ -283,6 +283,36 @@ def test_auto_truncate_leak_is_known_only_when_prefill_sent_the_prompt_truncated
         assert judge(_truncated_log(pages, 64), {"isolation": PASS}, accept_known=True).status == FAIL, pages
 
 
+def test_the_reject_paths_placeholder_leak_is_known_on_0519_only_with_one_page_written():
+    """The GLM-5.3 mechanism: an oversized prompt of which prefill wrote only the one-page placeholder
+    while decode reserved the whole prompt, its reply reciting the canary of the pages' last holder.
+    KNOWN on 0.5.19 (isolation and http_semantics); a truncated or whole transfer, no transfer evidence,
+    or another release stays a FAIL."""
+    def on(version, pages, page_size=None):
+        ev = _truncated_log(pages, page_size)
+        ev[0] = {**HEADER, "engine": {"name": "sglang", "version": version}}
+        return ev
+    j = judge(on("0.5.19", 1), {"isolation": PASS}, accept_known=True)
+    assert j.status == "known" and j.known[0].finding.id == "sglang-reject-path-placeholder-stale-pages"
+    ev = on("0.5.19", 1)
+    v = oracles.http_semantics(ev)
+    j = Policy(accept_known=True).judge([v], Context.of(History(ev)), {"http_semantics": PASS})
+    assert v.status == FAIL and j.status == "known"
+    assert j.known[0].finding.id == "sglang-reject-path-placeholder-stale-pages"
+    assert judge(on("0.5.19", 1, 64), {"isolation": PASS}, accept_known=True).status == "known"
+    for pages in (900, None):
+        assert judge(on("0.5.19", pages), {"isolation": PASS}, accept_known=True).status == FAIL, pages
+    j = judge(on("0.5.19", 570), {"isolation": PASS}, accept_known=True)  # truncated: the other finding
+    assert {i.finding.id for i in j.known} == {"sglang-auto-truncate-stale-pages"}
+    assert judge(on("0.5.23", 1), {"isolation": PASS}, accept_known=True).status == FAIL
+    # the victim was no oversized prompt: a leak, plain and simple
+    ev = on("0.5.19", 1)
+    for e in ev:
+        if e.get("ev") == "plan" and e.get("rid") == "big1":
+            e["oversized"] = False
+    assert judge(ev, {"isolation": PASS}, accept_known=True).status == FAIL
+
+
 def test_no_test_or_harness_module_xfails_imperatively():
     hits = [f"{p}:{i}" for d in ("suites", "kvchaos", "faults") for p in (REPO / d).rglob("*.py")
             for i, line in enumerate(p.read_text().splitlines(), 1) if "pytest.xfail(" in line]

@@ -154,6 +154,34 @@ def _sig_victims_truncated(v, ctx, want):
     return bool(v.witnesses) and not bad, f"victims not decoded over a truncated prompt's unwritten pages: {bad[:3]}"
 
 
+def _sig_victims_rejected_placeholder(v, ctx, want):
+    """Every victim (an isolation witness's victim, an http_semantics witness's request) is a prompt
+    prefill's input limit refused (its plan is oversized) of which prefill's own transfer events show
+    exactly one page written (the reject path's one-token placeholder: the prompt swapped for it, the
+    error parked in ``to_finish``, the request still sent on to transfer), while decode's own
+    ``kv_prealloc`` reserved pages for the whole prompt — the GLM-5.3 incident's mechanism. An
+    answered 200 with the prompt's own KV (written whole) or truncated (more than one page) is not it."""
+    if not want:
+        raise PolicyError("victims_rejected_placeholder takes true")
+    plans = ctx.plans()
+    sent = kv_pages_written(ctx.history)
+    ps = kv_page_size(ctx.history)
+    bad = []
+    for w in v.witnesses:
+        rid = w.get("victim_rid") or w.get("rid")
+        p = plans.get(rid, {})
+        n = sent.get(rid)
+        if not (p.get("oversized") and n == 1 and pages_for(p.get("n_tokens") or 0, ps) > 1):
+            bad.append(f"{rid}: prefill's writes ({n} pages) are not the reject path's one-page placeholder of an "
+                       "oversized prompt")
+            continue
+        pre = provenance.prealloc(ctx.history, rid)
+        total = (pre or {}).get("dst_pages_total")
+        if not isinstance(total, int) or total <= 1:
+            bad.append(f"{rid}: decode's own evidence shows no reservation beyond the placeholder ({total} pages)")
+    return bool(v.witnesses) and not bad, f"victims not answered over the reject path's placeholder: {bad[:3]}"
+
+
 def _sig_fault_armed(v, ctx, kind):
     ok = any(e.get("kind") == kind for e in ctx.fault_events("armed"))
     return ok, f"no {kind!r} fault armed in this experiment"
@@ -213,6 +241,7 @@ SIGNATURES = {
     "oversized_all_hung": _sig_oversized_all_hung,
     "fault_armed": _sig_fault_armed,
     "victims_truncated": _sig_victims_truncated,
+    "victims_rejected_placeholder": _sig_victims_rejected_placeholder,
     "process_fault_fired": _sig_process_fault_fired,
     "engine_error": _sig_engine_error,
     "salts_lost_before_engine": _sig_salts_lost_before_engine,
