@@ -1,6 +1,7 @@
 """``kvchaos fuzz``: search the space of deployments, traffic and fault schedules for engine behaviour no
 suite names (:mod:`kvchaos.fuzz`). Exit status: 0 nothing NEW was confirmed, 1 a NEW find was confirmed
-(or, with ``--replay``, the scenario's non-PASS verdicts did not come back in every run), 2 bad input."""
+(or, with ``--replay``, the scenario's non-PASS verdicts did not come back in every run; with ``--verify``, the
+shrunk scenario showed its find's mechanism in fewer than 9 of 10 runs), 2 bad input."""
 
 from __future__ import annotations
 
@@ -18,8 +19,12 @@ Generates and mutates scenarios, runs them on reused clusters grouped by deploym
 engine events show a new state, and triages every verdict that is not PASS against the findings
 registry (KNOWN) or as NEW (confirmed by reruns and a control, written to OUT/finds/). --strategy both
 runs guided then random with the same budget and seed and prints them side by side. --replay FILE runs
-one scenario --times times, each on a fresh cluster.
+one scenario --times times, each on a fresh cluster. --verify FIND_DIR runs a find's shrunk scenario
+--times times (default 10 there), each on a fresh cluster, and makes it the find's minimal.json only
+where at least 9 in 10 showed the find's mechanism.
 """.split())
+VERIFY_TIMES = 10
+VERIFY_SHARE = 0.9  # a minimal repro shows its find in at least 9 of 10 runs, each on a fresh cluster
 _UNITS = {"s": 1, "m": 60, "h": 3600}
 
 
@@ -44,7 +49,11 @@ def add_parser(sub, cfg: dict):
                     help="which NEW finds to confirm by reruns and a control and to shrink: all, or leaks only "
                          "(the others are written up unconfirmed) [all]")
     sp.add_argument("--replay", metavar="SCENARIO", help="run this scenario.json instead of searching")
-    sp.add_argument("--times", type=int, default=3, help="with --replay: runs, each on a fresh cluster [3]")
+    sp.add_argument("--verify", metavar="FIND_DIR",
+                    help="run a find's shrunk.json --times times (10 unless given), each on a fresh cluster; "
+                         "write verify.json, and minimal.json where >= 90%% showed the find's mechanism")
+    sp.add_argument("--times", type=int, default=None,
+                    help="with --replay: runs, each on a fresh cluster [3]; with --verify [10]")
     return sp
 
 
@@ -130,8 +139,17 @@ def run(args) -> int:
 
     with usage_errors("fuzz", ScenarioError, CorpusError, FuzzError):
         budget = parse_budget(args.budget)
+        if args.replay and args.verify:
+            raise UsageError("--replay and --verify: one at a time")
+        if args.times is None:
+            args.times = VERIFY_TIMES if args.verify else 3
         if args.times < 1:
             raise UsageError(f"--times {args.times}: at least 1")
+        if args.verify:
+            d = Path(args.verify)
+            if not (d / "shrunk.json").is_file() or not (d / "find.json").is_file():
+                raise UsageError(f"--verify {d}: not a find with a shrunk scenario (shrunk.json and find.json)")
+            return verify(d, args, Path(args.out) if args.out else d / "verify")
         out = Path(args.out) if args.out else REPO / "reports" / "fuzz" / time.strftime("%Y%m%d-%H%M%S")
         out.mkdir(parents=True, exist_ok=True)
         if args.replay:
@@ -194,6 +212,55 @@ def _replay(sc, args, out: Path) -> int:
     (out / "replay.json").write_text(json.dumps({"scenario": sc.digest(), "runs": seen, "same_as_first": same}, indent=1))
     print(f"kvchaos fuzz --replay: {same}/{args.times} runs gave the first run's verdicts; {out}")
     return 0 if same == args.times else 1
+
+
+def verify(d: Path, args, out: Path, start_stop=None) -> int:
+    """A find's shrunk scenario (``d/shrunk.json``) run ``args.times`` times, each on a fresh cluster of
+    its deployment: a run shows the find when triage (with today's registry) gives a verdict of the find's
+    oracle the find's mechanism signature. Writes ``d/verify.json``; ``d/minimal.json`` (the find's minimal
+    repro) only where at least :data:`VERIFY_SHARE` of the runs showed it, and removes a stale one where
+    not. Exit 0 verified, 1 not."""
+    import functools
+
+    from kvchaos.experiment import Experiment, run_scenario  # imported here: see run
+    from kvchaos.fuzz.triage import triage
+    from kvchaos.policy import Registry
+    from kvchaos.workload.scenario import Scenario
+
+    find = json.loads((d / "find.json").read_text())
+    sc = Scenario.load(d / "shrunk.json")
+    registry = Registry.load()
+    out.mkdir(parents=True, exist_ok=True)
+    start, stop = start_stop or launch(args.profile, args.layout, out / "clusters")
+    runs = []
+    for i in range(args.times):
+        cur = start(sc.deployment)
+        c, kit, policy = cur
+        try:
+            ex = run_scenario(functools.partial(Experiment, cluster=c, run_dir=out / f"run-{i + 1}", faults=kit,
+                                                policy=policy, test_id=f"fuzz-verify::{sc.name}"), sc, kit, c)
+            got = [g for g in triage(ex.verdicts, ex.context(), registry, ex.events) if g.oracle == find["oracle"]]
+            shows = any(g.signature == find["signature"] for g in got)
+            runs.append({"run": i + 1, "shows": shows, "signatures": sorted({g.signature for g in got}),
+                         "known": sorted({g.finding for g in got if g.finding}), "events": str(ex.path)})
+        except Exception as e:  # noqa: BLE001 - a run that did not happen shows nothing: counted against it
+            runs.append({"run": i + 1, "shows": False, "error": f"{type(e).__name__}: {e}"[:300]})
+        finally:
+            stop(cur)
+        print(f"verify {i + 1}/{args.times}: {'shows' if runs[-1]['shows'] else 'does not show'} "
+              f"{find['oracle']} {find['signature']}", flush=True)
+    shown = sum(r["shows"] for r in runs)
+    ok = shown >= VERIFY_SHARE * args.times
+    rec = {"find": find["signature"], "oracle": find["oracle"], "scenario": sc.digest(), "times": args.times,
+           "shown": shown, "verified": ok, "runs": runs, "at": time.strftime("%Y-%m-%dT%H:%M:%S")}
+    (d / "verify.json").write_text(json.dumps(rec, indent=1) + "\n")
+    if ok:
+        sc.save(d / "minimal.json")
+    elif (d / "minimal.json").exists():
+        (d / "minimal.json").unlink()
+    print(f"kvchaos fuzz --verify: {shown}/{args.times} runs showed {find['oracle']} {find['signature']}; "
+          + (f"minimal repro: {d / 'minimal.json'}" if ok else "not a minimal repro (needs 9 in 10)"))
+    return 0 if ok else 1
 
 
 def _target(ex, checker: str | None):

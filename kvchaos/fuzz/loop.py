@@ -537,8 +537,8 @@ class Fuzzer:
         d = self.out / "finds" / key
         d.mkdir(parents=True, exist_ok=True)
         sc.save(d / "scenario.json")
-        if minimal is not None:
-            minimal.save(d / "minimal.json")
+        if minimal is not None:  # a repro candidate: minimal.json once --verify showed it in 9 of 10 fresh runs
+            minimal.save(d / "shrunk.json")
         (d / "find.json").write_text(json.dumps({**f.to_dict(), **(rec or {}), "events": str(ex.path)}, indent=1,
                                                 default=str) + "\n")
         lines = [f"# {f.kind.upper()}: {f.finding or f.signature} ({f.oracle} {f.status.upper()})", "",
@@ -546,7 +546,8 @@ class Fuzzer:
                  "```json", json.dumps(f.mechanism, indent=1), "```", "",
                  f"Scenario: `scenario.json` (digest {sc.digest()}); its event log: `{ex.path}`.", "",
                  f"Re-run it: `kvchaos fuzz --replay {d / 'scenario.json'}`"
-                 + (f"; the shrunk one: `kvchaos fuzz --replay {d / 'minimal.json'} --times 10`" if minimal else "")]
+                 + (f"; the shrunk one (`shrunk.json`), each run on a fresh cluster: `kvchaos fuzz --verify {d}` "
+                    "(it becomes `minimal.json`, the minimal repro, where 9 in 10 runs show the find)" if minimal else "")]
         if f.power_met is False:
             lines += ["", "The run was under its power floor in some exposure class (the summary says which): "
                       "the leak's mechanism is the finding's, but the policy would not accept this run as KNOWN."]
