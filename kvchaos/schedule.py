@@ -76,6 +76,7 @@ class Schedule:
         self.done: set[int] = set()  # ops carried out (armed, or an action taken): each once
         self.held: dict[int, dict] = {}  # op index of a hold or park -> the agent's event: it parked a request
         self.healed: set[int] = set()
+        self.released: set[int] = set()  # holds and parks a release action let go
         self.records: list[dict] = []  # what happened, op by op: armed / healed / action / error
         self.t0: float | None = None
         self.stop = threading.Event()
@@ -151,6 +152,7 @@ class Schedule:
             if held is None:
                 raise NemesisError(f"op {i}: release of op {op.after}, which was never armed")
             held.release()
+            self.released.add(op.after)
             self.records.append({"op": i, "what": "action", "kind": "release", "of": op.after, "at_s": t})
             return
         with self._lock:
@@ -167,9 +169,10 @@ class Schedule:
         if j is not None and j in self.held:
             by, ev = self.ops[j], self.held[j]
             stage = "transferring" if by.kind == "hold" else (by.params or {}).get("stage")
-            # held now: the hold parked this very request, is not healed, and its own bound has not let it go
+            # held now: the hold parked this very request, was neither healed nor released, and its own bound
+            # has not let it go
             bound = float((by.params or {}).get("max_hold_s", 60)) if by.kind == "hold" else math.inf
-            held = (ev.get("rid") == rid and j not in self.healed
+            held = (ev.get("rid") == rid and j not in self.healed and j not in self.released
                     and time.time() - float(ev.get("wall", 0.0)) < bound - HELD_MARGIN_S)
         at = time.time()
         status = self._abort_one(rid)

@@ -405,6 +405,9 @@ class _Log(list):
     # another request than the one parked is aborted: not held
     ({"kind": "hold", "params": {"max_hold_s": 30}}, None, "other", ("transferring", False)),
     (None, None, "victim", (None, False)),  # an abort that waits for nothing
+    # a release let the request go before the abort came: not held
+    ({"kind": "park", "role": "decode", "params": {"stage": "decode_prealloc"}, "released_first": True}, 0.2,
+     "victim", ("decode_prealloc", False)),
 ])
 def test_a_scheduled_abort_is_logged_for_abort_semantics_with_its_stage_and_whether_it_was_held(hold, delay_s, rid_of, want):
     """A scenario's abort is a ``fault`` record (action ``abort_request``) as the suites' choreography
@@ -418,6 +421,8 @@ def test_a_scheduled_abort_is_logged_for_abort_semantics_with_its_stage_and_whet
     if hold:
         ops.append(Op(at_s=0, injector="agent", role=hold.get("role", "prefill"), kind=hold["kind"],
                       target={"rid": victim}, params=hold["params"]))
+    if hold and hold.get("released_first"):
+        ops.append(Op(at_s=0, injector="action", kind="release", after=0))
     ops.append(Op(at_s=0, injector="action", kind="abort", rids=[victim if rid_of == "victim" else other],
                   after=0 if hold else None, delay_s=delay_s if hold else None))
     kit = _Kit()
