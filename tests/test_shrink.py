@@ -209,6 +209,25 @@ def test_remint_gives_fresh_canaries_the_same_way_in_every_prompt_that_carries_t
     assert remint(plans, _random.Random(3))[0].canaries != remint(plans, _random.Random(4))[0].canaries
 
 
+def test_reminted_canaries_of_one_prompt_share_no_trigram():
+    """The probe copies by trigram: two canaries of one prompt that share one make it recite a chimera
+    of both, which isolation counts as a canary nobody minted (a fuzz control went red so, 2026-12-05).
+    Remint keeps mint's rule in every prompt, a conversation's later turns (their earlier turns'
+    canaries repeated) included."""
+    import random as _random
+
+    from kvchaos.shrink.scenario import remint
+
+    wl = Workload(5, n_tenants=4, prefix="tg")
+    plans = [p for t in wl.tenants for p in wl.conversation(t, turns=4)]
+    plans += [wl.request(wl.tenants[i % 4], n_canaries=3, sharing="tenant") for i in range(40)]
+    for seed in range(60):
+        for q in remint(plans, _random.Random(seed)):
+            cs = [c for _at, c in canary.find(q.prompt)]
+            grams = [c[j:j + 3] for c in dict.fromkeys(cs) for j in range(len(c) - 2)]
+            assert len(grams) == len(set(grams)), (seed, q.rid, cs)
+
+
 def test_caches_are_flushed_on_both_roles_and_a_refusal_is_named():
     from kvchaos.workload.snapshots import flush_caches
     from tests.data.known_suite.test_known_inner import StandIn

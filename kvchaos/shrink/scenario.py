@@ -107,24 +107,44 @@ def shorten(text: str, keep: int = 0) -> str | None:
     return new
 
 
+REMINT_TRIES = 10_000  # draws for one canary before the plans are refused (a context of > 32 canaries)
+
+
 def remint(plans, rng: random.Random) -> list:
     """The plans with every canary replaced by a fresh one (same opening character: a context's
     canaries keep their distinct first characters), the same way in every prompt that carries it (a
     conversation's later turn repeats the earlier's). A run on a reused cluster whose plans carry the
     canaries of an earlier run could read that run's KV in a stale page and credit it to this one's
     owner: with fresh canaries it reads as an earlier experiment's, and only this run's own traffic can
-    make the leak it is judged by."""
+    make the leak it is judged by.
+
+    As :func:`kvchaos.canary.mint` does, no trigram of a new canary occurs twice among the canaries of
+    any prompt it is in: the probe copies by trigram, and two canaries of one prompt sharing one (a
+    fuzz control, 2026-12-05: ``[TQFLTVTG2H]`` beside ``[GMX2LTVNZP]``) made it recite a chimera of the
+    two, ``[TQFLTVNZP]``, which isolation rightly counts as a canary nobody minted: a red run with
+    nothing leaked."""
     old = sorted({c for p in plans for c in (p.canaries or [])})
+    beside: dict[str, set] = {c: set() for c in old}  # canary -> the canaries sharing a prompt with it
+    for p in plans:
+        ctx = set(p.canaries or []) | {c for _at, c in canary.find(p.prompt or "") if c in beside}
+        for c in ctx:
+            beside[c] |= ctx - {c}
     taken = set(old)
-    new = {}
+    new: dict[str, str] = {}
+    grams: dict[str, set] = {}
     for c in old:
-        while True:
+        near = set().union(*(grams[n] for n in beside[c] if n in grams))
+        for _ in range(REMINT_TRIES):
             d = canary.START + c[len(canary.START)] + "".join(
                 rng.choice(canary.ALPHABET) for _ in range(canary.PAYLOAD_LEN - 1)) + canary.END
-            if d not in taken:
+            g = [d[j:j + 3] for j in range(len(d) - 2)]
+            if d not in taken and len(set(g)) == len(g) and not near.intersection(g):
                 break
+        else:
+            raise ShrinkError(f"no fresh canary for {c} with trigrams apart from the {len(beside[c])} canaries "
+                              f"beside it in {REMINT_TRIES} draws")
         taken.add(d)
-        new[c] = d
+        new[c], grams[c] = d, set(g)
     out = []
     for p in plans:
         q = copy.copy(p)
