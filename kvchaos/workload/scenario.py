@@ -669,8 +669,13 @@ class Scenario:
         return Scenario.from_dict(json.loads(json.dumps(self.to_dict())))
 
     def ops(self) -> list[Op]:
-        """What the runner arms, in order: the live knobs (at 0 s), then the nemesis schedule."""
-        return self.deployment.live_ops() + list(self.nemesis)
+        """What the runner arms, in order: the live knobs (at 0 s), then the nemesis schedule, each op's
+        ``after`` moved by the live ops put before it (it names a nemesis index: an abort that waited
+        for "op 0", its hold, had waited for the first live knob instead, and fired before anything was
+        held; a release of "op 0" released the knob, and the run died)."""
+        live = self.deployment.live_ops()
+        return live + [o if o.after is None else dataclasses.replace(o, after=o.after + len(live))
+                       for o in self.nemesis]
 
     def digest(self) -> str:
         """A short id of the scenario's content (its name and origin left out): equal scenarios, equal ids."""
