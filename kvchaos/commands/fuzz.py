@@ -188,24 +188,15 @@ def start_base(clusters, dep):
 def _replay(sc, args, out: Path) -> int:
     """Run one scenario ``--times`` times, each on a fresh cluster of its deployment; reproduced when
     every run's non-PASS verdicts are the first run's (a PASS scenario: PASS every time)."""
-    import functools
-
-    from kvchaos.experiment import Experiment, run_scenario  # imported here: see run
-
     if not sc.origin.get("complete", True):
         print(f"kvchaos fuzz --replay: warning: {sc.name} is not the whole experiment it came from: "
               + "; ".join(sc.origin.get("why_incomplete") or []), flush=True)
-    start, stop = launch(args.profile, args.layout, out / "clusters")
     seen = []
-    for i in range(args.times):
-        cur = start(sc.deployment)
-        c, kit, policy = cur
-        try:
-            ex = run_scenario(functools.partial(Experiment, cluster=c, run_dir=out / f"replay-{i + 1}", faults=kit,
-                                                policy=policy, test_id=f"fuzz-replay::{sc.name}"), sc, kit, c)
-            got = {v.oracle: v.status for v in ex.verdicts if v.status != "pass"}
-        finally:
-            stop(cur)
+    for i, ex, err in _on_fresh_clusters(sc, args.times, launch(args.profile, args.layout, out / "clusters"), out,
+                                         "replay"):
+        if err is not None:
+            raise err
+        got = {v.oracle: v.status for v in ex.verdicts if v.status != "pass"}
         seen.append(got)
         print(f"replay {i + 1}/{args.times}: {got or 'every verdict PASS'}", flush=True)
     same = sum(g == seen[0] for g in seen)
@@ -214,16 +205,37 @@ def _replay(sc, args, out: Path) -> int:
     return 0 if same == args.times else 1
 
 
+def _on_fresh_clusters(sc, times: int, start_stop, out: Path, tag: str):
+    """``(i, experiment, None)`` for each of ``times`` runs of ``sc``, each on a fresh cluster of its
+    deployment (``start_stop``: :func:`launch`'s pair), stopped once the caller has read the run;
+    ``(i, None, error)`` for a run the engines or faults refused."""
+    import functools
+
+    from kvchaos.experiment import Experiment, run_scenario  # imported here: see run
+
+    start, stop = start_stop
+    for i in range(times):
+        cur = start(sc.deployment)
+        c, kit, policy = cur
+        try:
+            try:
+                ex = run_scenario(functools.partial(Experiment, cluster=c, run_dir=out / f"{tag}-{i + 1}", faults=kit,
+                                                    policy=policy, test_id=f"fuzz-{tag}::{sc.name}"), sc, kit, c)
+            except Exception as e:  # noqa: BLE001 - the caller says what a refused run counts as
+                yield i, None, e
+            else:
+                yield i, ex, None
+        finally:
+            stop(cur)
+
+
 def verify(d: Path, args, out: Path, start_stop=None) -> int:
     """A find's shrunk scenario (``d/shrunk.json``) run ``args.times`` times, each on a fresh cluster of
     its deployment: a run shows the find when triage (with today's registry) gives a verdict of the find's
     oracle the find's mechanism signature. Writes ``d/verify.json``; ``d/minimal.json`` (the find's minimal
     repro) only where at least :data:`VERIFY_SHARE` of the runs showed it, and removes a stale one where
     not. Exit 0 verified, 1 not."""
-    import functools
-
-    from kvchaos.experiment import Experiment, run_scenario  # imported here: see run
-    from kvchaos.fuzz.triage import triage
+    from kvchaos.fuzz.triage import triage  # imported here: see run
     from kvchaos.policy import Registry
     from kvchaos.workload.scenario import Scenario
 
@@ -231,22 +243,16 @@ def verify(d: Path, args, out: Path, start_stop=None) -> int:
     sc = Scenario.load(d / "shrunk.json")
     registry = Registry.load()
     out.mkdir(parents=True, exist_ok=True)
-    start, stop = start_stop or launch(args.profile, args.layout, out / "clusters")
     runs = []
-    for i in range(args.times):
-        cur = start(sc.deployment)
-        c, kit, policy = cur
-        try:
-            ex = run_scenario(functools.partial(Experiment, cluster=c, run_dir=out / f"run-{i + 1}", faults=kit,
-                                                policy=policy, test_id=f"fuzz-verify::{sc.name}"), sc, kit, c)
+    start_stop = start_stop or launch(args.profile, args.layout, out / "clusters")
+    for i, ex, err in _on_fresh_clusters(sc, args.times, start_stop, out, "verify"):
+        if err is not None:  # a run that did not happen shows nothing: counted against it
+            runs.append({"run": i + 1, "shows": False, "error": f"{type(err).__name__}: {err}"[:300]})
+        else:
             got = [g for g in triage(ex.verdicts, ex.context(), registry, ex.events) if g.oracle == find["oracle"]]
-            shows = any(g.signature == find["signature"] for g in got)
-            runs.append({"run": i + 1, "shows": shows, "signatures": sorted({g.signature for g in got}),
+            runs.append({"run": i + 1, "shows": any(g.signature == find["signature"] for g in got),
+                         "signatures": sorted({g.signature for g in got}),
                          "known": sorted({g.finding for g in got if g.finding}), "events": str(ex.path)})
-        except Exception as e:  # noqa: BLE001 - a run that did not happen shows nothing: counted against it
-            runs.append({"run": i + 1, "shows": False, "error": f"{type(e).__name__}: {e}"[:300]})
-        finally:
-            stop(cur)
         print(f"verify {i + 1}/{args.times}: {'shows' if runs[-1]['shows'] else 'does not show'} "
               f"{find['oracle']} {find['signature']}", flush=True)
     shown = sum(r["shows"] for r in runs)
