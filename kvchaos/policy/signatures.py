@@ -131,6 +131,17 @@ def _sig_oversized_all_hung(v, ctx, want):
     return ok == bool(want), f"oversized requests that did not hang: {miss[:5]}"
 
 
+def _victims_written(v, ctx):
+    """``(rid, plan, pages prefill's writes filled for it, page size)`` for each witness's victim (an
+    isolation witness's ``victim_rid``, another checker's ``rid``), from prefill's own transfer events."""
+    plans = ctx.plans()
+    sent = kv_pages_written(ctx.history)
+    ps = kv_page_size(ctx.history)
+    for w in v.witnesses:
+        rid = w.get("victim_rid") or w.get("rid")
+        yield rid, plans.get(rid, {}), sent.get(rid), ps
+
+
 def _sig_victims_truncated(v, ctx, want):
     """Every victim is an oversized request whose KV prefill wrote, by its own transfer events (the
     pages of every chunk), was short of the prompt but more than the one-page placeholder of the
@@ -138,14 +149,8 @@ def _sig_victims_truncated(v, ctx, want):
     reserved pages for more than was written (its own ``kv_prealloc``)."""
     if not want:
         raise PolicyError("victims_truncated takes true")
-    plans = ctx.plans()
-    sent = kv_pages_written(ctx.history)
-    ps = kv_page_size(ctx.history)
     bad = []
-    for w in v.witnesses:
-        rid = w.get("victim_rid")
-        p = plans.get(rid, {})
-        n = sent.get(rid)
+    for rid, p, n, ps in _victims_written(v, ctx):
         sp = provenance.stale_pages(ctx.history, rid)
         if not (p.get("oversized") and isinstance(n, int) and 1 < n < pages_for(p.get("n_tokens") or 0, ps)):
             bad.append(f"{rid}: prefill's writes ({n} pages) are not a truncated prompt")
@@ -163,14 +168,8 @@ def _sig_victims_rejected_placeholder(v, ctx, want):
     answered 200 with the prompt's own KV (written whole) or truncated (more than one page) is not it."""
     if not want:
         raise PolicyError("victims_rejected_placeholder takes true")
-    plans = ctx.plans()
-    sent = kv_pages_written(ctx.history)
-    ps = kv_page_size(ctx.history)
     bad = []
-    for w in v.witnesses:
-        rid = w.get("victim_rid") or w.get("rid")
-        p = plans.get(rid, {})
-        n = sent.get(rid)
+    for rid, p, n, ps in _victims_written(v, ctx):
         if not (p.get("oversized") and n == 1 and pages_for(p.get("n_tokens") or 0, ps) > 1):
             bad.append(f"{rid}: prefill's writes ({n} pages) are not the reject path's one-page placeholder of an "
                        "oversized prompt")
