@@ -125,6 +125,39 @@ def test_a_page_holder_under_the_engines_own_id_is_named_by_the_canaries_decode_
     assert j.status == FAIL and j.red and not j.known
 
 
+def test_pages_holding_an_earlier_replys_generated_tokens_explain_the_same_canary_recited_again():
+    """A leak of a leak: the victim's unwritten pages were decode's pages for an earlier request's
+    generated tokens (not its pre-allocated prompt pages), and that reply recited the canary: decode's
+    evidence explains the recital. The same pages as the earlier request's prompt pages, or a reply
+    without the canary, explain nothing."""
+    def log(generated=True, recited=True):
+        rng = random.Random(2)
+        ev = [HEADER] + crowd()
+        own, foreign = canary.mint(rng, 2), ev[1]["canaries"]
+        ev += [plan("g1", "t6", canary.mint(rng, 1))] + reply("g1", (foreign[0][1:-1] if recited else "QQQQ") + "][")
+        ev += [plan("s1", "t5", own)] + reply("s1", foreign[0][1:-1] + "][")
+        ev += [agent("fault_fired", kind="short", rid="s1", pages_sent=1, pages_reserved=10)]
+        ev += [e for e in stale_pages("g1", "s1", 10, 1) if e.get("rid") == "s1"]  # s1's prealloc and write
+        g1_pages = list(range(2000, 2010)) if generated else list(range(1000, 1010))
+        ev += [agent("kv_prealloc", rid="g1", room=1, dst_pages=g1_pages, dst_pages_total=10,
+                     prev_holders=[[0, 10, None]], wall=100.1),
+               agent("write_end", rid="g1", room=1, pages=10, dst_pages=g1_pages, dst_pages_total=10,
+                     dst_page_offset=0, ret=0, wall=100.15)]
+        return ev
+    from kvchaos.oracles import provenance
+
+    def s1_explained(**kw):
+        ev = log(**kw)
+        v = oracles.isolation(ev)
+        (w,) = [w for w in v.witnesses if w["victim_rid"] == "s1"]  # g1's own recital is a witness of its own
+        return provenance.explains(ev, w)
+    ok, why, sp = s1_explained()
+    assert ok and "g1" in why and sp["generated_by"] == {"g1": 9}, why
+    for kw in ({"recited": False}, {"generated": False}):
+        ok, why, _sp = s1_explained(**kw)
+        assert not ok, (kw, why)
+
+
 # a chimera (a recital nobody minted) in a shorted victim is the finding only when every character of it
 # is copyable from the canaries its unwritten pages' writers carried (a fresh clone's make test at
 # ec1c9ad went red on one)

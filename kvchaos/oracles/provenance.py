@@ -79,19 +79,26 @@ def writer(h: History, page: int | None, holder, depth: int = 0):
     (its transfer wrote that page, or decode wrote its generated tokens there) — unless its transfer
     left that page unwritten, and then its previous holder's (followed back). A holder whose pages
     this history does not show (an earlier experiment's request) is taken as the writer."""
+    return writer_kind(h, page, holder, depth)[0]
+
+
+def writer_kind(h: History, page: int | None, holder, depth: int = 0) -> tuple:
+    """:func:`writer` and what of the writer's the page holds: ``prompt`` (its transfer wrote the page),
+    ``generated`` (decode gave it the page for its generated tokens: not one of its pre-allocated
+    ones), or ``unknown`` (a holder this history does not show, or none)."""
     if holder is None or page is None or depth >= MAX_CHAIN:
-        return holder
+        return holder, "unknown"
     pre = prealloc(h, holder)
     if pre is None:
-        return holder
+        return holder, "unknown"
     pages = pre.get("dst_pages") or []
     if page not in pages:
-        return holder  # a page decode gave it for its generated tokens
+        return holder, "generated"
     j = pages.index(page)
     done = written_pages(h, holder)
     if done is None or j in done:
-        return holder
-    return writer(h, page, holders(pre)[j], depth + 1)
+        return holder, "prompt"
+    return writer_kind(h, page, holders(pre)[j], depth + 1)
 
 
 def stale_pages(h, rid: str) -> dict | None:
@@ -107,13 +114,16 @@ def stale_pages(h, rid: str) -> dict | None:
     held = holders(pre)
     pages = list(pre.get("dst_pages") or [])
     unwritten = [i for i in range(len(held)) if i not in done]
-    writers = Counter()
+    writers, generated = Counter(), Counter()
     for i in unwritten:
-        w = writer(h, pages[i] if i < len(pages) else None, held[i])
+        w, kind = writer_kind(h, pages[i] if i < len(pages) else None, held[i])
         if w is not None:
             writers[w] += 1
+            generated[w] += kind == "generated"
     return {"reserved": len(held), "written": len([i for i in done if i < len(held)]), "unwritten": len(unwritten),
             "writers": dict(writers), "unknown_writer": len(unwritten) - sum(writers.values()),
+            # writer -> how many of those pages hold its generated tokens (decode's own step evidence)
+            "generated_by": {w: n for w, n in generated.items() if n},
             "prealloc_wall": pre.get("wall")}
 
 
@@ -179,6 +189,10 @@ def explains(h, witness: dict, registry=None) -> tuple[bool, str, dict | None]:
         return False, f"every one of the {sp['reserved']} pages decode gave {victim} was written by its transfer", sp
     hit = sorted(who & set(sp["writers"]))
     if not hit:
+        # a leak of a leak: pages decode gave an earlier request for its generated tokens, a reply that
+        # itself recited the canary (an earlier victim of the same stale pages: 0.5.19, 2026-12-05)
+        hit = sorted(r for r in sp.get("generated_by", {}) if _recited(h, r, witness.get("canary"), registry))
+    if not hit:
         return False, (f"none of the {sp['unwritten']} pages of {victim} its transfer left unwritten holds the bytes "
                        f"of a request that carried {witness.get('canary')} (they hold {sorted(sp['writers'])[:5]}'s, "
                        f"{sp['unknown_writer']} unknown)"), sp
@@ -188,6 +202,16 @@ def explains(h, witness: dict, registry=None) -> tuple[bool, str, dict | None]:
     return True, (f"{victim} read {sp['unwritten']} of {sp['reserved']} pages its transfer never wrote; "
                   f"{sum(sp['writers'][r] for r in hit)} of them hold the bytes of {', '.join(hit[:3])}, "
                   f"which carried {witness.get('canary')}"), sp
+
+
+def _recited(h: History, rid: str, c: str | None, registry=None) -> bool:
+    """Whether ``rid``'s reply (this history's, else the registry's record of it) holds canary ``c``."""
+    if not c:
+        return False
+    text = (h.bodies.get(rid) or {}).get("text")
+    if not isinstance(text, str) and registry is not None and hasattr(registry, "page_record"):
+        text = registry.page_record(rid).get("output")
+    return isinstance(text, str) and canary.payload(c) in text
 
 
 def _copyable(piece: str, pool: set) -> list[str]:
