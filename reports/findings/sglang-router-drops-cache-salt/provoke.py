@@ -44,11 +44,11 @@ def send(sc: Scenario, out: str, name: str, router: str, pd: dict | None) -> Non
     with log:
         run_plans(router, sc.traffic.request_plans(), log, concurrency=1, timeout_s=sc.traffic.timeout_s,
                   pd_direct=pd)
-    ends = {e["rid"]: e for e in log.records if e.get("ev") == "end"}
+    status = {e["rid"]: e.get("status") for e in log.records if e.get("ev") == "status"}
+    meta = {e["rid"]: e.get("meta") or {} for e in log.records if e.get("ev") == "body"}
     for p, salt in zip(sc.traffic.plans, SALTS):
-        e = ends.get(p["rid"], {})
-        meta = ((e.get("body") or {}).get("meta") or {})
-        print(f"{name:6s} salt={salt!r:5s} HTTP {e.get('status')} cached_tokens={meta.get('cached_tokens')}")
+        print(f"{name:6s} salt={salt!r:5s} HTTP {status.get(p['rid'])} "
+              f"cached_tokens={meta.get(p['rid'], {}).get('cached_tokens')}")
 
 
 def int_salt(url: str, pd: dict | None) -> int:
