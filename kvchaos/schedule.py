@@ -57,6 +57,7 @@ def abort_on_both(cluster, rid: str) -> dict:
 # an abort counts as sent to a held request only this far inside the hold's own bound (max_hold_s): one
 # sent as the bound ran out may reach a request already let go, whose complete reply is then no lost abort
 HELD_MARGIN_S = 0.5
+WAIT_SLICE_S = 0.5  # how often a wait for a hold to park looks whether the method has ended
 
 
 class NemesisError(RuntimeError):
@@ -191,7 +192,8 @@ class Schedule:
 
     def _wait_for(self, i: int, j: int) -> bool:
         """Op ``i`` waits until op ``j`` armed and, for a hold or park, parked a request. False when the
-        method ended first (the timeline stopped: nothing left to wait for)."""
+        method ended first (the timeline stopped: nothing left to wait for, the action is skipped); an
+        error when ``wait_s`` passed with the method still running."""
         deadline = self.clock() + self.wait_s
         while j not in self.handles:
             if self.stop.is_set():
@@ -201,13 +203,20 @@ class Schedule:
             self.stop.wait(0.02)
         dep = self.ops[j]
         if dep.injector == "agent" and dep.kind in ("hold", "park"):
-            left = max(0.0, deadline - self.clock())
-            try:
-                self.held[j] = self.kit.agent.wait_event(dep.role, "fault_fired", timeout=left,
-                                                         fault=self.handles[j].id, phase="held")
-            except TimeoutError:
-                raise NemesisError(f"op {i} waits for op {j} ({dep.kind} on {dep.role}) to park a request: "
-                                   f"nothing parked within {self.wait_s} s") from None
+            # in slices, so the method's end stops the wait: a request that ended before it reached the
+            # stage is never parked, and a fuzz run spent 60 s waiting, then lost its verdicts to the error
+            while True:
+                left = deadline - self.clock()
+                if left <= 0:
+                    raise NemesisError(f"op {i} waits for op {j} ({dep.kind} on {dep.role}) to park a request: "
+                                       f"nothing parked within {self.wait_s} s")
+                try:
+                    self.held[j] = self.kit.agent.wait_event(dep.role, "fault_fired", timeout=min(left, WAIT_SLICE_S),
+                                                             fault=self.handles[j].id, phase="held")
+                    return True
+                except TimeoutError:
+                    if self.stop.is_set():
+                        return False
         return True
 
     def _heal_one(self, i: int) -> None:

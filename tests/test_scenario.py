@@ -455,6 +455,27 @@ def test_a_wait_that_never_ends_is_an_error_naming_both_ops_and_heal_still_heals
     assert s.heal() == [] and all(h.healed for h in s.handles.values())
 
 
+def test_a_wait_for_a_park_that_never_comes_ends_with_the_method_and_skips_the_action():
+    """The targeted request ended before it reached the stage: nothing is parked. When the method ends,
+    the wait ends with it and the abort is skipped, said in the records; the run is no error (a fuzz run
+    waited 60 s for such a park and lost its verdicts to the error)."""
+    plans = _plans()
+    ops = [Op(at_s=0, injector="agent", role="decode", kind="park", target={"rid": plans[0].rid},
+              params={"stage": "decode_prealloc"}),
+           Op(at_s=0, injector="action", kind="abort", rids=[plans[0].rid], after=0)]
+    aborted = []
+    s = Schedule(ops, _Kit(never_parks=True), cluster="c", wait_s=30.0, abort=lambda c, rid: aborted.append(rid))
+    th = threading.Thread(target=s.run)
+    t0 = time.monotonic()
+    th.start()
+    time.sleep(0.3)
+    s.stop.set()
+    th.join(5)
+    assert not th.is_alive() and time.monotonic() - t0 < 2.5 and not aborted
+    assert [r["what"] for r in s.records if r["op"] == 1] == ["skipped"]
+    assert s.heal() == []
+
+
 def test_an_action_due_before_the_op_it_waits_for_runs_after_it_and_a_method_that_ends_first_skips_it():
     """A fuzz scenario (2026-12-04) had an abort at 0 s waiting for a park armed at 8.45 s: the one
     timeline thread waited on the abort first, the park never armed, and the run died 60 s later."""
