@@ -179,8 +179,8 @@ class Schedule:
         status = self._abort_one(rid)
         emit = getattr(getattr(self.kit, "log", None), "emit", None)
         if emit is not None:
-            emit("fault", action="abort_request", kind="abort", rid=rid, stage=stage,
-                     held=held, abort_status=status, at=at, op=i)
+            emit("fault", action="abort_request", kind="abort", rid=rid, stage=stage, held=held,
+                 abort_status=status, at=at, op=i)
         return status
 
     def _abort_one(self, rid: str):
