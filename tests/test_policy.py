@@ -554,6 +554,15 @@ def test_behind_a_band_prompt_is_the_engines_order_where_it_has_one():
                for i, (r, w) in enumerate((("early", q_early), ("b1", q_b1), ("b2", 100.5), ("q1", 100.6)))]
         j = p.judge([Verdict("isolation", PASS, "ok"), live], Context.of(ev), {"liveness": PASS})
         assert j.status == want, (q_early, j.message())
+    # queued before the band prompt, then again after it (the router re-sent it under a new room after a
+    # failed transfer): its last attempt waited behind the band prompt
+    for again, want in ((100.55, "known"), (100.005, FAIL)):
+        ev, live = _band_log(True)
+        ev += [{"ev": "agent", "agent_ev": "bootstrap_queued", "role": "prefill", "rid": r, "wall": w, "room": i}
+               for i, (r, w) in enumerate((("early", 100.0), ("b1", 100.01), ("b2", 100.5), ("q1", 100.6),
+                                           ("early", again)))]
+        j = p.judge([Verdict("isolation", PASS, "ok"), live], Context.of(ev), {"liveness": PASS})
+        assert j.status == want, (again, j.message())
     # prefill queued the band prompt but never the early request: it did not reach prefill ahead of it
     ev, live = _band_log(True)
     ev += [{"ev": "agent", "agent_ev": "bootstrap_queued", "role": "prefill", "rid": "b1", "wall": 100.0, "room": 1}]

@@ -64,14 +64,24 @@ def _culprits(ctx: Context, what: str) -> set:
 
 
 def _queued(ctx: Context) -> dict:
-    """rid -> when prefill first put it in its bootstrap queue (the agent's ``bootstrap_queued``, the
-    engine's own clock): the order the engine took requests in."""
+    """rid -> when prefill last put it in its bootstrap queue (the agent's ``bootstrap_queued``, the
+    engine's own clock): the order the engine took requests in. The last time, not the first: a request
+    queued again (sglang-router re-sends one whose transfer failed, under a new bootstrap room) waits as
+    that last attempt, and one queued again after a culprit waits behind it (a replay of a guided 0.5.23
+    find, 2026-12-05: a request queued at 2.11 s, failed by a ``fail`` fault, queued again at 3.04 s
+    behind a band prompt queued at 2.68 s, hung with it, and left the intake-reject hang NEW)."""
     out = {}
     for e in ctx.history.agent_events("bootstrap_queued"):
         rid, wall = e.get("rid"), e.get("wall")
-        if rid and isinstance(wall, (int, float)) and rid not in out:
-            out[rid] = float(wall)
+        if rid and isinstance(wall, (int, float)):
+            out[rid] = max(out.get(rid, float(wall)), float(wall))
     return out
+
+
+def _first_queued(ctx: Context, rid: str) -> float:
+    """When prefill first queued ``rid`` (a culprit wedges the engine from its first attempt on)."""
+    return min(float(e["wall"]) for e in ctx.history.agent_events("bootstrap_queued")
+               if e.get("rid") == rid and isinstance(e.get("wall"), (int, float)))
 
 
 def _sig_hung_behind(v, ctx, what):
@@ -88,7 +98,7 @@ def _sig_hung_behind(v, ctx, what):
     sends = {rid: e.get("wall", 0) for rid, e in ctx.history.sends.items()}
     first = min((sends[r] for r in culprits if r in sends), default=None)
     queued = _queued(ctx)
-    first_q = min((queued[r] for r in culprits if r in queued), default=None)
+    first_q = min((_first_queued(ctx, r) for r in culprits if r in queued), default=None)
 
     plans = ctx.plans()
 
