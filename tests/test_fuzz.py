@@ -16,7 +16,7 @@ from kvchaos.commands.fuzz import parse_budget
 from kvchaos.fuzz import loop as fuzz_loop
 from kvchaos.fuzz.corpus import Corpus, CorpusError
 from kvchaos.fuzz.feedback import features, request_states
-from kvchaos.fuzz.grammar import FAULTS, Base, baseline, generate, mutate, splice
+from kvchaos.fuzz.grammar import FAULTS, MAX_OPS, Base, baseline, generate, mutate, splice
 from kvchaos.fuzz.loop import Clusters, Fuzzer, table
 from kvchaos.fuzz.triage import mechanism, signature, triage
 from kvchaos.oracles import FAIL, PASS, UNKNOWN, Verdict
@@ -210,8 +210,27 @@ def test_mutations_and_splices_stay_valid_and_keep_their_links(seed):
             assert op.after is None or (op.after < j and child.nemesis[op.after].injector == "agent")
         assert not any(o.mutation for o in child.nemesis)
         assert child.origin["by"] in ("mutate", "splice")
+        if child.origin["by"] == "splice" or child.origin.get("how") == "add_op":  # they grow: capped
+            assert len(child.nemesis) <= MAX_OPS, (child.origin, len(child.nemesis))
         pool.append(child)
     assert len({s.digest() for s in pool}) > 100  # mutations change things
+
+
+def test_splices_stay_within_the_op_cap_and_keep_both_parents_ops():
+    """Splicing a corpus of spliced scenarios again and again: none grows past MAX_OPS (the fifth guided
+    pair's splices reached 30 ops), and a splice of two op-carrying parents keeps ops of each."""
+    rng = random.Random(7)
+    pool = [s for s in _many(30, 7) if s.nemesis]
+    both = 0
+    for i in range(200):
+        a, b = rng.choice(pool), rng.choice(pool)
+        child = splice(rng, a, b, f"s{i}")
+        assert len(child.nemesis) <= MAX_OPS
+        mine = {json.dumps(o.to_dict(), sort_keys=True) for o in a.nemesis}
+        kept = sum(json.dumps(o.to_dict(), sort_keys=True) in mine for o in child.nemesis)
+        both += 0 < kept < len(child.nemesis)
+        pool.append(child)
+    assert both > 100
 
 
 # ------------------------------------------------------------------ feedback
