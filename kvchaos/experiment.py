@@ -44,7 +44,7 @@ from kvchaos.oracles import FAIL, PASS, UNKNOWN  # noqa: F401 - re-exported for 
 from kvchaos.policy import KNOWN, Context, Judgement, Policy
 from kvchaos.schedule import Schedule, build_checks, check_spec
 from kvchaos.workload import EventLog, plans_digest, run_plans
-from kvchaos.workload.scenario import Deployment, Scenario, ScenarioError, Traffic, nemesis_from_log, plan_dict
+from kvchaos.workload.scenario import Deployment, Op, Scenario, ScenarioError, Traffic, nemesis_from_log, plan_dict
 from kvchaos.workload.snapshots import server_field, snapshot
 
 VIAS = ("router", "pd")  # how plans reach the engines: the router, or prefill + decode directly
@@ -181,6 +181,30 @@ class Experiment:
         self._during = During(fn, stop)
         return self._during
 
+    def nemesis(self, ops, gates: dict | None = None) -> Schedule:
+        """Carry out ``ops`` (:class:`kvchaos.workload.scenario.Op`: a scenario's nemesis) beside the
+        workload, through the faults kit (call inside the ``with`` block): those due at 0 s with nothing to
+        wait for are armed now, the rest on their times or when what they wait for happened, each op
+        healed in the rollback. ``gates``: rid -> op index, a plan sent only once that op happened (B once
+        A's write is parked). This is the experiment's one during action, and its ``scenario.json`` holds
+        these very ops and gates: it replays and shrinks as data. ``handles[i]`` is op ``i``'s fault
+        handle."""
+        if self.faults is None:
+            raise RuntimeError(f"experiment {self.name}: nemesis ops need the faults kit")
+        if self.schedule is not None:
+            raise RuntimeError(f"experiment {self.name}: one nemesis schedule only (put every op in it)")
+        ops = list(ops)
+        for i, op in enumerate(ops):  # refused here, by index, before anything is armed
+            Op.from_dict(op.to_dict(), f"nemesis[{i}]", i)
+        rids = {p.rid for p in self.plans}
+        bad = sorted(r for r in (gates or {}) if r not in rids)
+        if bad:
+            raise ScenarioError(f"gates: {bad[:3]} are not this experiment's plans")
+        self.schedule = Schedule(ops, self.faults, self.cluster, client_log=self.log, gates=gates)
+        self.schedule.start()
+        self.during(self.schedule.run, stop=self.schedule.stop.set)
+        return self.schedule
+
     def send(self, plans, concurrency: int | None = None, timeout_s: float | None = None,
              via: str | None = None) -> list[dict]:
         """Drive ``plans`` into this experiment's log (for custom ``drive``): through the router, or
@@ -195,6 +219,9 @@ class Experiment:
                                "bootstrap_host": urlsplit(ep.prefill).hostname}
         elif via != "router":
             raise ValueError(f"via={via!r}: one of {', '.join(VIAS)}")
+        gates = self.schedule.gates if self.schedule is not None else {}
+        if gates:  # the plans that wait for a nemesis op (ex.nemesis(ops, gates))
+            kw.update(gate=self.schedule.gate, gated=[p.rid for p in plans if p.rid in gates])
         return run_plans(ep.router, plans, self.log, concurrency=concurrency or self.concurrency,
                          timeout_s=timeout_s or self.timeout_s, abort_urls=(ep.prefill, ep.decode),
                          stall_s=self.stall_s, **kw)
@@ -375,10 +402,18 @@ class Experiment:
         head = next((e for e in self.log.records if e.get("ev") == "experiment"), {})
         version = (head.get("engine") or {}).get("version")
         dep = Deployment.from_spec(spec, self.kv_layout, version) if spec is not None else Deployment()
-        ops = nemesis_from_log(self.log.records, self.t_method or self.t_start or 0.0, self.t_method_end, skipped=why)
+        if self.schedule is not None:  # ex.nemesis(ops): the ops themselves, and what was armed beside them
+            ops = list(self.schedule.ops)
+            outside = _outside(self.log.records, self.schedule, self.t_start or 0.0)
+            if outside:
+                why.append("faults armed beside the nemesis ops are not in it: " + ", ".join(outside[:5]))
+        else:
+            ops = nemesis_from_log(self.log.records, self.t_method or self.t_start or 0.0, self.t_method_end,
+                                   skipped=why)
+        gates = dict(self.schedule.gates) if self.schedule is not None else {}
         sc = Scenario(name=self.name, seed=self.seed, deployment=dep,
                       traffic=Traffic([plan_dict(p) for p in self.plans], self.concurrency, float(self.timeout_s), self.via,
-                                      self.stall_s),
+                                      self.stall_s, gates),
                       nemesis=ops, checks=checks,
                       origin={"test": self.test_id, "experiment": self.id, "run_seed": self.run_seed,
                               "plans_digest": self.plans_digest, "complete": not why, "why_incomplete": why})
@@ -411,6 +446,27 @@ class Experiment:
                 self.log.emit("fault", **{**{k: v for k, v in e.items() if k not in ("t", "wall", "ev")},
                                           "at": e.get("at", e["wall"])})
         self.faults.copy_agent_events(self.log, since=self.t_start)
+
+
+def _outside(records, schedule, t_start: float) -> list[str]:
+    """The faults this experiment's log shows armed, fired or aborted other than by ``schedule``'s ops:
+    agent and proxy faults by their ids, process signals and aborts by count and op."""
+    ids = {getattr(h, "id", None) for h in schedule.handles.values()} - {None}
+    procs = sum(1 for o in schedule.ops if o.injector == "process")
+    out, fired = [], 0
+    for e in records:
+        if e.get("ev") != "fault" or float(e.get("at", e.get("wall", t_start)) or 0) < t_start:
+            continue
+        act = e.get("action")
+        if act == "armed" and e.get("fault") not in ids:
+            out.append(f"{e.get('injector')} {e.get('kind')} ({e.get('fault')})")
+        elif act == "abort_request" and e.get("op") is None:
+            out.append(f"abort of {e.get('rid')}")
+        elif act == "fired" and e.get("injector") == "process":
+            fired += 1
+            if fired > procs:
+                out.append(f"process {e.get('kind')} of {e.get('role')}")
+    return out
 
 
 def _tell(event: str, ex: Experiment, **info) -> None:
@@ -655,7 +711,7 @@ def run_scenario(experiment, scenario: Scenario, kit, cluster, *, reference_serv
         if wrong:
             raise ScenarioError(f"scenario {scenario.name}: the cluster does not run its deployment: " + "; ".join(wrong))
     checks = build_checks(scenario, reference_server)
-    schedule = Schedule(scenario.ops(), kit, cluster)
+    schedule = Schedule(scenario.ops(), kit, cluster, gates=scenario.gates())
     ex = experiment(scenario.name, scenario.traffic.request_plans(), checks, seed=scenario.seed,
                     concurrency=scenario.traffic.concurrency, timeout_s=scenario.traffic.timeout_s,
                     via=scenario.traffic.via, stall_s=scenario.traffic.stall_s, **kw)
@@ -663,6 +719,7 @@ def run_scenario(experiment, scenario: Scenario, kit, cluster, *, reference_serv
     errors = []
     try:
         with ex:
+            schedule.client_log = ex.log  # what an ``on`` of the client's waits for
             schedule.start()
             ex.during(schedule.run, stop=schedule.stop.set)
     finally:

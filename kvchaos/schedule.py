@@ -7,7 +7,8 @@ It drives the fault injectors through the handles of the kit it is given (``faul
 agent client, the network proxy, process faults) and aborts requests through the cluster; it imports
 none of them (``faults`` imports ``kvchaos``, never the reverse). Every wait is bounded: an op that
 waits for another (``after``: an abort once a hold parked its request) gives up after ``wait_s`` with
-a :class:`NemesisError` naming both ops.
+a :class:`NemesisError` naming both ops; one that waits for an event (``on``: an abort once a transfer
+started, a kill once a hold parked, a heal once a fault fired) gives up when the method ends.
 
 The two client calls a scenario's ops and checkers need live here too (suites import them from
 :mod:`kvchaos.suite`): :func:`abort_on_both` and :func:`single_server_reference`.
@@ -22,7 +23,7 @@ import time
 import httpx
 
 from kvchaos import oracles
-from kvchaos.workload.scenario import CHECKS, Op, Scenario, ScenarioError
+from kvchaos.workload.scenario import CHECKS, MAX_DELAY_S, Op, Scenario, ScenarioError
 
 
 def single_server_reference(server, plans, timeout_s: float = 120.0):
@@ -58,10 +59,18 @@ def abort_on_both(cluster, rid: str) -> dict:
 # sent as the bound ran out may reach a request already let go, whose complete reply is then no lost abort
 HELD_MARGIN_S = 0.5
 WAIT_SLICE_S = 0.5  # how often a wait for a hold to park looks whether the method has ended
+POLL_S = 0.02  # how often an ``on`` trigger reads the events it waits for
+# the stage an abort triggered by an event (Op.on) lands at, for abort_semantics
+ON_STAGE = {"transfer_start": "transferring", "write_end": "transferring", "first_byte": "decoding",
+            "kv_prealloc": "decode_prealloc", "bootstrap_queued": "prefill_waiting"}
 
 
 class NemesisError(RuntimeError):
     pass
+
+
+def _who(i) -> str:
+    return f"op {i}" if isinstance(i, int) else str(i)
 
 
 class Schedule:
@@ -70,43 +79,53 @@ class Schedule:
     ``cluster`` (for ``action`` aborts). Times are seconds after :meth:`start`."""
 
     def __init__(self, ops: list[Op], kit, cluster=None, *, wait_s: float = 60.0, clock=time.monotonic,
-                 abort=None, sleep=time.sleep):
+                 abort=None, sleep=time.sleep, client_log=None, gates: dict | None = None):
         self.ops, self.kit, self.cluster = list(ops), kit, cluster
+        self.gates = dict(gates or {})  # rid -> the op (index) that plan waits for (:meth:`gate`)
+        for rid, j in self.gates.items():
+            if not 0 <= j < len(self.ops):
+                raise NemesisError(f"plan {rid} waits for op {j}: there are {len(self.ops)} ops")
+        self.happened = [threading.Event() for _ in self.ops]  # op i armed, acted or skipped
         self.wait_s, self.clock, self.sleep = wait_s, clock, sleep
+        self.client_log = client_log  # the experiment's log: the client events an ``on`` may wait for
         self.handles: dict[int, object] = {}
         self.done: set[int] = set()  # ops carried out (armed, or an action taken): each once
         self.held: dict[int, dict] = {}  # op index of a hold or park -> the agent's event: it parked a request
+        self.seen: dict[int, dict] = {}  # op index -> the event its ``on`` waited for
         self.healed: set[int] = set()
         self.released: set[int] = set()  # holds and parks a release action let go
         self.records: list[dict] = []  # what happened, op by op: armed / healed / action / error
+        self.errors: list[BaseException] = []  # raised by ops that waited on threads of their own
         self.t0: float | None = None
         self.stop = threading.Event()
         self._abort = abort
         self._lock = threading.Lock()
+        self._events: dict[str, tuple] = {}  # role -> (when read, the agent's events then)
+        self._events_lock = threading.Lock()
 
     # ------------------------------------------------------------------ the timeline
     def start(self) -> None:
         """Time 0, and every op due at 0 with nothing to wait for armed now (before traffic starts)."""
         self.t0 = self.clock()
         for i, op in enumerate(self.ops):
-            if op.at_s == 0 and op.after is None:
+            if op.at_s == 0 and not op.waits:
                 self._arm(i)
 
     def run(self) -> list[dict]:
-        """Arm and heal the rest in time order (the experiment's ``during`` action). Returns the records."""
+        """Arm and heal the rest in time order (the experiment's ``during`` action). Returns the records.
+        An op that waits (``after``, ``on``) waits on a thread of its own from its ``at_s`` on: writes parked
+        by holds come in an order of the engine's, and one op waiting for the first of them must not keep
+        the others from being aborted (a soak run went red so: a second victim's write parked first)."""
         if self.t0 is None:
             self.start()
-        # an op that waits for another is due no earlier than that one (an abort at 0 s after a hold armed
-        # at 8 s): this one thread runs the timeline, and waiting here first would keep the hold from arming
-        due, depth = {}, {}
-        for i, op in enumerate(self.ops):  # ``after`` names an earlier op (the schema's rule)
-            j = op.after
-            due[i] = max(op.at_s, due[j]) if j is not None and j in due else op.at_s
-            depth[i] = depth[j] + 1 if j is not None and j in depth else 0
+        waiting = [threading.Thread(target=self._waiting, args=(i,), name=f"kvchaos-op-{i}", daemon=True)
+                   for i, op in enumerate(self.ops) if op.waits and i not in self.done]
+        for t in waiting:
+            t.start()
         # not what start() already did: an action due at 0 had no handle to say so, and was taken twice
-        steps = [(due[i], 0, depth[i], i) for i, op in enumerate(self.ops) if i not in self.done]
-        steps += [(op.heal_s, 1, 0, i) for i, op in enumerate(self.ops) if op.heal_s is not None]
-        for at, what, _depth, i in sorted(steps):
+        steps = [(op.at_s, 0, i) for i, op in enumerate(self.ops) if i not in self.done and not op.waits]
+        steps += [(op.heal_s, 1, i) for i, op in enumerate(self.ops) if op.heal_s is not None]
+        for at, what, i in sorted(steps):
             if self.stop.is_set():
                 break
             self._until(at)
@@ -116,25 +135,60 @@ class Schedule:
                 self._arm(i)
             else:
                 self._heal_one(i)
+        # each waiting op ends once the method has ended (or its own wait bound passed), then its delay
+        bound = self.wait_s + MAX_DELAY_S + 30
+        for t in waiting:
+            t.join(timeout=max(0.0, bound))
+        if self.errors:
+            raise self.errors[0]
         return self.records
+
+    def _waiting(self, i: int) -> None:
+        try:
+            self._until(self.ops[i].at_s)
+            if self.stop.is_set():
+                self.done.add(i)
+                return self._skip(i, "the method ended before its time")
+            self._arm(i)
+        except BaseException as e:  # noqa: BLE001 - raised by run(), in the experiment's thread
+            self.errors.append(e)
+            self.records.append({"op": i, "what": "error", "error": repr(e)})
+        finally:
+            self.happened[i].set()
 
     def _until(self, at_s: float) -> None:
         delay = self.t0 + at_s - self.clock()
         if delay > 0:
             self.stop.wait(delay)
 
+    def _skip(self, i: int, why: str) -> None:
+        self.records.append({"op": i, "what": "skipped", "at_s": round(self.clock() - self.t0, 3), "why": why})
+
     # ------------------------------------------------------------------ one op
     def _arm(self, i: int) -> None:
+        try:
+            self._arm_one(i)
+        finally:
+            self.happened[i].set()
+
+    def _arm_one(self, i: int) -> None:
         op = self.ops[i]
         self.done.add(i)
         if op.after is not None and not self._wait_for(i, op.after):
-            self.records.append({"op": i, "what": "skipped", "at_s": round(self.clock() - self.t0, 3),
-                                 "why": f"the method ended before op {op.after}, which it waits for, was armed"})
-            return
+            return self._skip(i, f"the method ended before op {op.after}, which it waits for, was armed")
+        ev = None
+        if op.on is not None:
+            ev = self._wait_on(i, op)
+            if ev is None:
+                return self._skip(i, f"the method ended before {op.on} was seen")
+            self.seen[i] = ev
         if op.delay_s:
             # waited out even if the workload ends meanwhile: the op it waits for has fired, and this action
-            # is the rest of it (a held write released past decode's release timeout; the schema bounds it)
-            self.sleep(op.delay_s)
+            # is the rest of it (a held write released past decode's release timeout; the schema bounds it).
+            # After an event, counted from the event's own time (the engine's clock: time.time())
+            wait = op.delay_s if ev is None else float(ev.get("wall", time.time())) + op.delay_s - time.time()
+            if wait > 0:
+                self.sleep(wait)
         t = round(self.clock() - self.t0, 3)
         if op.injector == "agent":
             h = self._need("agent").arm(op.role, op.kind, target=op.target, params=dict(op.params), count=op.count)
@@ -142,7 +196,7 @@ class Schedule:
             h = self._need("net").toxic(op.proxy, op.kind, stream=op.stream, toxicity=op.toxicity, **op.params)
         elif op.injector == "process":
             proc = self._need("proc")
-            h = {"kill": proc.kill, "stop": proc.stop, "restart": proc.restart}[op.kind](op.role)
+            h = getattr(proc, op.kind)(op.role)  # kill, stop, restart: the schema's process kinds
         else:
             h = None
             if op.kind == "abort":
@@ -151,7 +205,11 @@ class Schedule:
                 return
             held = self.handles.get(op.after)
             if held is None:
-                raise NemesisError(f"op {i}: release of op {op.after}, which was never armed")
+                raise NemesisError(f"op {i}: {op.kind} of op {op.after}, which was never armed")
+            if op.kind == "heal":
+                self._heal_one(op.after)
+                self.records.append({"op": i, "what": "action", "kind": "heal", "of": op.after, "at_s": t})
+                return
             held.release()
             self.released.add(op.after)
             self.records.append({"op": i, "what": "action", "kind": "release", "of": op.after, "at_s": t})
@@ -161,13 +219,56 @@ class Schedule:
         self.records.append({"op": i, "what": "armed", "injector": op.injector, "kind": op.kind, "at_s": t,
                              "id": getattr(h, "id", None)})
 
+    def _wait_on(self, i: int, op: Op) -> dict | None:
+        """The event ``op.on`` names (the first logged), with the fault of op ``after`` where it names one;
+        None once the method has ended without it. Bounded by the method's own end (every request of it
+        bounded by its timeout), not by ``wait_s``: an abort 0.4 s after the transfer of the 90th request
+        of a run waits for as long as that request takes to be sent."""
+        on = dict(op.on)
+        role, ev, of = on.pop("role"), on.pop("ev"), on.pop("op", op.after)
+        if of is not None and role != "client":
+            while of not in self.handles:  # the op whose fault the event names: armed first
+                if self.stop.is_set():
+                    return None
+                self.stop.wait(POLL_S)
+            fid = getattr(self.handles.get(of), "id", None)
+            if fid is not None:
+                on["fault"] = fid
+        seen = 0
+        while True:
+            if role == "client":
+                recs = list(getattr(self.client_log, "records", None) or [])
+                new, seen = recs[seen:], len(recs)  # the log only grows
+            else:
+                new = self._agent_events(role)
+            for e in new:
+                if e.get("ev") == ev and all(e.get(k) == v for k, v in on.items()):
+                    return e
+            if self.stop.is_set():
+                return None
+            self.stop.wait(POLL_S)
+
+    def _agent_events(self, role: str) -> list[dict]:
+        """The agent's events of ``role``, read at most once per :data:`POLL_S` whatever the number of ops
+        waiting (abort_random's 24 aborts each polling the agent every 20 ms would load a 2-core machine
+        that also runs both engines)."""
+        with self._events_lock:
+            t, evs = self._events.get(role, (None, None))
+            now = self.clock()
+            if t is None or now - t >= POLL_S:
+                evs = list(self._need("agent").events(role))
+                self._events[role] = (now, evs)
+            return evs
+
     def _abort_logged(self, i: int, op: Op, rid: str):
-        """Abort ``rid`` and say so in the kit's log as :func:`kvchaos.suite.abort_at_stages` does (a
-        ``fault`` record, action ``abort_request``: the stage it was held at and whether it provably still
-        was), which ``abort_semantics`` judges: an abort the log does not name is never judged."""
+        """Abort ``rid`` and say so in the kit's log (a ``fault`` record, action ``abort_request``: the stage
+        it was held at, or that the event it waited for names, and whether it provably still was held),
+        which ``abort_semantics`` judges: an abort the log does not name is never judged."""
         stage, held = None, False
         j = op.after
-        if j is not None and j in self.held:
+        if op.on is not None:  # an event set it off: the stage it names, never provably held
+            stage = ON_STAGE.get(op.on.get("ev"))
+        elif j is not None and j in self.held:
             by, ev = self.ops[j], self.held[j]
             stage = "transferring" if by.kind == "hold" else (by.params or {}).get("stage")
             # held now: the hold parked this very request, was neither healed nor released, and its own bound
@@ -190,7 +291,26 @@ class Schedule:
             raise NemesisError("an abort action needs the cluster")
         return abort_on_both(self.cluster, rid)
 
-    def _wait_for(self, i: int, j: int) -> bool:
+    def gate(self, rid: str) -> None:
+        """Block until the op plan ``rid`` waits for (``gates``) has happened — a hold or park: parked a
+        request; an op that waits: carried out or skipped; any other: armed — or the method ended. The
+        driver calls it before sending the plan. Bounded: an op not armed, or a hold that parks nothing,
+        within ``wait_s`` is a :class:`NemesisError` naming the plan and the op."""
+        j = self.gates.get(rid)
+        if j is None:
+            return
+        if self.ops[j].waits:
+            deadline = self.clock() + self.wait_s + MAX_DELAY_S
+            while not self.happened[j].wait(WAIT_SLICE_S):
+                if self.stop.is_set():
+                    return
+                if self.clock() > deadline:
+                    raise NemesisError(f"plan {rid} waits for op {j}, which did not happen within "
+                                       f"{self.wait_s + MAX_DELAY_S:g} s")
+            return
+        self._wait_for(f"plan {rid}", j)
+
+    def _wait_for(self, i, j: int) -> bool:
         """Op ``i`` waits until op ``j`` armed and, for a hold or park, parked a request. False when the
         method ended first (the timeline stopped: nothing left to wait for, the action is skipped); an
         error when ``wait_s`` passed with the method still running."""
@@ -199,7 +319,7 @@ class Schedule:
             if self.stop.is_set():
                 return False
             if self.clock() > deadline:
-                raise NemesisError(f"op {i} waits for op {j}, which was not armed within {self.wait_s} s")
+                raise NemesisError(f"{_who(i)} waits for op {j}, which was not armed within {self.wait_s} s")
             self.stop.wait(0.02)
         dep = self.ops[j]
         if dep.injector == "agent" and dep.kind in ("hold", "park"):
@@ -208,7 +328,7 @@ class Schedule:
             while True:
                 left = deadline - self.clock()
                 if left <= 0:
-                    raise NemesisError(f"op {i} waits for op {j} ({dep.kind} on {dep.role}) to park a request: "
+                    raise NemesisError(f"{_who(i)} waits for op {j} ({dep.kind} on {dep.role}) to park a request: "
                                        f"nothing parked within {self.wait_s} s")
                 try:
                     self.held[j] = self.kit.agent.wait_event(dep.role, "fault_fired", timeout=min(left, WAIT_SLICE_S),

@@ -218,6 +218,75 @@ def test_a_scenario_says_what_of_the_experiment_it_cannot_hold(tmp_path, fake):
     assert any("during action" in w for w in sc.origin["why_incomplete"])
 
 
+def test_a_suites_nemesis_ops_are_its_scenario_and_a_fault_armed_beside_them_is_said(tmp_path, fake):
+    """``ex.nemesis(ops)``: the ops are armed through the kit, healed in the rollback, and written as the
+    experiment's scenario (complete: it replays as data). A fault the suite armed beside them makes the
+    scenario incomplete, by name."""
+    armed, healed = [], []
+
+    class Agent:
+        def arm(self, role, kind, target=None, params=None, count=None):
+            fid = f"{kind}-{len(armed)}"
+            h = type("H", (), {"id": fid, "heal": lambda s: healed.append(s.id)})()
+            armed.append(fid)
+            flog.emit("fault", action="armed", fault=fid, kind=kind, injector="agent", role=role, target=target,
+                      params=params or {}, count=count)
+            return h
+
+        def events(self, role):
+            return []
+
+    for beside in (False, True):
+        flog = EventLog()
+        kit = Kit(flog)
+        kit.agent = Agent()
+        ex = _ex(tmp_path / str(beside), fake, faults=kit)
+        ops = [Op(at_s=0, injector="agent", role="prefill", kind="delay", target={"tenant": "t001"}, params={"ms": 5}),
+               Op(at_s=0, injector="action", kind="abort", rids=[ex.plans[3].rid], delay_s=0.1,
+                  on={"role": "prefill", "ev": "transfer_start", "rid": ex.plans[3].rid})]
+        with ex:
+            sched = ex.nemesis(ops)
+            if beside:
+                flog.emit("fault", action="armed", fault="fail-9", kind="fail", injector="agent", role="decode",
+                          target=None, params={}, count=None)
+        assert sched.handles[0].id in healed  # the rollback healed it
+        sc = Scenario.load(ex.scenario_path)
+        assert sc.nemesis == ops
+        assert sc.origin["complete"] is (not beside), sc.origin
+        if beside:
+            assert "faults armed beside the nemesis ops are not in it: agent fail (fail-9)" in sc.origin["why_incomplete"][0]
+    with pytest.raises(ScenarioError, match=r"nemesis\[0\]: a release names the op it acts on"):
+        with _ex(tmp_path / "bad", fake, faults=kit) as ex:
+            ex.nemesis([Op(at_s=0, injector="action", kind="release")])
+
+
+def test_a_gated_plan_is_sent_once_the_op_it_waits_for_happened_and_the_scenario_says_so(tmp_path, fake):
+    """The driver holds a gated plan until its op happened (here an action on an engine event 0.4 s in);
+    the others go at once; the scenario.json keeps the gate."""
+    t0 = time.time()
+
+    class Agent:
+        def events(self, role):
+            return [{"ev": "transfer_start", "rid": "x", "wall": t0 + 0.4}] if time.time() >= t0 + 0.4 else []
+
+    kit = Kit(EventLog())
+    kit.agent = Agent()
+    ex = _ex(tmp_path, fake, faults=kit)
+    late = ex.plans[5].rid
+    ops = [Op(at_s=0, injector="process", kind="stop", role="decode",
+              on={"role": "prefill", "ev": "transfer_start", "rid": "x"})]
+    stopped = []
+    kit.proc = type("P", (), {"stop": lambda s, role: stopped.append(time.time()) or
+                              type("H", (), {"id": "stop-1", "heal": lambda h: None})()})()
+    with ex:
+        ex.nemesis(ops, {late: 0})
+    sends = {e["rid"]: e["wall"] for e in ex.events if e["ev"] == "send"}
+    assert stopped and sends[late] >= stopped[0] >= t0 + 0.4
+    assert min(sends.values()) < t0 + 0.4  # the others did not wait
+    sc = Scenario.load(ex.scenario_path)
+    assert sc.traffic.gates == {late: 0} and sc.origin["complete"] is True
+
+
 def test_a_scenario_runs_through_the_runner_and_every_op_is_healed(tmp_path, fake):
     plans = Workload(3, n_tenants=4, prefix="rs").mix(24)
     sc = Scenario(name="from-data", seed=3, traffic=Traffic([plan_dict(p) for p in plans], 4, 10.0),

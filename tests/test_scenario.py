@@ -9,6 +9,7 @@ import dataclasses
 import json
 import threading
 import time
+from types import SimpleNamespace
 
 import pytest
 
@@ -585,3 +586,278 @@ def test_a_run_says_which_experiments_replay_from_data_and_why_the_others_do_not
     assert set(missing) == {"exp2", "exp3", "exp4"} and "not in the schema" in missing["exp3"]
     assert "bad.scenario.json" in missing["exp2"] and "gone.scenario.json" in missing["exp4"]
     assert scenario_files(tmp_path / "nothing") == {"experiments": 0, "complete": [], "incomplete": [], "missing": []}
+
+
+# ------------------------------------------------------------------ ops that wait for events (Op.on)
+@pytest.mark.parametrize("bad, says", [
+    ({"on": {"role": "prefill"}}, "nemesis[1].on: missing field(s) ['ev']"),
+    ({"on": {"role": "router", "ev": "x"}}, "nemesis[1].on.role='router'"),
+    ({"on": {"role": "prefill", "ev": "transfer_start", "when": 1}}, "unknown field(s) ['when']"),
+    ({"on": {"role": "client", "ev": "first_byte"}}, "a client event names the request (rid)"),
+    ({"on": {"role": "client", "ev": "end", "rid": "r"}}, "nemesis[1].on.ev='end'"),
+    ({"on": {"role": "prefill", "ev": ""}}, "nemesis[1].on.ev='': a non-empty string"),
+])
+def test_an_event_trigger_is_refused_by_name_where_it_is_wrong(bad, says):
+    plans = _plans()
+    d = _scenario(traffic=Traffic([plan_dict(p) for p in plans]),
+                  nemesis=[Op(at_s=0, injector="agent", role="prefill", kind="delay")]).to_dict()
+    d["nemesis"].append({"at_s": 0, "injector": "action", "kind": "abort", "rids": [plans[1].rid], **bad})
+    with pytest.raises(ScenarioError) as e:
+        Scenario.from_dict(d)
+    assert says in str(e.value)
+
+
+def test_a_release_or_heal_without_the_op_it_acts_on_is_refused():
+    d = _scenario(traffic=Traffic([plan_dict(p) for p in _plans()])).to_dict()
+    for kind in ("release", "heal"):
+        d["nemesis"] = [{"at_s": 0, "injector": "action", "kind": kind}]
+        with pytest.raises(ScenarioError, match=f"a {kind} names the op it acts on in 'after'"):
+            Scenario.from_dict(d)
+
+
+def test_triggered_process_ops_and_actions_round_trip():
+    plans = _plans()
+    ops = [Op(at_s=0, injector="agent", role="prefill", kind="hold", target={"rid": plans[0].rid}),
+           Op(at_s=0, injector="process", kind="kill", role="prefill", after=0),
+           Op(at_s=0, injector="process", kind="stop", role="decode",
+              on={"role": "prefill", "ev": "transfer_start", "rid": plans[1].rid}),
+           Op(at_s=0, injector="action", kind="heal", after=2, delay_s=4.0),
+           Op(at_s=0, injector="action", kind="abort", rids=[plans[2].rid], delay_s=0.25,
+              on={"role": "prefill", "ev": "transfer_start", "rid": plans[2].rid}),
+           Op(at_s=0, injector="agent", role="prefill", kind="fail", target={"rid": plans[0].rid}),
+           Op(at_s=0, injector="action", kind="heal", after=5, on={"role": "prefill", "ev": "fault_fired"}),
+           Op(at_s=0, injector="action", kind="abort", rids=[plans[1].rid],
+              on={"role": "client", "ev": "first_byte", "rid": plans[1].rid})]
+    sc = _roundtrip(_scenario(traffic=Traffic([plan_dict(p) for p in plans]), nemesis=ops))
+    assert sc.nemesis == ops and all(o.waits for o in ops[1:5]) and not ops[5].waits
+
+
+class _EventAgent:
+    """An agent whose events come at set times after arming (rid -> seconds), as the engine logs them."""
+
+    def __init__(self, log, parks=None, events=()):
+        self.log, self.parks, self.t0 = log, dict(parks or {}), time.time()
+        self.targets, self.evs, self.reads = {}, list(events), 0
+
+    def arm(self, role, kind, target=None, params=None, count=None):
+        h = _Handle(self.log, kind)
+        self.targets[h.id] = target or {}
+        self.log.append(("arm", h.id, time.monotonic()))
+        return h
+
+    def wait_event(self, role, ev, timeout=30.0, **match):
+        rid = self.targets.get(match.get("fault"), {}).get("rid")
+        left = self.t0 + self.parks.get(rid, 0.05) - time.time()
+        if left > timeout:
+            time.sleep(timeout)
+            raise TimeoutError("not yet")
+        time.sleep(max(0.0, left))
+        return {"ev": ev, **match, "rid": rid, "wall": time.time()}
+
+    def events(self, role):
+        self.reads += 1
+        now = time.time()
+        return [dict(e, wall=self.t0 + e["after_s"]) for e in self.evs if e["role"] == role and self.t0 + e["after_s"] <= now]
+
+
+def test_ops_that_wait_do_so_each_on_its_own_in_the_engines_order():
+    """Two holds whose writes park in the reverse of the ops' order: each abort comes when its own
+    request parked (abort_in_flight's choreography), not after the first op's wait (one timeline thread
+    would abort the second only once the first parked, or fail after wait_s)."""
+    plans = _plans()
+    a, b = plans[0].rid, plans[1].rid
+    ops = [Op(at_s=0, injector="agent", role="prefill", kind="hold", target={"rid": a}),
+           Op(at_s=0, injector="agent", role="prefill", kind="hold", target={"rid": b}),
+           Op(at_s=0, injector="action", kind="abort", rids=[a], after=0),
+           Op(at_s=0, injector="action", kind="release", after=0, delay_s=0.1),
+           Op(at_s=0, injector="action", kind="abort", rids=[b], after=1),
+           Op(at_s=0, injector="action", kind="release", after=1, delay_s=0.1)]
+    kit = _Kit()
+    kit.agent = _EventAgent(kit.log, parks={a: 0.8, b: 0.1})
+    aborted = {}
+    s = Schedule(ops, kit, cluster="c", wait_s=1.0, abort=lambda c, rid: aborted.setdefault(rid, time.time() - kit.agent.t0))
+    s.run()
+    assert 0.1 <= aborted[b] < 0.4 and 0.8 <= aborted[a] < 1.1, aborted
+    assert s.heal() == []
+
+
+def test_an_abort_on_an_event_comes_delay_s_after_the_events_own_time_and_names_its_stage():
+    """abort_random's aborter as data: each target aborted 0-400 ms after its transfer started (the
+    agent's ``transfer_start``, timed by the engine), logged at stage ``transferring``, never held."""
+    plans = _plans()
+    ops = [Op(at_s=0, injector="action", kind="abort", rids=[p.rid], delay_s=d,
+              on={"role": "prefill", "ev": "transfer_start", "rid": p.rid})
+           for p, d in zip(plans[:3], (0.3, 0.0, 0.2))]
+    kit = _Kit()
+    kit.log = _Log()
+    kit.agent = _EventAgent(kit.log, events=[{"role": "prefill", "ev": "transfer_start", "rid": plans[0].rid, "after_s": 0.2},
+                                              {"role": "prefill", "ev": "transfer_start", "rid": plans[1].rid, "after_s": 0.4},
+                                              {"role": "decode", "ev": "transfer_start", "rid": plans[2].rid, "after_s": 0.1}])
+    aborted = {}
+    s = Schedule(ops, kit, cluster="c", abort=lambda c, rid: aborted.setdefault(rid, time.time() - kit.agent.t0) and 200)
+    th = threading.Thread(target=s.run)
+    th.start()
+    time.sleep(1.2)
+    s.stop.set()  # the third's event never came from prefill (the decode one is not it): skipped
+    th.join(3)
+    assert not th.is_alive() and set(aborted) == {plans[0].rid, plans[1].rid}
+    assert 0.5 <= aborted[plans[0].rid] < 0.75 and 0.4 <= aborted[plans[1].rid] < 0.6, aborted
+    recs = [e for e in kit.log if isinstance(e, dict) and e.get("action") == "abort_request"]
+    assert {(r["stage"], r["held"]) for r in recs} == {("transferring", False)}
+    assert [r["what"] for r in s.records if r["op"] == 2] == ["skipped"]
+    assert kit.agent.reads < 1.3 / 0.02 + 5  # three waits, one read of the agent per poll
+
+
+class _Proc:
+    def __init__(self, log):
+        self.log = log
+
+    def _h(self, kind, role):
+        h = _Handle(self.log, f"{kind}-{role}")
+        self.log.append((kind, role, time.monotonic()))
+        return h
+
+    def kill(self, role):
+        return self._h("kill", role)
+
+    def stop(self, role):
+        return self._h("stop", role)
+
+
+def test_a_kill_once_held_a_stop_on_a_transfer_healed_later_and_a_heal_once_a_fault_fired():
+    """kill_when_held, freeze and unblacklist as data: a process op after a hold parked; a stop on another
+    request's transfer_start, healed (SIGCONT) by an action 0.3 s later; a fail healed once it fired."""
+    plans = _plans()
+    ops = [Op(at_s=0, injector="agent", role="prefill", kind="hold", target={"rid": plans[0].rid}),
+           Op(at_s=0, injector="process", kind="kill", role="prefill", after=0),
+           Op(at_s=0, injector="process", kind="stop", role="decode",
+              on={"role": "prefill", "ev": "transfer_start", "rid": plans[1].rid}),
+           Op(at_s=0, injector="action", kind="heal", after=2, delay_s=0.3),
+           Op(at_s=0, injector="agent", role="prefill", kind="fail", target={"rid": plans[2].rid}),
+           Op(at_s=0, injector="action", kind="heal", after=4, on={"role": "prefill", "ev": "fault_fired"})]
+    kit = _Kit()
+    kit.agent = _EventAgent(kit.log, parks={plans[0].rid: 0.2},
+                            events=[{"role": "prefill", "ev": "transfer_start", "rid": plans[1].rid, "after_s": 0.1}])
+    kit.proc = _Proc(kit.log)
+    s = Schedule(ops, kit, cluster="c", wait_s=2.0)
+    fail_id = None
+
+    def fire():  # the fail fires 0.5 s in: an event naming its fault
+        time.sleep(0.5)
+        kit.agent.evs.append({"role": "prefill", "ev": "fault_fired", "fault": fail_id, "after_s": 0.5})
+    s.start()
+    fail_id = s.handles[4].id
+    threading.Thread(target=fire, daemon=True).start()
+    t0 = time.monotonic()
+    th = threading.Thread(target=s.run)
+    th.start()
+    time.sleep(1.0)
+    s.stop.set()
+    th.join(3)
+    assert not th.is_alive()
+    (kill,) = [x for x in kit.log if x[0] == "kill"]
+    (stop,) = [x for x in kit.log if x[0] == "stop"]
+    assert kill[1] == "prefill" and 0.15 < kill[2] - t0 < 0.45 and stop[1] == "decode" and stop[2] - t0 < 0.3
+    heals = {x[1]: x[2] - t0 for x in kit.log if x[0] == "heal"}
+    assert 0.35 < heals[s.handles[2].id] < 0.7  # SIGCONT 0.3 s after the stop
+    assert 0.45 < heals[s.handles[4].id] < 0.8  # the fail healed once it fired
+    assert s.handles[1].id not in heals  # the kill waits for the rollback (its heal restarts the role)
+    assert s.heal() == [] and s.handles[1].healed
+
+
+def test_an_abort_on_the_clients_first_byte_reads_the_experiments_log():
+    plans = _plans()
+    client = _Log()
+    ops = [Op(at_s=0, injector="action", kind="abort", rids=[plans[0].rid],
+              on={"role": "client", "ev": "first_byte", "rid": plans[0].rid})]
+    kit = _Kit()
+    kit.log = _Log()
+    aborted = []
+    s = Schedule(ops, kit, cluster="c", abort=lambda c, rid: aborted.append(rid) or 200,
+                 client_log=SimpleNamespace(records=client))  # an EventLog's records
+    th = threading.Thread(target=s.run)
+    th.start()
+    time.sleep(0.2)
+    client.emit("first_byte", rid=plans[1].rid)
+    time.sleep(0.1)
+    assert not aborted  # another request's first byte
+    client.emit("first_byte", rid=plans[0].rid)
+    time.sleep(0.2)
+    s.stop.set()
+    th.join(2)
+    assert aborted == [plans[0].rid]
+    (rec,) = [e for e in kit.log if isinstance(e, dict) and e.get("action") == "abort_request"]
+    assert rec["stage"] == "decoding" and rec["held"] is False
+
+
+# ------------------------------------------------------------------ plans that wait for ops (traffic.gates)
+def test_gates_round_trip_shift_with_the_live_ops_and_are_refused_by_name_where_wrong():
+    plans = _plans()
+    ops = [Op(at_s=0, injector="agent", role="prefill", kind="hold", target={"rid": plans[0].rid}),
+           Op(at_s=0, injector="agent", role="decode", kind="double_alloc", params={"pages": 4}, count=1),
+           Op(at_s=0, injector="action", kind="release", after=0, delay_s=0.5,
+              on={"role": "decode", "ev": "fault_fired", "op": 1})]
+    sc = _roundtrip(_scenario(traffic=Traffic([plan_dict(p) for p in plans], gates={plans[1].rid: 0, plans[2].rid: 2}),
+                              deployment=Deployment({}, {"decode_reservation": 64}), nemesis=ops))
+    assert sc.traffic.gates == {plans[1].rid: 0, plans[2].rid: 2} and sc.nemesis == ops
+    # on the runner's indices, after the one live op: the gates and the event's op move with the ops
+    assert sc.gates() == {plans[1].rid: 1, plans[2].rid: 3}
+    assert sc.ops()[3].after == 1 and sc.ops()[3].on["op"] == 2
+    # no gates: the key is not written (every scenario written before them keeps its digest)
+    assert "gates" not in _scenario(traffic=Traffic([plan_dict(p) for p in plans])).to_dict()["traffic"]
+    d = sc.to_dict()
+    for gates, says in (({"nobody": 0}, "traffic.gates.nobody: no plan's rid"),
+                        ({plans[1].rid: 3}, f"traffic.gates.{plans[1].rid}=3: no nemesis op 3 (3 ops)"),
+                        ({plans[1].rid: -1}, "the index of a nemesis op"),
+                        ({plans[1].rid: "0"}, "must be an integer")):
+        bad = json.loads(json.dumps(d))
+        bad["traffic"]["gates"] = gates
+        with pytest.raises(ScenarioError) as e:
+            Scenario.from_dict(bad)
+        assert says in str(e.value)
+    bad = json.loads(json.dumps(d))
+    bad["nemesis"][2]["on"]["op"] = 2
+    with pytest.raises(ScenarioError, match=r"nemesis\[2\].on.op=2: the index of an earlier op"):
+        Scenario.from_dict(bad)
+    bad = json.loads(json.dumps(d))
+    bad["nemesis"].append({"at_s": 0, "injector": "action", "kind": "heal", "after": 2})
+    with pytest.raises(ScenarioError, match=r"nemesis\[3\]: a heal names a fault in 'after', not an action"):
+        Scenario.from_dict(bad)
+
+
+def test_dropping_an_op_drops_what_waits_on_it_and_the_gates_on_it():
+    from kvchaos.fuzz.grammar import _drop
+    plans = _plans()
+    sc = _scenario(traffic=Traffic([plan_dict(p) for p in plans], gates={plans[1].rid: 0, plans[2].rid: 2, plans[3].rid: 3}),
+                   nemesis=[Op(at_s=0, injector="agent", role="prefill", kind="hold", target={"rid": plans[0].rid}),
+                            Op(at_s=0, injector="agent", role="decode", kind="double_alloc", count=1),
+                            Op(at_s=0, injector="action", kind="release", after=0,
+                               on={"role": "decode", "ev": "fault_fired", "op": 1}),
+                            Op(at_s=1, injector="agent", role="prefill", kind="delay")]).validate()
+    _drop(sc, 1)  # the release waited on its event: gone with it, and the gate on the release
+    assert [o.kind for o in sc.nemesis] == ["hold", "delay"]
+    assert sc.traffic.gates == {plans[1].rid: 0, plans[3].rid: 1}
+    sc.validate()
+
+
+def test_a_gated_plan_waits_for_the_park_or_the_action_it_names():
+    plans = _plans()
+    a, b, c = plans[0].rid, plans[1].rid, plans[2].rid
+    ops = [Op(at_s=0, injector="agent", role="prefill", kind="hold", target={"rid": a}),
+           Op(at_s=0, injector="action", kind="release", after=0, delay_s=0.3)]
+    kit = _Kit()
+    kit.agent = _EventAgent(kit.log, parks={a: 0.2})
+    s = Schedule(ops, kit, cluster="c", wait_s=2.0, gates={b: 0, c: 1})
+    th = threading.Thread(target=s.run)
+    th.start()
+    t0 = kit.agent.t0
+    s.gate(plans[3].rid)  # not gated: at once
+    assert time.time() - t0 < 0.15
+    s.gate(b)
+    assert 0.2 <= time.time() - t0 < 0.4  # once A's write parked
+    s.gate(c)
+    assert 0.5 <= time.time() - t0 < 0.8  # once the release was carried out
+    th.join(2)
+    assert s.heal() == []
+    with pytest.raises(NemesisError, match="plan x waits for op 5: there are 2 ops"):
+        Schedule(ops, kit, gates={"x": 5})

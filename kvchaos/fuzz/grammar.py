@@ -529,7 +529,7 @@ def _names_missing(op: Op, rids: set) -> bool:
 
 def _drop(sc: Scenario, i: int) -> None:
     """Remove op ``i`` and every op that waits for it; the rest keep pointing at the same ops."""
-    gone = {i} | {j for j, o in enumerate(sc.nemesis) if o.after == i}
+    gone = {i} | {j for j, o in enumerate(sc.nemesis) if o.after == i or (o.on or {}).get("op") == i}
     sc.nemesis = [o if j not in gone else None for j, o in enumerate(sc.nemesis)]
     _reindex(sc)
 
@@ -539,13 +539,18 @@ def _reindex(sc: Scenario) -> None:
     old = sc.nemesis
     new_index, out = {}, []
     for j, o in enumerate(old):
-        if o is None or (o.after is not None and o.after not in new_index):
+        if o is None or (o.after is not None and o.after not in new_index) or \
+                (o.on and "op" in o.on and o.on["op"] not in new_index):
             continue
         new_index[j] = len(out)
         if o.after is not None:
             o.after = new_index[o.after]
+        if o.on and "op" in o.on:
+            o.on = dict(o.on, op=new_index[o.on["op"]])
         out.append(o)
     sc.nemesis = out
+    # a plan gated on a dropped op is sent without waiting (it no longer has anything to wait for)
+    sc.traffic.gates = {r: new_index[g] for r, g in sc.traffic.gates.items() if g in new_index}
 
 
 def splice(rng: random.Random, a: Scenario, b: Scenario, name: str) -> Scenario:

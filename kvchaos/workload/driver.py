@@ -47,7 +47,7 @@ class Driver:
 
     def __init__(self, base_url: str, log: EventLog, concurrency: int = 64, timeout_s: float = 60.0,
                  abort_urls: tuple[str, ...] = (), model_name: str = "default", pd_direct: dict | None = None,
-                 stall_s: float | None = None):
+                 stall_s: float | None = None, gate=None, gated=()):
         if concurrency < 1:
             raise ValueError(f"concurrency must be >= 1, got {concurrency}")
         if stall_s is not None and not stall_s > 0:
@@ -64,6 +64,11 @@ class Driver:
         self.model_name = model_name
         self.pd_direct = pd_direct
         self.stall_s = stall_s
+        # the plans (rids) that wait, before they are sent, until ``gate(rid)`` returns (blocking, bounded by
+        # its owner: a nemesis schedule's op they wait for, kvchaos.schedule.Schedule.gate)
+        self.gate, self.gated = gate, set(gated)
+        if self.gated and gate is None:
+            raise ValueError(f"plans {sorted(self.gated)[:3]} wait for a gate, and there is none")
         self.stalled: dict | None = None  # the stall event, once the run stopped sending
         self._progress = time.monotonic()  # the last reply byte, or reply end, of any request
 
@@ -90,9 +95,12 @@ class Driver:
                 try:
                     if p.after is not None:  # a conversation's next turn: once the previous one ended
                         await done[p.after].wait()
+                    if p.rid in self.gated:  # once what it waits for in the nemesis has happened
+                        await asyncio.get_running_loop().run_in_executor(None, self.gate, p.rid)
                     # a plan that waited for another goes next (a user answering a reply, a resend): its
                     # prefix was just cached; the rest go in plan order
-                    await sem.acquire((0 if p.after is not None else 1, order[p.rid]))
+                    waited = p.after is not None or p.rid in self.gated
+                    await sem.acquire((0 if waited else 1, order[p.rid]))
                     try:
                         if self.stalled is not None:
                             return self.log.emit("end", rid=p.rid, outcome="not_sent", latency_s=0.0,

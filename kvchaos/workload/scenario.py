@@ -75,7 +75,12 @@ PROXIES = ("client", "prefill", "decode", "bootstrap")  # client -> router, rout
 STREAMS = ("upstream", "downstream")
 PROCESS_KINDS = ("kill", "stop", "restart")
 PROCESS_ROLES = ("prefill", "decode")
-ACTION_KINDS = ("abort", "release")
+ACTION_KINDS = ("abort", "release", "heal")
+# what an ``on`` trigger waits for (Op.on): an event the in-engine agent of a role logs (any of its event
+# names: ``transfer_start``, ``kv_prealloc``, ``fault_fired``...), or one the client's driver logs
+ON_ROLES = ("prefill", "decode", "client")
+ON_CLIENT_EVENTS = ("first_byte",)
+ON_KEYS = ("role", "ev", "rid", "phase", "op")
 MAX_DELAY_S = 120.0  # an action's delay after the op it waits for (Op.delay_s): the method waits that long at most
 INJECTORS = ("agent", "proxy", "process", "action")
 VIAS = ("router", "pd")
@@ -356,7 +361,14 @@ class Op:
     them); ``delay_s``: how long after that op parked its request (or armed) the action is carried out,
     waited out even when the workload ends first (a write released seconds after its request was aborted,
     past decode's deferred-release timeout: the late write needs the wait, not more traffic);
-    ``knob``: the live deployment knob it stands for (written by :meth:`Deployment.live_ops`)."""
+    ``knob``: the live deployment knob it stands for (written by :meth:`Deployment.live_ops`); ``on``: an
+    event it waits for, ``{"role", "ev"[, "rid"][, "phase"][, "op"]}`` — an agent event of that role (one
+    naming the fault of op ``op``, else of the op in ``after``: the ``fault_fired`` of a ``fail`` it then
+    heals) or the client's
+    ``first_byte`` of a request — and ``delay_s`` then counts from that event's own time (an abort 0-400 ms
+    after a transfer started). A process op or an action may wait (``after``, ``on``); each that waits does
+    so on its own, so one waiting does not hold up another (writes parked in another order than drawn).
+    ``heal``: an action that heals the op named in ``after`` (SIGCONT of a stopped role, a fault's heal)."""
     at_s: float
     injector: str
     kind: str
@@ -372,13 +384,19 @@ class Op:
     after: int | None = None
     knob: str | None = None
     delay_s: float | None = None
+    on: dict | None = None
 
     FIELDS = {
         "agent": ("role", "kind", "target", "params", "count"),
         "proxy": ("proxy", "kind", "stream", "toxicity", "params"),
-        "process": ("role", "kind"),
-        "action": ("kind", "rids", "after", "delay_s"),
+        "process": ("role", "kind", "after", "on", "delay_s"),
+        "action": ("kind", "rids", "after", "on", "delay_s"),
     }
+
+    @property
+    def waits(self) -> bool:
+        """It waits for another op or an event before it acts."""
+        return self.after is not None or self.on is not None
 
     @classmethod
     def from_dict(cls, d, where: str, n_before: int = 0) -> "Op":
@@ -438,6 +456,7 @@ class Op:
         elif inj == "process":
             op.role = _choice(f"{where}.role", d.get("role"), PROCESS_ROLES)
             _choice(f"{where}.kind", d["kind"], PROCESS_KINDS)
+            op._trigger(d, where, n_before)
         else:
             _choice(f"{where}.kind", d["kind"], ACTION_KINDS)
             if d["kind"] == "abort" or d.get("rids") is not None:  # a release names its hold (after)
@@ -445,20 +464,42 @@ class Op:
                 if not rids or not all(isinstance(r, str) and r for r in rids):
                     raise ScenarioError(f"{where}.rids={rids!r}: a non-empty list of request ids")
                 op.rids = list(rids)
-            if d.get("after") is not None:
-                a = _check_type(f"{where}.after", d["after"], int)
-                if not 0 <= a < n_before:
-                    raise ScenarioError(f"{where}.after={a}: the index of an earlier op (0..{n_before - 1})")
-                op.after = a
-            if d.get("delay_s") is not None:
-                delay = _check_type(f"{where}.delay_s", d["delay_s"], float)
-                if op.after is None:
-                    raise ScenarioError(f"{where}.delay_s={delay!r}: a delay counts from the op named in 'after', "
-                                        "and there is none (use at_s for a time after the method starts)")
-                if not 0 <= delay <= MAX_DELAY_S:
-                    raise ScenarioError(f"{where}.delay_s={delay!r}: must be in [0, {MAX_DELAY_S:g}] seconds")
-                op.delay_s = float(delay)
+            op._trigger(d, where, n_before)
+            if d["kind"] in ("release", "heal") and op.after is None:
+                raise ScenarioError(f"{where}: a {d['kind']} names the op it acts on in 'after'")
         return op
+
+    def _trigger(self, d: dict, where: str, n_before: int) -> None:
+        """``after``, ``on`` and ``delay_s`` of a process op or an action, checked."""
+        if d.get("after") is not None:
+            a = _check_type(f"{where}.after", d["after"], int)
+            if not 0 <= a < n_before:
+                raise ScenarioError(f"{where}.after={a}: the index of an earlier op (0..{n_before - 1})")
+            self.after = a
+        if d.get("on") is not None:
+            on = _obj(f"{where}.on", d["on"], ON_KEYS, required=("role", "ev"))
+            _choice(f"{where}.on.role", on["role"], ON_ROLES)
+            for k in ("ev", "rid", "phase"):
+                if k in on and not (isinstance(on[k], str) and on[k]):
+                    raise ScenarioError(f"{where}.on.{k}={on[k]!r}: a non-empty string")
+            if "op" in on:  # the event names that earlier op's fault (with ``after`` naming another op)
+                o = _check_type(f"{where}.on.op", on["op"], int)
+                if not 0 <= o < n_before:
+                    raise ScenarioError(f"{where}.on.op={o}: the index of an earlier op (0..{n_before - 1})")
+            if on["role"] == "client":
+                _choice(f"{where}.on.ev", on["ev"], ON_CLIENT_EVENTS)
+                if "rid" not in on:
+                    raise ScenarioError(f"{where}.on: a client event names the request (rid)")
+            self.on = dict(on)
+        if d.get("delay_s") is not None:
+            delay = _check_type(f"{where}.delay_s", d["delay_s"], float)
+            if not self.waits:
+                raise ScenarioError(f"{where}.delay_s={delay!r}: a delay counts from the op named in 'after' or "
+                                    "the event in 'on', and there is neither (use at_s for a time after the method "
+                                    "starts)")
+            if not 0 <= delay <= MAX_DELAY_S:
+                raise ScenarioError(f"{where}.delay_s={delay!r}: must be in [0, {MAX_DELAY_S:g}] seconds")
+            self.delay_s = float(delay)
 
     def to_dict(self) -> dict:
         d = {"at_s": float(self.at_s), "injector": self.injector, "kind": self.kind}
@@ -474,13 +515,15 @@ class Op:
                 d["count"] = self.count
         elif self.injector == "proxy":
             d.update(proxy=self.proxy, stream=self.stream, toxicity=self.toxicity, params=dict(self.params))
-        elif self.injector == "process":
-            d["role"] = self.role
         else:
-            if self.rids is not None:
+            if self.injector == "process":
+                d["role"] = self.role
+            elif self.rids is not None:
                 d["rids"] = list(self.rids)
             if self.after is not None:
                 d["after"] = self.after
+            if self.on is not None:
+                d["on"] = dict(self.on)
             if self.delay_s is not None:
                 d["delay_s"] = float(self.delay_s)
         return d
@@ -499,10 +542,13 @@ class Traffic:
     via: str = "router"
     # stop sending once the cluster is seen wedged (kvchaos.workload.driver); None: send every plan
     stall_s: float | None = None
+    # rid -> the nemesis op (index) a plan waits for before it is sent: B once A's write is parked, the
+    # requests beside a held write once a planted fault fired (the detection matrix's double_alloc)
+    gates: dict = field(default_factory=dict)
 
     @classmethod
     def from_dict(cls, d, where: str = "traffic") -> "Traffic":
-        d = _obj(where, d, ("plans", "concurrency", "timeout_s", "via", "stall_s"), required=("plans",))
+        d = _obj(where, d, ("plans", "concurrency", "timeout_s", "via", "stall_s", "gates"), required=("plans",))
         plans = _check_type(f"{where}.plans", d["plans"], list)
         seen: set = set()
         out = []
@@ -539,13 +585,23 @@ class Traffic:
             stall = float(_check_type(f"{where}.stall_s", stall, float))
             if stall <= 0:
                 raise ScenarioError(f"{where}.stall_s={stall}: must be > 0 (or absent: send every plan)")
-        return cls(out, conc, float(timeout), via, stall)
+        gates = _check_type(f"{where}.gates", d.get("gates", {}), dict)
+        for rid, i in gates.items():
+            if rid not in seen:
+                raise ScenarioError(f"{where}.gates.{rid}: no plan's rid")
+            if _check_type(f"{where}.gates.{rid}", i, int) < 0:
+                raise ScenarioError(f"{where}.gates.{rid}={i}: the index of a nemesis op")
+        return cls(out, conc, float(timeout), via, stall, dict(gates))
 
     def to_dict(self) -> dict:
-        # stall_s only where set: every scenario written before it keeps its digest
+        # stall_s and gates only where set: every scenario written before them keeps its digest. A gate of a
+        # plan no longer here (a shrink or a search dropped it) goes with it
+        rids = {p["rid"] for p in self.plans}
+        gates = {r: i for r, i in self.gates.items() if r in rids}
         return {"plans": [dict(p) for p in self.plans], "concurrency": self.concurrency,
                 "timeout_s": self.timeout_s, "via": self.via,
-                **({"stall_s": self.stall_s} if self.stall_s is not None else {})}
+                **({"stall_s": self.stall_s} if self.stall_s is not None else {}),
+                **({"gates": gates} if gates else {})}
 
     def request_plans(self) -> list:
         """The plans as :class:`kvchaos.workload.plan.RequestPlan` objects (what the driver sends)."""
@@ -597,6 +653,11 @@ class Scenario:
                 a = op.after
                 if a is None or not (ops[a].injector == "agent" and ops[a].kind in ("hold", "park")):
                     raise ScenarioError(f"nemesis[{i}]: a release names the hold or park it ends in 'after'")
+            if op.injector == "action" and op.kind == "heal" and ops[op.after].injector == "action":
+                raise ScenarioError(f"nemesis[{i}]: a heal names a fault in 'after', not an action")
+        for rid, g in traffic.gates.items():
+            if g >= len(ops):
+                raise ScenarioError(f"traffic.gates.{rid}={g}: no nemesis op {g} ({len(ops)} ops)")
         checks_raw = _check_type("checks", d.get("checks", [{"name": "isolation"}]), list)
         checks, names = [], set()
         for i, c in enumerate(checks_raw):
@@ -674,8 +735,17 @@ class Scenario:
         for "op 0", its hold, had waited for the first live knob instead, and fired before anything was
         held; a release of "op 0" released the knob, and the run died)."""
         live = self.deployment.live_ops()
-        return live + [o if o.after is None else dataclasses.replace(o, after=o.after + len(live))
-                       for o in self.nemesis]
+        out = []
+        for o in self.nemesis:
+            on = dict(o.on, op=o.on["op"] + len(live)) if o.on and "op" in o.on else o.on
+            out.append(o if o.after is None and on is o.on else
+                       dataclasses.replace(o, after=None if o.after is None else o.after + len(live), on=on))
+        return live + out
+
+    def gates(self) -> dict:
+        """The plans' gates (``traffic.gates``) on :meth:`ops`' indices (moved by the live ops)."""
+        n = len(self.deployment.live_ops())
+        return {r: i + n for r, i in self.traffic.gates.items()}
 
     def digest(self) -> str:
         """A short id of the scenario's content (its name and origin left out): equal scenarios, equal ids."""
