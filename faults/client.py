@@ -262,6 +262,7 @@ class AgentClient:
                          # a setting on the live schedulers: no reject-path hook (0.5.19 has none)
                          ("Scheduler.__init__",) if kind == "input_limit" else
                          ("TokenToKVPoolAllocator.alloc",) if kind == "double_alloc" else
+                         ("_release_request",) if kind == "early_free" else
                          ("MooncakeKVManager.send_kvcache",) if kind == "stall_status_read" else
                          ("Req.load_kv_cache", "DecodePreallocQueue.__init__") if kind == "retract" else
                          (PARK_HOOKS[(params or {}).get("stage")],) if kind == "park" else

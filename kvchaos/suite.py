@@ -2,12 +2,13 @@
 
 - :func:`mix_with` — plain requests with one kind among them (one in four).
 - :func:`delay_tenants_of_kind` — delay the transfers of the tenants sending one kind of request.
-- :func:`abort_in_flight` — the abort choreography as an experiment's ``during`` action: each
+- :func:`abort_in_flight_ops` — the abort choreography as scenario ops (for ``ex.nemesis``): each
   victim's KV write is held inside prefill's transfer, the request is aborted on both engines while
-  held, then the write is released and lands late.
-- :func:`abort_at_stages` — one victim per PD stage (held in decode's pre-allocation, prefill's
+  held, then the write is released and lands late (:func:`in_flight_outcomes` reads it back).
+- :func:`abort_at_stages_ops` — one victim per PD stage (held in decode's pre-allocation, prefill's
   waiting queue, the KV transfer, decode's waiting queue, or decoding), each aborted on both engines
-  while it is there; the aborts are recorded for :class:`kvchaos.oracles.AbortSemantics`.
+  while it is there; the aborts are recorded for :class:`kvchaos.oracles.AbortSemantics`
+  (:func:`stage_outcomes` reads them back).
 - :func:`server_field` — a value from a nested ``/server_info`` answer.
 - :func:`single_server_reference` — the same prompts served alone by a clean single server (greedy),
   for :class:`kvchaos.oracles.Differential`.
@@ -17,13 +18,10 @@
 
 from __future__ import annotations
 
-import concurrent.futures as cf
 import contextlib
-import time
-
-import httpx
 
 from kvchaos.cluster import Cluster
+from kvchaos.history import agent_kind
 from kvchaos.schedule import abort_on_both, single_server_reference  # noqa: F401 - suites import them from here
 from kvchaos.selftest import planted_leak_selftest
 from kvchaos.workload import Workload
@@ -75,48 +73,44 @@ def delay_tenants_of_kind(faults, plans, kind: str, ms: float) -> list:
     return [faults.agent.arm("prefill", "delay", target={"tenant": t}, params={"ms": ms}) for t in tenants]
 
 
-def abort_in_flight(cluster, faults, victims, hold_s=0.3, wait_s=90.0):
-    """Arm a hold on each victim's KV write (call inside the experiment's ``with`` block, so the
-    holds are part of its method) and return the action for ``ex.during(...)``: for each victim in
-    the order their writes are parked in prefill (a parked write can keep the next one from
-    starting, so not in the plans' order), abort the request on both engines, wait ``hold_s`` and
-    release the write (it lands late). The action returns what happened per victim, in that order."""
-    holds = [(v, faults.agent.arm("prefill", "hold", target={"rid": v.rid}, params={"max_hold_s": 30}))
-             for v in victims]
+def abort_in_flight_ops(victims, hold_s: float = 0.3, first: int = 0) -> list:
+    """The abort choreography as scenario ops, to sit at nemesis index ``first`` on (for
+    ``ex.nemesis(...)``): for each victim a hold on its KV write inside prefill's transfer (armed when the
+    method starts), the abort of its exact rid on both engines once the write is parked, and the
+    write's release ``hold_s`` after it parked (it lands late). Each victim's ops wait on their own, in
+    the order the engine parks the writes (a parked write can keep the next one from starting).
+    :func:`in_flight_outcomes` reads back what happened."""
+    ops = []
+    for v in victims:
+        i = first + len(ops)
+        ops += [Op(at_s=0.0, injector="agent", role="prefill", kind="hold", target={"rid": v.rid},
+                   params={"max_hold_s": 30}),
+                Op(at_s=0.0, injector="action", kind="abort", rids=[v.rid], after=i),
+                Op(at_s=0.0, injector="action", kind="release", after=i, delay_s=hold_s)]
+    return ops
 
-    def next_held(pending) -> tuple:
-        """The pending (victim, hold) whose write was parked first, with its ``held`` event; None
-        for the event when none was parked within ``wait_s``."""
-        deadline, ids = time.monotonic() + wait_s, {h.id: (v, h) for v, h in pending}
-        while True:
-            held = [e for e in faults.agent.events("prefill")
-                    if e["ev"] == "fault_fired" and e.get("phase") == "held" and e.get("fault") in ids]
-            if held:
-                e = min(held, key=lambda e: e.get("wall", 0))
-                return ids[e["fault"]], e
-            if time.monotonic() > deadline:
-                return pending[0], None
-            time.sleep(0.02)
 
-    def choreograph() -> list[dict]:
-        out, pending = [], list(holds)
-        while pending:
-            (v, h), held = next_held(pending)
-            pending.remove((v, h))
-            if held is None:
-                out.append({"rid": v.rid, "error": f"no fault_fired held for {h.id} from prefill within {wait_s}s"})
-                continue
-            t_abort = time.time()
-            st = abort_on_both(cluster, v.rid)
-            time.sleep(hold_s)
-            h.release()
-            late = faults.agent.wait_event("prefill", "fault_fired", fault=h.id, phase="late_write", timeout=30)
-            out.append({"rid": v.rid, "room": held.get("room"), "aborted_at": t_abort, "abort_status": st,
-                        "late_write_at": late["wall"], "room_status_at_write": late.get("room_status_at_write")})
-        return out
-
-    choreograph.holds = holds
-    return choreograph
+def in_flight_outcomes(ex, victims) -> list[dict]:
+    """Per victim of :func:`abort_in_flight_ops` (from the experiment's own log): ``rid``, ``room`` (where
+    its write was parked), ``aborted_at``, ``abort_status``, ``late_write_at`` and
+    ``room_status_at_write`` (the held write's late landing, as prefill's agent saw it), or ``error``
+    saying which step never happened."""
+    ev = ex.events
+    out = []
+    for v in victims:
+        fired = [e for e in ev if agent_kind(e) == "fault_fired" and e.get("rid") == v.rid and e.get("kind") == "hold"]
+        held = next((e for e in fired if e.get("phase") == "held"), None)
+        late = next((e for e in fired if e.get("phase") == "late_write"), None)
+        ab = next((e for e in ev if e.get("ev") == "fault" and e.get("action") == "abort_request"
+                   and e.get("rid") == v.rid), None)
+        missing = [what for what, e in (("parked", held), ("aborted", ab), ("late write", late)) if e is None]
+        if missing:
+            out.append({"rid": v.rid, "error": f"{v.rid}: never {', '.join(missing)}"})
+            continue
+        out.append({"rid": v.rid, "room": held.get("room"), "aborted_at": ab.get("at"),
+                    "abort_status": ab.get("abort_status"), "late_write_at": late.get("wall"),
+                    "room_status_at_write": late.get("room_status_at_write")})
+    return out
 
 
 # where each stage's victim is held, and by what (faults/agent: ``park`` stages, the transfer ``hold``)
@@ -126,79 +120,48 @@ ABORT_STAGES = {"decode_prealloc": ("decode", "park"), "prefill_waiting": ("pref
 
 
 def abort_at_stage_ops(stage: str, rid: str, first: int = 0, settle_s: float = 0.5) -> list:
-    """:func:`abort_at_stages`'s choreography for one victim as scenario data (three
-    :class:`~kvchaos.workload.scenario.Op`, to sit at nemesis index ``first`` on): what holds ``rid`` at
-    ``stage`` (armed when the method starts), the abort of its exact rid on prefill and decode once it is
-    held there, and its release ``settle_s`` later. ``decoding`` is not data: nothing holds a request
-    there (the choreography waits for its first streamed byte)."""
-    role, kind = ABORT_STAGES.get(stage, (None, None))
+    """One victim's abort at ``stage`` (:data:`ABORT_STAGES`) as scenario ops, to sit at nemesis index
+    ``first`` on: what holds ``rid`` at the stage (armed when the method starts), the abort of its exact
+    rid on prefill and decode once it is held there, and its release ``settle_s`` later. ``decoding``:
+    nothing holds a request there; the abort comes once the client read its first streamed byte (a
+    ``stream`` plan with a long reply). Every abort is a ``fault`` record (action ``abort_request``: rid,
+    stage, ``held``: whether it was provably still at that stage) for ``abort_semantics``."""
+    if stage not in ABORT_STAGES:
+        raise ValueError(f"unknown abort stage {stage!r}; one of {tuple(ABORT_STAGES)}")
+    role, kind = ABORT_STAGES[stage]
     if kind is None:
-        raise ValueError(f"abort stage {stage!r}: one of {[s for s, (_r, k) in ABORT_STAGES.items() if k]} "
-                         "(nothing holds a request at 'decoding': it is no scenario op)")
+        return [Op(at_s=0.0, injector="action", kind="abort", rids=[rid],
+                   on={"role": "client", "ev": "first_byte", "rid": rid})]
     params = {"max_hold_s": 30} if kind == "hold" else {"stage": stage}
     return [Op(at_s=0.0, injector="agent", role=role, kind=kind, target={"rid": rid}, params=params),
             Op(at_s=0.0, injector="action", kind="abort", rids=[rid], after=first),
             Op(at_s=0.0, injector="action", kind="release", after=first, delay_s=settle_s)]
 
 
-def abort_at_stages(ex, cluster, faults, victims: dict, settle_s: float = 0.5, wait_s: float = 90.0):
-    """Arm what holds each victim at its stage (call inside the experiment's ``with`` block) and
-    return the action for ``ex.during(...)``. ``victims``: stage (:data:`ABORT_STAGES`) -> plan.
-    For each, on a thread of its own: wait until it is held there (``decoding``: until its first
-    streamed byte — a ``stream`` plan with a long reply), POST ``/abort_request`` with its exact rid to prefill and to
-    decode, wait ``settle_s``, let it go. Every abort is a ``fault`` record (action
-    ``abort_request``: rid, stage, ``held`` — whether it was provably still at that stage — and the
-    two servers' statuses) in the faults log, which the experiment copies into its own."""
+def abort_at_stages_ops(victims: dict, settle_s: float = 0.5) -> list:
+    """:func:`abort_at_stage_ops` for each ``stage -> plan`` of ``victims``, one after the other (each
+    victim's ops wait on their own: one held at a late stage does not keep another from being aborted at
+    an early one)."""
     bad = set(victims) - set(ABORT_STAGES)
     if bad:
         raise ValueError(f"unknown abort stage(s) {sorted(bad)}; one of {tuple(ABORT_STAGES)}")
-    holds = {}
+    ops = []
     for stage, v in victims.items():
-        role, kind = ABORT_STAGES[stage]
-        if kind == "hold":
-            holds[stage] = faults.agent.arm(role, "hold", target={"rid": v.rid}, params={"max_hold_s": 30})
-        elif kind == "park":
-            holds[stage] = faults.agent.arm(role, "park", target={"rid": v.rid}, params={"stage": stage})
+        ops += abort_at_stage_ops(stage, v.rid, first=len(ops), settle_s=settle_s)
+    return ops
 
-    def first_byte(rid):
-        """Whether ``rid`` streamed its first byte (False once it ended without one, or after wait_s)."""
-        deadline, seen = time.monotonic() + wait_s, 0
-        while time.monotonic() < deadline:
-            new = ex.log.records[seen:]  # the log only grows: scan what came since the last look
-            seen += len(new)
-            for e in new:
-                if e.get("rid") == rid and e.get("ev") in ("first_byte", "end"):
-                    return e["ev"] == "first_byte"
-            time.sleep(0.01)
-        return False
 
-    def one(stage, v) -> dict:
-        role, _kind = ABORT_STAGES[stage]
-        h = holds.get(stage)
-        try:
-            if h is not None:
-                faults.agent.wait_event(role, "fault_fired", fault=h.id, phase="held", timeout=wait_s)
-                held = True
-            else:
-                held = False  # decoding: nothing holds it; the reply may finish before the abort lands
-                if not first_byte(v.rid):
-                    raise TimeoutError(f"{v.rid} never streamed a byte")
-        except TimeoutError as e:
-            return {"rid": v.rid, "stage": stage, "error": str(e)}
-        t_abort = time.time()
-        st = abort_on_both(cluster, v.rid)
-        faults.log.emit("fault", action="abort_request", kind="abort", stage=stage, rid=v.rid, held=held,
-                        abort_status=st, at=t_abort)
-        time.sleep(settle_s)
-        if h is not None:
-            h.release()
-        return {"rid": v.rid, "stage": stage, "held": held, "aborted_at": t_abort, "abort_status": st}
-
-    def choreograph() -> list[dict]:
-        # each victim on its own: one held at a late stage must not keep another from being aborted
-        # at an early one (or let a decoding one finish before its turn)
-        with cf.ThreadPoolExecutor(len(victims) or 1) as pool:
-            return [f.result() for f in [pool.submit(one, st, v) for st, v in victims.items()]]
-
-    choreograph.holds = holds
-    return choreograph
+def stage_outcomes(ex, victims: dict) -> list[dict]:
+    """Per ``stage -> plan`` of :func:`abort_at_stages_ops` (from the experiment's log): ``rid``, ``stage``,
+    ``held``, ``aborted_at``, ``abort_status``; or ``error`` where no abort was sent (the request never
+    reached its stage, or never streamed a byte)."""
+    out = []
+    for stage, v in victims.items():
+        ab = next((e for e in ex.events if e.get("ev") == "fault" and e.get("action") == "abort_request"
+                   and e.get("rid") == v.rid), None)
+        if ab is None:
+            out.append({"rid": v.rid, "stage": stage, "error": f"{v.rid} was never aborted at {stage}"})
+            continue
+        out.append({"rid": v.rid, "stage": stage, "held": ab.get("held"), "aborted_at": ab.get("at"),
+                    "abort_status": ab.get("abort_status")})
+    return out

@@ -10,7 +10,7 @@ nor one whose content is not its own.
 
 One victim per stage, held there by the in-engine agent (``park`` at a queue stage, ``hold`` on the
 KV write; the decoding one is a long streamed reply aborted at its first byte), each aborted with its
-exact rid on prefill and on decode while held (``kvchaos.suite.abort_at_stages``), then let go.
+exact rid on prefill and on decode while held (``kvchaos.suite.abort_at_stages_ops``), then let go.
 Judged by ``abort_semantics`` (every aborted request answered as aborted: an error with a message,
 or 200 with finish reason ``abort``), isolation and liveness; what each stage returned is recorded.
 
@@ -31,8 +31,9 @@ import pytest
 
 from kvchaos.experiment import PASS
 from kvchaos.oracles import AbortSemantics, Isolation, KVLifecycle, Liveness, agent_kind
-from kvchaos.suite import ABORT_STAGES, abort_at_stages
+from kvchaos.suite import ABORT_STAGES, abort_at_stage_ops, abort_at_stages_ops, stage_outcomes
 from kvchaos.workload import Workload
+from kvchaos.workload.scenario import Op
 
 pytestmark = pytest.mark.cluster
 BOUND_S = 60
@@ -46,7 +47,7 @@ OPENAI = dict.fromkeys(("decode_prealloc", "prefill_waiting", "transferring", "d
 
 
 @pytest.mark.parametrize("via,api", [("pd", "generate"), ("router", "generate"), ("router", "openai")])
-def test_abort_at_every_stage_comes_back_as_an_abort(experiment, seeds, faults, cluster, via, api):
+def test_abort_at_every_stage_comes_back_as_an_abort(experiment, seeds, faults, via, api):
     """``pd``: prefill and decode driven directly (the engines' own semantics, /generate); ``router``:
     through sglang-router, what a client of the deployment gets — on /generate and on /v1/completions."""
     n = {"pd": 901, "router": 902}[via] + (10 if api == "openai" else 0)
@@ -60,15 +61,16 @@ def test_abort_at_every_stage_comes_back_as_an_abort(experiment, seeds, faults, 
     checks = [AbortSemantics(), Isolation(), Liveness(bound_s=BOUND_S)]
     with experiment(f"abort_stages_{via}_{api}", plans, checks, seed=wl.seed, concurrency=6, timeout_s=BOUND_S,
                     via=via) as ex:
-        chor = ex.during(abort_at_stages(ex, cluster, faults, victims))
-    faults.log.emit("observed", choreography=chor.result, outcomes=ex.by["abort_semantics"].stats["outcomes"])
+        ex.nemesis(abort_at_stages_ops(victims))
+    chor = stage_outcomes(ex, victims)
+    faults.log.emit("observed", choreography=chor, outcomes=ex.by["abort_semantics"].stats["outcomes"])
     print(ex.by["abort_semantics"].summary)
-    assert [r.get("error") for r in chor.result] == [None] * len(victims), chor.result
-    assert all(r["held"] for r in chor.result if r["stage"] != "decoding"), chor.result
+    assert [r.get("error") for r in chor] == [None] * len(victims), chor
+    assert all(r["held"] for r in chor if r["stage"] != "decoding"), chor
     ex.require(abort_semantics=PASS, isolation=PASS, liveness=PASS)
 
 
-def test_abort_between_the_chunks_of_a_chunked_prefill(experiment, seeds, faults, cluster):
+def test_abort_between_the_chunks_of_a_chunked_prefill(experiment, seeds, faults):
     wl = Workload(seeds(903), n_tenants=8, prefix="ac")
     plans = wl.mix(48, lengths=(150, 400))
     victim = wl.request(wl.tenants[0], "plain", n_tokens=1400, n_canaries=4)
@@ -76,10 +78,11 @@ def test_abort_between_the_chunks_of_a_chunked_prefill(experiment, seeds, faults
     checks = [AbortSemantics(), KVLifecycle(), Isolation(), Liveness(bound_s=BOUND_S)]
     with experiment("abort_chunked_prefill", plans, checks, seed=wl.seed, concurrency=6, timeout_s=BOUND_S,
                     via="pd") as ex:
-        faults.agent.arm("prefill", "chunked_prefill", params={"size": 256})
-        chor = ex.during(abort_at_stages(ex, cluster, faults, {"transferring": victim}))
-    faults.log.emit("observed", choreography=chor.result, outcomes=ex.by["abort_semantics"].stats["outcomes"])
-    assert [r.get("error") for r in chor.result] == [None], chor.result
+        ex.nemesis([Op(at_s=0, injector="agent", role="prefill", kind="chunked_prefill", params={"size": 256})]
+                   + abort_at_stage_ops("transferring", victim.rid, first=1))
+    chor = stage_outcomes(ex, {"transferring": victim})
+    faults.log.emit("observed", choreography=chor, outcomes=ex.by["abort_semantics"].stats["outcomes"])
+    assert [r.get("error") for r in chor] == [None], chor
     first = next(e for e in ex.events if agent_kind(e) == "transfer_start" and e.get("rid") == victim.rid)
     # the path ran: the abort landed before the last of its chunks was sent (the held write is not the
     # last; measured: the early send of its cached prefix page, then 256-token chunks)

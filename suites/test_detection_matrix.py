@@ -47,19 +47,17 @@ prefix_collision four pairs part at a canary (page  isolation      the pair's se
 
 from __future__ import annotations
 
-import concurrent.futures as cf
 import json
 import os
 import re
-import time
 
-import httpx
 import pytest
 
 from kvchaos.experiment import FAIL, PASS
 from kvchaos.oracles import CacheIsolation, Differential, HttpSemantics, Isolation, KVLifecycle, Liveness
-from kvchaos.suite import abort_in_flight, server_field, single_server_reference
+from kvchaos.suite import abort_in_flight_ops, in_flight_outcomes, server_field, single_server_reference
 from kvchaos.workload import SHARED_MIX, Workload
+from kvchaos.workload.scenario import Op
 
 # a default run (CI) puts it on the profile's other layouts — MLA, paged, bf16 — and not again on the
 # profile's own (committed results: reports/); --kvchaos-layouts / make test-layouts run it on any layout
@@ -135,16 +133,16 @@ def scenario_abort_in_flight(experiment, seeds, faults, cluster, trial, mutate):
     with experiment(f"matrix_early_free_{'mut' if mutate else 'clean'}_{trial}", plans,
                     [Isolation(), KVLifecycle(), Liveness(bound_s=BOUND_S)], seed=wl.seed,
                     concurrency=6, timeout_s=BOUND_S) as ex:
-        if mutate:
-            faults.agent.arm("decode", "early_free", hooks=("_release_request",))
-        chor = ex.during(abort_in_flight(cluster, faults, victims))
+        early = [Op(at_s=0, injector="agent", role="decode", kind="early_free")] if mutate else []
+        ex.nemesis(early + abort_in_flight_ops(victims, first=len(early)))
+    chor = in_flight_outcomes(ex, victims)
     life = ex.by["kv_lifecycle"]
     vic = {p.rid for p in victims}
     ok_witness = bool(life.witnesses) and all(w["rid"] in vic for w in life.witnesses)
     t = min((w["write_end"] for w in life.witnesses), default=None)
     return {"detected": life.status == FAIL, "oracle": "kv_lifecycle", "witness_ok": ok_witness,
             "time_to_detection_s": (t - ex.t_start) if t else None,
-            "choreography": [{k: r.get(k) for k in ("rid", "room_status_at_write", "error")} for r in chor.result or []],
+            "choreography": [{k: r.get(k) for k in ("rid", "room_status_at_write", "error")} for r in chor],
             "judgement": _judge(ex, "early_free", mutate, "kv_lifecycle").status,
             "verdicts": ex.claimed_verdicts, "witness": life.witnesses[:1]}
 
@@ -157,29 +155,27 @@ def scenario_shared_pages(experiment, seeds, faults, cluster, trial, mutate, ref
     a = wl.request(wl.tenants[0], "plain", n_tokens=400, n_canaries=3)
     b = wl.request(wl.tenants[1], "plain", n_tokens=400, n_canaries=3)
     tail = [wl.request(wl.tenants[2 + i % 6], "plain", n_tokens=300) for i in range(background(mutate))]
-    state = {}
-
-    def drive(ex):
-        with cf.ThreadPoolExecutor(3) as pool:
-            fa = pool.submit(ex.send, [a], 1)
-            faults.agent.wait_event("prefill", "fault_fired", fault=state["hold"].id, phase="held", timeout=60)
-            fb = pool.submit(ex.send, [b], 1)
-            time.sleep(0.5)  # B reaches decode's pre-allocation
-            if state.get("double") is not None:
-                faults.agent.wait_event("decode", "fault_fired", fault=state["double"].id, timeout=30)
-            # other tenants' requests while A's write is held: the hold's exposure class (the requests
-            # beside the one it acted on) has evidence of its own (kvchaos.oracles.isolation.power)
-            fc = pool.submit(ex.send, tail[:6], 6)
-            time.sleep(0.5)
-            state["hold"].release()
-            fa.result(), fb.result(), fc.result()
-        ex.send(tail[6:], 6)
+    # as data (each plan's gate: the op it waits for): A's write held (op 0); B sent once it is parked and,
+    # mutated, pre-allocated over A's pages (the planted double_alloc fires once); six other tenants'
+    # requests once it fired (the hold's exposure class: the requests beside the one it acted on have
+    # evidence of their own, kvchaos.oracles.isolation.power); the write let go 0.5 s after that; the rest
+    # after the release
+    ops = [Op(at_s=0, injector="agent", role="prefill", kind="hold", target={"rid": a.rid}, params={"max_hold_s": 30})]
+    if mutate:
+        ops += [Op(at_s=0, injector="agent", role="decode", kind="double_alloc", params={"pages": 390}, count=1),
+                Op(at_s=0, injector="action", kind="heal", after=1, on={"role": "decode", "ev": "fault_fired"}),
+                Op(at_s=0, injector="action", kind="release", after=0, delay_s=0.5,
+                   on={"role": "decode", "ev": "fault_fired", "op": 1})]
+        beside, release = 2, 3
+    else:
+        ops += [Op(at_s=0, injector="action", kind="release", after=0, delay_s=1.0)]
+        beside, release = 0, 1
+    gates = {b.rid: 0, **{p.rid: beside for p in tail[:6]}, **{p.rid: release for p in tail[6:]}}
 
     checks = [Isolation(), Liveness(bound_s=BOUND_S), Differential(single_server_reference(reference_server, [a, b, *tail[:4]]))]
     with experiment(f"matrix_double_alloc_{'mut' if mutate else 'clean'}_{trial}", [a, b, *tail], checks,
-                    seed=wl.seed, drive=drive, timeout_s=BOUND_S) as ex:
-        state["double"] = faults.agent.arm("decode", "double_alloc", params={"pages": 390}, count=1) if mutate else None
-        state["hold"] = faults.agent.arm("prefill", "hold", target={"rid": a.rid}, params={"max_hold_s": 30})
+                    seed=wl.seed, timeout_s=BOUND_S) as ex:
+        ex.nemesis(ops, gates)
     iso, diff = ex.by["isolation"], ex.by["differential"]
     pair = {a.rid, b.rid}
     # the A/B pair named, and nothing outside it: a reply decoded over the two requests' mixed KV can

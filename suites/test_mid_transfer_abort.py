@@ -13,7 +13,7 @@ reply shows it) and liveness (every request ends, pools back to baseline).
 
 - ``test_abort_while_kv_write_in_flight``: deterministic. Three requests' writes are held inside
   prefill's transfer (the in-engine agent's ``hold``), each is aborted on prefill and decode while
-  held, then the write is released and lands late (``kvchaos.suite.abort_in_flight``).
+  held, then the write is released and lands late (``kvchaos.suite.abort_in_flight_ops``).
 - ``test_aborts_at_random_points_of_delayed_transfers``: two tenants' writes take 300 ms (``delay``)
   and each of their requests is aborted 0–400 ms after its transfer started: aborts land during and
   after the write; the test counts those that landed mid-transfer and needs at least one.
@@ -22,16 +22,14 @@ reply shows it) and liveness (every request ends, pools back to baseline).
 from __future__ import annotations
 
 import random
-import threading
-import time
 
-import httpx
 import pytest
 
 from kvchaos.experiment import PASS
 from kvchaos.oracles import Isolation, KVLifecycle, Liveness
-from kvchaos.suite import abort_in_flight
+from kvchaos.suite import abort_in_flight_ops, in_flight_outcomes
 from kvchaos.workload import Workload
+from kvchaos.workload.scenario import Op
 
 pytestmark = pytest.mark.cluster
 BOUND_S = 60
@@ -41,53 +39,34 @@ def checks():
     return [Isolation(), KVLifecycle(), Liveness(bound_s=BOUND_S)]
 
 
-def test_abort_while_kv_write_in_flight(experiment, seeds, faults, cluster):
+def test_abort_while_kv_write_in_flight(experiment, seeds, faults):
     wl = Workload(seeds(201), n_tenants=8, prefix="ma")
     plans = wl.mix(72, lengths=(150, 500))
     victims = [p for p in plans if p.tenant == "t002"][:3]
     with experiment("abort_in_flight", plans, checks(), seed=wl.seed, concurrency=6, timeout_s=BOUND_S) as ex:
-        chor = ex.during(abort_in_flight(cluster, faults, victims))
-    faults.log.emit("observed", choreography=chor.result)
-    assert [r.get("error") for r in chor.result] == [None] * len(victims), chor.result
-    assert all(r["late_write_at"] > r["aborted_at"] for r in chor.result)  # the write landed after the abort
+        ex.nemesis(abort_in_flight_ops(victims))
+    chor = in_flight_outcomes(ex, victims)
+    faults.log.emit("observed", choreography=chor)
+    assert [r.get("error") for r in chor] == [None] * len(victims), chor
+    assert all(r["late_write_at"] > r["aborted_at"] for r in chor)  # the write landed after the abort
     assert ex.by["kv_lifecycle"].stats["released_with_writes"] >= 1, ex.by["kv_lifecycle"].stats  # judged something
     ex.require(isolation=PASS, kv_lifecycle=PASS, liveness=PASS)
 
 
-def test_aborts_at_random_points_of_delayed_transfers(experiment, seeds, faults, cluster):
+def test_aborts_at_random_points_of_delayed_transfers(experiment, seeds, faults):
     wl = Workload(seeds(202), n_tenants=8, prefix="mr")
     plans = wl.mix(96, lengths=(150, 500))
     targets = [p for p in plans if p.tenant in ("t001", "t004")]
     rng = random.Random(seeds(2020))  # the abort points
-    done = threading.Event()
-    aborted: dict[str, float] = {}
-
-    def aborter():
-        pending = {p.rid for p in targets}
-        t_end = time.monotonic() + 240  # bounded even if transfers never start
-        while pending and not done.is_set() and time.monotonic() < t_end:
-            for e in faults.agent.events("prefill"):
-                if e["ev"] == "transfer_start" and e.get("rid") in pending:
-                    pending.discard(e["rid"])
-                    time.sleep(max(0.0, e["wall"] + rng.uniform(0, 0.4) - time.time()))
-                    aborted[e["rid"]] = time.time()
-                    for u in (cluster.endpoints.prefill, cluster.endpoints.decode):
-                        try:
-                            httpx.post(f"{u}/abort_request", json={"rid": e["rid"]}, timeout=10)
-                        except httpx.HTTPError:
-                            pass
-            time.sleep(0.02)
-
-    def drive(ex):
-        try:
-            ex.send(ex.plans)
-        finally:
-            done.set()  # the workload is over: the aborter stops looking
-
-    with experiment("abort_random", plans, checks(), seed=wl.seed, drive=drive, timeout_s=BOUND_S) as ex:
-        # the two tenants' writes take 300 ms; each is aborted 0-400 ms after its transfer started
-        f = faults.agent.arm("prefill", "delay", target={"rid_regex": "-(t001|t004)$"}, params={"ms": 300})
-        ex.during(aborter)
+    # the two tenants' writes take 300 ms; each is aborted 0-400 ms after its transfer started (prefill's
+    # transfer_start, the engine's clock)
+    ops = [Op(at_s=0, injector="agent", role="prefill", kind="delay", target={"rid_regex": "-(t001|t004)$"},
+              params={"ms": 300})]
+    ops += [Op(at_s=0, injector="action", kind="abort", rids=[p.rid], delay_s=round(rng.uniform(0, 0.4), 3),
+               on={"role": "prefill", "ev": "transfer_start", "rid": p.rid}) for p in targets]
+    with experiment("abort_random", plans, checks(), seed=wl.seed, timeout_s=BOUND_S) as ex:
+        f = ex.nemesis(ops).handles[0]
+    aborted = {e["rid"]: e["at"] for e in ex.events if e.get("ev") == "fault" and e.get("action") == "abort_request"}
     f.verify(at_least=len(targets))
     first_start, last_end = {}, {}
     for e in ex.events:
@@ -106,7 +85,7 @@ def test_aborts_at_random_points_of_delayed_transfers(experiment, seeds, faults,
 RELEASE_TIMEOUT_S = 3.0
 
 
-def test_write_held_past_the_deferred_release_timeout(experiment, seeds, faults, cluster):
+def test_write_held_past_the_deferred_release_timeout(experiment, seeds, faults):
     """Decode holds an aborted transfer's pages until prefill acks the drain — or until
     ``SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT`` (30 s; 3 s here, set on the live
     queues) passes, and then releases them anyway (SGLang PR #38961). A write held in prefill past the
@@ -116,11 +95,13 @@ def test_write_held_past_the_deferred_release_timeout(experiment, seeds, faults,
     plans = wl.mix(72, lengths=(150, 500))
     victims = [p for p in plans if p.tenant == "t003"][:2]
     with experiment("abort_past_timeout", plans, checks(), seed=wl.seed, concurrency=6, timeout_s=BOUND_S) as ex:
-        faults.agent.arm("decode", "deferred_release_timeout", params={"s": RELEASE_TIMEOUT_S})
-        chor = ex.during(abort_in_flight(cluster, faults, victims, hold_s=RELEASE_TIMEOUT_S + 2))
-    faults.log.emit("observed", choreography=chor.result)
-    assert [r.get("error") for r in chor.result] == [None] * len(victims), chor.result
-    rooms = {r["room"] for r in chor.result}
+        ex.nemesis([Op(at_s=0, injector="agent", role="decode", kind="deferred_release_timeout",
+                       params={"s": RELEASE_TIMEOUT_S})]
+                   + abort_in_flight_ops(victims, hold_s=RELEASE_TIMEOUT_S + 2, first=1))
+    chor = in_flight_outcomes(ex, victims)
+    faults.log.emit("observed", choreography=chor)
+    assert [r.get("error") for r in chor] == [None] * len(victims), chor
+    rooms = {r["room"] for r in chor}
     outcomes = {e["room"]: e["outcome"] for e in ex.events if e.get("agent_ev") == "deferred_release"}
     assert {outcomes.get(r) for r in rooms} == {"timeout"}, outcomes  # the timeout path, not the drain ack
     ex.require(isolation=PASS, kv_lifecycle=PASS, liveness=PASS)

@@ -18,14 +18,13 @@ own canaries (the node really rejoined). Each proves its fault fired: the pids s
 
 from __future__ import annotations
 
-import time
-
 import pytest
 
 from kvchaos import canary
 from kvchaos.experiment import PASS
 from kvchaos.oracles import Isolation, KVLifecycle, Liveness, Sensitivity
 from kvchaos.workload import Workload
+from kvchaos.workload.scenario import Op
 
 pytestmark = [pytest.mark.cluster, pytest.mark.disruptive]
 BOUND_S = 90
@@ -43,20 +42,17 @@ def _wave2(experiment, name, seed):
 
 
 def test_prefill_killed_while_a_write_is_in_flight(experiment, seeds, faults):
-    proc = faults.need("proc")
+    faults.need("proc")  # process faults on this cluster, or the test says it needs them
     wl = Workload(seeds(301), n_tenants=8, prefix="kp")
     plans = wl.mix(80, lengths=(150, 450))
     victim = plans[64]
     with experiment("kill_prefill", plans, [Isolation(), KVLifecycle(), Liveness(bound_s=BOUND_S)],
                     seed=wl.seed, timeout_s=BOUND_S) as ex:
-        h = faults.agent.arm("prefill", "hold", target={"rid": victim.rid}, params={"max_hold_s": 60})
-
-        def kill_when_held():
-            faults.agent.wait_event("prefill", "fault_fired", fault=h.id, phase="held", timeout=120)
-            return proc.kill("prefill")  # the write is parked mid-transfer when prefill dies
-
-        kill = ex.during(kill_when_held)
-    assert kill.result, "prefill was not killed"
+        # the write is parked mid-transfer when prefill dies
+        sched = ex.nemesis([Op(at_s=0, injector="agent", role="prefill", kind="hold", target={"rid": victim.rid},
+                               params={"max_hold_s": 60}),
+                            Op(at_s=0, injector="process", kind="kill", role="prefill", after=0)])
+    assert sched.handles.get(1), "prefill was not killed"
     run = ex.run
     if run.statuses.get(victim.rid) == 200:  # a 200 must be a full retry, never built on the cut write
         text = run.response_text(victim.rid)
@@ -71,18 +67,15 @@ def test_prefill_killed_while_a_write_is_in_flight(experiment, seeds, faults):
 
 @pytest.mark.slow  # CI time (the KV layouts' suites took its place); prefill's kill runs by default
 def test_decode_killed_mid_stream(experiment, seeds, faults):
-    proc = faults.need("proc")
+    faults.need("proc")  # process faults on this cluster, or the test says it needs them
     wl = Workload(seeds(302), n_tenants=8, prefix="kd")
     plans = wl.mix(96, weights={"plain": 1, "stream": 1}, lengths=(150, 450))
     first = plans[72]
     with experiment("kill_decode", plans, [Isolation(), Liveness(bound_s=KILL_BOUND_S)], seed=wl.seed,
                     timeout_s=KILL_BOUND_S) as ex:
-        def kill_mid_load():
-            # once requests are streaming (a transfer has started for the 73rd request), decode dies
-            faults.agent.wait_event("prefill", "transfer_start", rid=first.rid, timeout=180)
-            return proc.kill("decode")
-
-        ex.during(kill_mid_load)
+        # once requests are streaming (a transfer has started for the 73rd request), decode dies
+        ex.nemesis([Op(at_s=0, injector="process", kind="kill", role="decode",
+                       on={"role": "prefill", "ev": "transfer_start", "rid": first.rid})])
     run = ex.run
     failed = [r for r, s in run.statuses.items() if s != 200] + [p.rid for p in plans if p.rid not in run.statuses]
     faults.log.emit("observed", failed_in_wave1=len(failed), of=len(plans))
@@ -96,19 +89,17 @@ def test_decode_killed_mid_stream(experiment, seeds, faults):
 
 @pytest.mark.slow  # CI time
 def test_decode_frozen_then_resumed(experiment, seeds, faults):
-    proc = faults.need("proc")
+    faults.need("proc")  # process faults on this cluster, or the test says it needs them
     wl = Workload(seeds(303), n_tenants=8, prefix="kf")
     plans = wl.mix(72, lengths=(150, 450))
     first = plans[8]
     with experiment("freeze_decode", plans, [Isolation(), KVLifecycle(), Liveness(bound_s=BOUND_S)], seed=wl.seed,
                     timeout_s=BOUND_S) as ex:
-        def freeze():
-            faults.agent.wait_event("prefill", "transfer_start", rid=first.rid, timeout=120)
-            proc.stop("decode")  # alive, sockets open, answering nothing: a hung node
-            time.sleep(4.0)
-            proc.cont("decode")
-
-        ex.during(freeze)
+        # once the 9th request's transfer started, decode is stopped (alive, sockets open, answering
+        # nothing: a hung node) for 4 s, then continued
+        ex.nemesis([Op(at_s=0, injector="process", kind="stop", role="decode",
+                       on={"role": "prefill", "ev": "transfer_start", "rid": first.rid}),
+                    Op(at_s=0, injector="action", kind="heal", after=0, delay_s=4.0)])
     stops = [e for e in faults.log.records if e.get("kind") == "sigstop"]
     assert stops and all(s in ("T", "t") for s in stops[0]["states"].values() if s), stops
     ex.require(isolation=PASS, liveness=PASS)

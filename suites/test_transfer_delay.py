@@ -17,6 +17,7 @@ from kvchaos.experiment import PASS
 from kvchaos.oracles import Isolation, Liveness, Sensitivity
 from kvchaos.suite import delay_tenants_of_kind, mix_with
 from kvchaos.workload import Workload
+from kvchaos.workload.scenario import Op
 
 pytestmark = pytest.mark.cluster
 BOUND_S = 60
@@ -43,20 +44,16 @@ def test_one_failed_send_is_an_error_for_its_request(experiment, seeds, faults):
     plans = wl.mix(90, lengths=(100, 500))
     victim = plans[60]
     with experiment("transfer_fail", plans, checks(), seed=wl.seed, concurrency=8, timeout_s=BOUND_S) as ex:
-        f = faults.agent.arm("prefill", "fail", target={"rid": victim.rid})
         # decode holds the failed room's pages for the deferred-release timeout (30 s) before the KV
-        # pools may drain; a failed send writes nothing more, so 3 s bounds that wait, not a late write
-        faults.agent.arm("decode", "deferred_release_timeout", params={"s": 3})
-
-        def unblacklist():
-            # SGLang blacklists decode's session on a failed send and fails what runs after it until its
-            # probe loop clears it; the fault's heal clears it at once, so the requests beside and after
-            # the failed one are served and show whether they got anyone else's KV (isolation's power
-            # for the fault's class)
-            faults.agent.wait_event("prefill", "fault_fired", fault=f.id, timeout=120)
-            f.heal()
-
-        ex.during(unblacklist)
+        # pools may drain; a failed send writes nothing more, so 3 s bounds that wait, not a late write.
+        # SGLang blacklists decode's session on a failed send and fails what runs after it until its
+        # probe loop clears it; the fault's heal once it fired clears it at once, so the requests beside
+        # and after the failed one are served and show whether they got anyone else's KV (isolation's
+        # power for the fault's class)
+        f = ex.nemesis([Op(at_s=0, injector="agent", role="prefill", kind="fail", target={"rid": victim.rid}),
+                        Op(at_s=0, injector="agent", role="decode", kind="deferred_release_timeout", params={"s": 3}),
+                        Op(at_s=0, injector="action", kind="heal", after=0,
+                           on={"role": "prefill", "ev": "fault_fired"})]).handles[0]
     f.verify()
     run = ex.run
     if run.statuses.get(victim.rid) == 200:

@@ -1,12 +1,18 @@
-"""The abort choreography (``kvchaos.suite.abort_in_flight``) against a stand-in fault kit: it takes
-the victims in the order their writes were parked, not the plans' order. A soak run at ce2c3d0 went red
-when the second victim's write was parked first and held up the first one's: the choreography waited
-for the first until the other's hold expired (30 s), then aborted a request that had already finished."""
+"""The abort choreography as ops (``kvchaos.suite.abort_in_flight_ops``, carried out by
+``kvchaos.schedule.Schedule``) against a stand-in fault kit: the victims are aborted in the order their
+writes were parked, not the plans' order. A soak run at ce2c3d0 went red when the second victim's write
+was parked first and held up the first one's: the choreography waited for the first until the other's
+hold expired (30 s), then aborted a request that had already finished."""
 
 import itertools
+import threading
+import time
 from types import SimpleNamespace
 
+import pytest
+
 from kvchaos import suite
+from kvchaos.schedule import NemesisError, Schedule
 
 _walls = itertools.count(100)
 
@@ -14,10 +20,15 @@ _walls = itertools.count(100)
 class Hold:
     def __init__(self, agent, rid):
         self.agent, self.rid, self.id = agent, rid, f"hold-{rid}"
+        self.healed = False
 
     def release(self):
         self.agent.released.append(self.rid)
-        self.agent.log.append({"ev": "fault_fired", "fault": self.id, "phase": "late_write", "wall": next(_walls)})
+        self.agent.log.append({"ev": "fault_fired", "fault": self.id, "kind": "hold", "rid": self.rid,
+                               "phase": "late_write", "wall": next(_walls)})
+
+    def heal(self):
+        self.healed = True
 
 
 class Agent:
@@ -25,40 +36,54 @@ class Agent:
 
     def __init__(self, park_order):
         self.park_order, self.log, self.released, self.holds = list(park_order), [], [], {}
+        self.lock = threading.Lock()
 
-    def arm(self, role, kind, target, params):
+    def arm(self, role, kind, target=None, params=None, count=None):
         assert (role, kind) == ("prefill", "hold")
         h = self.holds[target["rid"]] = Hold(self, target["rid"])
         return h
 
     def events(self, role):
-        parked = {e["fault"] for e in self.log if e.get("phase") == "held"}
-        nxt = next((r for r in self.park_order if self.holds[r].id not in parked), None)
-        if nxt is not None and len(parked) == len(self.released):  # one write parked at a time
-            self.log.append({"ev": "fault_fired", "fault": self.holds[nxt].id, "phase": "held", "room": nxt,
-                             "wall": next(_walls)})
-        return list(self.log)
+        with self.lock:
+            parked = {e["fault"] for e in self.log if e.get("phase") == "held"}
+            nxt = next((r for r in self.park_order if r in self.holds and self.holds[r].id not in parked), None)
+            if nxt is not None and len(parked) == len(self.released):  # one write parked at a time
+                self.log.append({"ev": "fault_fired", "fault": self.holds[nxt].id, "kind": "hold", "rid": nxt,
+                                 "phase": "held", "room": nxt, "wall": next(_walls)})
+            return list(self.log)
 
-    def wait_event(self, role, ev, timeout, **match):
-        return next(e for e in self.log if e["ev"] == ev and all(e.get(k) == v for k, v in match.items()))
+    def wait_event(self, role, ev, timeout=30.0, **match):
+        deadline = time.monotonic() + timeout
+        while True:
+            got = [e for e in self.events(role) if e["ev"] == ev and all(e.get(k) == v for k, v in match.items())]
+            if got:
+                return got[0]
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no {ev} {match}")
+            time.sleep(0.01)
 
 
-def test_victims_are_aborted_in_the_order_their_writes_park(monkeypatch):
+def _run(agent, rids, wait_s):
     aborted = []
-    monkeypatch.setattr(suite, "abort_on_both", lambda cluster, rid: aborted.append(rid) or {"prefill": 200})
+    ops = suite.abort_in_flight_ops([SimpleNamespace(rid=r) for r in rids], hold_s=0)
+    s = Schedule(ops, SimpleNamespace(agent=agent, log=None), cluster="c", wait_s=wait_s,
+                 abort=lambda cluster, rid: aborted.append(rid) or {"prefill": 200})
+    return s, aborted
+
+
+def test_victims_are_aborted_in_the_order_their_writes_park():
     agent = Agent(park_order=["v2", "v1"])
-    chor = suite.abort_in_flight(None, SimpleNamespace(agent=agent), [SimpleNamespace(rid="v1"), SimpleNamespace(rid="v2")],
-                                 hold_s=0, wait_s=2)
-    out = chor()
+    s, aborted = _run(agent, ["v1", "v2"], wait_s=2)
+    s.run()
     assert aborted == ["v2", "v1"] and agent.released == ["v2", "v1"]
-    assert [(o["rid"], o["room"]) for o in out] == [("v2", "v2"), ("v1", "v1")] and all("error" not in o for o in out)
+    assert s.heal() == [] and all(h.healed for h in agent.holds.values())
 
 
-def test_a_write_never_parked_is_an_error_named_not_a_hang(monkeypatch):
-    monkeypatch.setattr(suite, "abort_on_both", lambda cluster, rid: {"prefill": 200})
+def test_a_write_never_parked_is_an_error_named_not_a_hang():
     agent = Agent(park_order=["v1"])  # v9's write is never parked
-    chor = suite.abort_in_flight(None, SimpleNamespace(agent=agent), [SimpleNamespace(rid="v1"), SimpleNamespace(rid="v9")],
-                                 hold_s=0, wait_s=0.2)
-    out = chor()
-    assert out[0]["rid"] == "v1" and "error" not in out[0]
-    assert out[1]["rid"] == "v9" and "no fault_fired held for hold-v9" in out[1]["error"]
+    s, aborted = _run(agent, ["v1", "v9"], wait_s=0.3)
+    t0 = time.monotonic()
+    with pytest.raises(NemesisError, match=r"op [45] waits for op 3 \(hold on prefill\) to park a request"):
+        s.run()
+    assert time.monotonic() - t0 < 3 and aborted == ["v1"] and agent.released == ["v1"]
+    assert s.heal() == []
