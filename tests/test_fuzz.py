@@ -16,7 +16,7 @@ from kvchaos.commands.fuzz import parse_budget
 from kvchaos.fuzz import loop as fuzz_loop
 from kvchaos.fuzz.corpus import Corpus, CorpusError
 from kvchaos.fuzz.feedback import features, request_states
-from kvchaos.fuzz.grammar import FAULTS, MAX_OPS, Base, baseline, generate, mutate, splice
+from kvchaos.fuzz.grammar import FAULTS, MAX_OPS, Base, baseline, generate, mutate, rebase, splice
 from kvchaos.fuzz.loop import Clusters, Fuzzer, table
 from kvchaos.fuzz.triage import mechanism, signature, triage
 from kvchaos.oracles import FAIL, PASS, UNKNOWN, Verdict
@@ -1114,3 +1114,36 @@ def test_every_committed_minimal_repro_was_shown_in_9_of_10_fresh_runs():
         assert rec["verified"] and rec["times"] >= 10 and rec["shown"] >= 0.9 * rec["times"], (m, rec["shown"])
         assert rec["scenario"] == Scenario.load(m).digest(), f"{m}: not the scenario {v} verified"
         assert sum(r["shows"] for r in rec["runs"]) == rec["shown"] and len(rec["runs"]) == rec["times"]
+
+
+def test_a_truncating_deployment_is_not_judged_for_answering_what_it_truncates():
+    """--allow-auto-truncate answers a prompt past prefill's limit by design: no http_semantics there
+    (pairs 5 and 6 confirmed that 200 as NEW), and every other checker stays; elsewhere it is judged."""
+    rng = random.Random(11)
+    seen = {True: 0, False: 0}
+    for i in range(300):
+        sc = generate(rng, BASE, f"g{i}")
+        t = bool(sc.deployment.restart.get("allow_auto_truncate"))
+        names = [c["name"] for c in sc.checks]
+        assert ("http_semantics" in names) is (not t), (sc.deployment.restart, names)
+        assert {"isolation", "liveness", "kv_lifecycle", "abort_semantics"} <= set(names)
+        seen[t] += 1
+        # a knob rebase follows: a truncating scenario moved to a deployment that does not is judged again
+        back = rebase(Scenario.from_dict(sc.to_dict()), BASE, {"allow_auto_truncate": not t})
+        assert ("http_semantics" in [c["name"] for c in back.checks]) is t
+    assert seen[True] > 10 and seen[False] > 100
+
+
+def test_a_search_without_deployment_changes_labels_each_draw_for_the_base_deployment(tmp_path):
+    """fuzz smoke (deployments=False): a draw's restart knobs are replaced by the base's, and its plans
+    and checks relabelled for it — a plan labelled oversized by a smaller prefill pool than the cluster
+    runs would be judged for an answer it is right to give."""
+    fz = Fuzzer(clusters=Clusters(None, None), base=BASE, registry=_Registry(), out=tmp_path, corpus=Corpus(tmp_path / "c"),
+                seed=5, budget_s=1, deployments=False)
+    fz.stats.execs = 1  # past the baseline
+    for _ in range(40):
+        sc = fz._next()
+        assert sc.deployment.restart == BASE.restart
+        want = rebase(Scenario.from_dict(sc.to_dict()), BASE, BASE.restart)
+        assert [p.get("oversized") for p in sc.traffic.plans] == [p.get("oversized") for p in want.traffic.plans]
+        assert sc.checks == want.checks

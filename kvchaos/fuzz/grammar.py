@@ -271,7 +271,7 @@ def generate(rng: random.Random, base: Base, name: str, restart_p: float | None 
     traffic = _traffic(rng, base, dep, seed)
     nemesis = [] if rng.random() < WEIGHTS["quiet"] else _nemesis(rng, traffic)
     sc = Scenario(name=name, seed=seed, deployment=dep, traffic=traffic, nemesis=nemesis,
-                  checks=default_checks(traffic), origin={"by": "generate"})
+                  checks=default_checks(traffic, dep), origin={"by": "generate"})
     return sc.validate()
 
 
@@ -290,16 +290,22 @@ def baseline(rng: random.Random, base: Base, name: str) -> Scenario:
     sc.traffic.plans = [p for p in sc.traffic.plans if p["rid"] not in gone]
     sc.nemesis = []
     sc.deployment = Deployment(dict(base.restart), {})
-    sc.checks = default_checks(sc.traffic)
+    sc.checks = default_checks(sc.traffic, sc.deployment)
     sc.origin = {"by": "baseline"}
     return sc.validate()
 
 
-def default_checks(traffic: Traffic) -> list[dict]:
-    """Every oracle that needs nothing but the log (the policy adds the leak checkers that always run)."""
+def default_checks(traffic: Traffic, dep: Deployment | None = None) -> list[dict]:
+    """Every oracle that needs nothing but the log (the policy adds the leak checkers that always run).
+    ``http_semantics`` (a prompt past prefill's limit gets a 4xx) not where ``dep`` runs
+    ``--allow-auto-truncate``: there SGLang truncates such a prompt and answers it by design, and a leak
+    that truncation lets through is isolation's to see (``sglang-auto-truncate-stale-pages``). Both 30-minute
+    guided searches on 0.5.23 (pairs 5 and 6) confirmed and shrank that 200 as NEW ``6612e1693fc0``, eight
+    runs each."""
     bound = traffic.timeout_s + 5
-    out = [{"name": "isolation"}, {"name": "http_semantics"}, {"name": "liveness", "bound_s": bound},
-           {"name": "kv_lifecycle"}, {"name": "abort_semantics"}]
+    truncates = bool(dep is not None and dep.restart.get("allow_auto_truncate"))
+    out = [{"name": "isolation"}] + ([] if truncates else [{"name": "http_semantics"}]) + \
+        [{"name": "liveness", "bound_s": bound}, {"name": "kv_lifecycle"}, {"name": "abort_semantics"}]
     if any(p.get("cache_salt") for p in traffic.plans):  # salted tenants sharing prefixes: whose cache hit whom
         out.append({"name": "cache_isolation"})
     return out
@@ -359,7 +365,7 @@ def mutate(rng: random.Random, sc: Scenario, base: Base, name: str) -> Scenario:
         new.traffic = t
         new.nemesis = [o for o in new.nemesis if not _names_missing(o, keep)]
         _reindex(new)
-        new.checks = default_checks(t)
+        new.checks = default_checks(t, new.deployment)
     return new.validate()
 
 
@@ -452,7 +458,7 @@ def rebase(sc: Scenario, base: Base, restart: dict) -> Scenario:
 def _relabel(sc: Scenario, base: Base) -> Scenario:
     """Every plan labelled again with what ``sc``'s deployment's limits say it gets."""
     _label_plans(sc.traffic.plans, base, sc.deployment)
-    sc.checks = default_checks(sc.traffic)
+    sc.checks = default_checks(sc.traffic, sc.deployment)
     return sc.validate()
 
 
@@ -484,7 +490,7 @@ def _add_probes(rng: random.Random, sc: Scenario, base: Base, k: int | None = No
     for p in probes:
         p.cache_salt = salt
     _place(rng, sc.traffic.plans, [plan_dict(p) for p in probes], lambda p: p["n_tokens"])
-    sc.checks = default_checks(sc.traffic)
+    sc.checks = default_checks(sc.traffic, sc.deployment)
 
 
 def _place(rng: random.Random, plans: list, probes: list, size) -> None:

@@ -278,8 +278,8 @@ class Fuzzer:
             return self.queues[max(waiting, key=lambda k: len(self.queues[k]))].pop(0)
         for _ in range(50):
             sc = self._draw()
-            if not self.deployments:
-                sc.deployment = Deployment(dict(self.base.restart), sc.deployment.live)
+            if not self.deployments:  # on the base deployment: each plan and check labelled for it
+                rebase(sc, self.base, self.base.restart)
             if self.engine_version:
                 sc.deployment.restart["engine_version"] = self.engine_version
             key = sc.deployment.restart_key()
