@@ -632,18 +632,14 @@ def test_triggered_process_ops_and_actions_round_trip():
     assert sc.nemesis == ops and all(o.waits for o in ops[1:5]) and not ops[5].waits
 
 
-class _EventAgent:
-    """An agent whose events come at set times after arming (rid -> seconds), as the engine logs them."""
+class _EventAgent(_Agent):
+    """An agent whose writes park and whose events come at set times after it was made (rid -> seconds,
+    events with ``after_s``), as the engine logs them."""
 
     def __init__(self, log, parks=None, events=()):
-        self.log, self.parks, self.t0 = log, dict(parks or {}), time.time()
-        self.targets, self.evs, self.reads = {}, list(events), 0
-
-    def arm(self, role, kind, target=None, params=None, count=None):
-        h = _Handle(self.log, kind)
-        self.targets[h.id] = target or {}
-        self.log.append(("arm", h.id, time.monotonic()))
-        return h
+        super().__init__(log)
+        self.parks, self.t0 = dict(parks or {}), time.time()
+        self.evs, self.reads = list(events), 0
 
     def wait_event(self, role, ev, timeout=30.0, **match):
         rid = self.targets.get(match.get("fault"), {}).get("rid")
