@@ -258,3 +258,40 @@ def test_settle_aborts_what_a_run_left_in_the_engines_and_names_what_stays():
         aborted, left = settle(c, timeout_s=0.5)
         assert aborted and set(left) == {"prefill", "decode"} and eng.flushes == 4
         assert all("idle state" in v and "after abort_all: True" in v for v in left.values())
+
+
+def test_an_experiment_with_nemesis_ops_shrinks_its_ops_and_plans(tmp_path):
+    """An experiment that ran its faults as ops (ex.nemesis) is shrunk, not refused: each step re-runs the
+    ops it keeps (and the gates of the plans kept); ops the leak does not need are dropped."""
+    r = subprocess.run([sys.executable, "-m", "pytest", f"{INNER}::test_shrinkable_ops", "-p", "no:cacheprovider",
+                        "-o", "testpaths=", "-q", "--kvchaos-seed", "5", "--kvchaos-reports", str(tmp_path / "reports")],
+                       cwd=REPO, env=child_env(KVCHAOS_RUN_ID="ops"), capture_output=True, text=True, timeout=300)
+    assert r.returncode == 1 and "1 failed" in r.stdout, r.stdout[-2000:]
+    s = subprocess.run([sys.executable, "-m", "kvchaos", "shrink", str(tmp_path / "reports" / "ops"), "shrinkable_ops",
+                        "--steps", str(STEPS)], cwd=REPO, env=child_env(), capture_output=True, text=True, timeout=600)
+    assert s.returncode == 0, s.stdout[-3000:] + s.stderr[-2000:]
+    d = Path(s.stdout.split("bug report: ")[1].split()[0]).parent
+    res = json.loads((d / "minimal.json").read_text())
+    assert res["reproduced"] and res["original"]["faults"] == 2 and res["minimal"]["faults"] == 0, res["minimal"]
+    assert res["scenario"]["nemesis"] is True and res["scenario"]["faults"] == [] and res["scenario"]["gates"] == {}
+    assert any(a["why"].startswith("drop fault") and a["fails"] for a in res["attempts"])
+
+
+def test_kept_ops_follow_what_waits_and_the_plans_kept():
+    from kvchaos.shrink import kept_ops
+    from kvchaos.workload.scenario import Op
+
+    ops = [Op(at_s=0, injector="agent", role="prefill", kind="hold", target={"rid": "a"}),
+           Op(at_s=0, injector="agent", role="decode", kind="double_alloc", count=1),
+           Op(at_s=0, injector="action", kind="abort", rids=["a"], after=0),
+           Op(at_s=0, injector="action", kind="release", after=0, on={"role": "decode", "ev": "fault_fired", "op": 1}),
+           Op(at_s=0, injector="action", kind="abort", rids=["c"], on={"role": "prefill", "ev": "transfer_start", "rid": "c"})]
+    gates = {"b": 0, "c": 3, "d": 1}
+    got, g = kept_ops(ops, {0, 1, 2, 3, 4}, {"a", "b", "c", "d"}, gates)
+    assert got == ops and g == gates
+    got, g = kept_ops(ops, {1, 2, 3, 4}, {"a", "b", "c", "d"}, gates)  # the hold dropped: what waits on it goes
+    assert [o.kind for o in got] == ["double_alloc", "abort"] and got[1].rids == ["c"] and g == {"d": 0}
+    got, g = kept_ops(ops, {0, 1, 2, 3, 4}, {"b", "c", "d"}, gates)  # plan a dropped: the ops naming it go
+    assert [o.kind for o in got] == ["double_alloc", "abort"] and g == {"d": 0}
+    got, g = kept_ops(ops, {0, 2, 3, 4}, {"a", "b", "c", "d"}, gates)  # the event's op dropped: the release goes
+    assert [(o.kind, o.after) for o in got] == [("hold", None), ("abort", 0), ("abort", None)] and g == {"b": 0}

@@ -36,6 +36,6 @@ from __future__ import annotations
 
 from .bugreport import EXPECTED, REPRO, bug_report  # noqa: F401
 from .repro import reproduce  # noqa: F401 (a shrink's repro.py calls kvchaos.shrink.reproduce)
-from .scenario import ShrinkError, arm, fault_records, shorten, shortenable, subset  # noqa: F401
+from .scenario import ShrinkError, arm, fault_records, kept_ops, shorten, shortenable, subset  # noqa: F401
 from .search import BACKOFF, CONFIRM, Shrinker, refused, shrink_after  # noqa: F401
 from .target import still_fails, target_of, witness_kind  # noqa: F401

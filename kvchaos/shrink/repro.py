@@ -14,6 +14,7 @@ from kvchaos.cluster import Cluster, ClusterSpec, SingleServer
 from kvchaos.cluster.reaper import Reaper
 from kvchaos.experiment import Experiment
 from kvchaos.workload import EventLog, RequestPlan
+from kvchaos.workload.scenario import Op
 
 from .scenario import arm
 from .target import still_fails
@@ -50,8 +51,12 @@ def reproduce(minimal_dir, times: int = 1) -> int:
                     ex = Experiment(f"repro-{i}", plans, checks, cluster=c, faults=kit, run_dir=work,
                                     concurrency=sc["concurrency"], timeout_s=sc["timeout_s"], via=sc["via"])
                     with ex:
-                        for f in sc["faults"]:
-                            arm(kit, f)
+                        if sc.get("nemesis"):  # the experiment's own ops (ex.nemesis), as the shrink kept them
+                            ex.nemesis([Op.from_dict(d, f"faults[{j}]", j) for j, d in enumerate(sc["faults"])],
+                                       sc.get("gates") or {})
+                        else:
+                            for f in sc["faults"]:
+                                arm(kit, f)
             finally:
                 c.stop()
             hit = still_fails(ex.verdicts, target)

@@ -12,7 +12,7 @@ from kvchaos.experiment import Experiment
 from kvchaos.workload import load_events
 
 from .bugreport import REPRO, bug_report
-from .scenario import ShrinkError, arm, as_on_a_fresh_cluster, fault_records, shorten, shortenable, subset
+from .scenario import ShrinkError, arm, as_on_a_fresh_cluster, fault_records, kept_ops, shorten, shortenable, subset
 from .target import still_fails, target_of
 
 CONFIRM = 3  # re-runs of the minimal scenario at the end
@@ -22,15 +22,21 @@ BACKOFF = 3  # earlier accepted steps confirmed in turn when the minimal one fai
 class Shrinker:
     def __init__(self, ex, out_dir: Path, budget_s: float = 1200.0, max_steps: int = 40, checker: str | None = None,
                  say=print):
-        if ex.drive_fn is not None or ex._during is not None:
+        sched = getattr(ex, "schedule", None)
+        if ex.drive_fn is not None or (ex._during is not None and sched is None):
             raise ShrinkError(f"experiment {ex.name}: a custom drive or during action cannot be re-run from data; "
-                              "only experiments that send their plans (with faults armed in the with block) shrink")
+                              "only experiments that send their plans (faults armed in the with block, or "
+                              "nemesis ops through ex.nemesis) shrink")
         self.ex, self.out = ex, Path(out_dir)
         self.target = target_of(ex.verdicts, checker)
         if self.target is None:
             raise ShrinkError(f"experiment {ex.name}: " + (f"{checker} did not FAIL with a witness" if checker else
                               "no leak checker FAILed with a witness") + " — nothing to shrink")
-        self.faults = fault_records(ex)
+        # an experiment that ran nemesis ops (ex.nemesis): those ops, and its plans' gates, are its faults as
+        # data (each step re-runs the ops kept, kept_ops); else the faults its log shows armed
+        self.ops_mode = sched is not None
+        self.faults = list(sched.ops) if self.ops_mode else fault_records(ex)
+        self.gates = dict(sched.gates) if self.ops_mode else {}
         self.budget_s, self.max_steps, self.say = budget_s, max_steps, say
         self.t0 = time.monotonic()
         self.attempts: list[dict] = []
@@ -66,8 +72,11 @@ class Shrinker:
                              model_name=self.ex.model_name, policy=self.ex.policy, via=self.ex.via, path=path,
                              run_seed=self.ex.run_seed, record=False)
             with sub:
-                for i in faults:
-                    arm(self.ex.faults, self.faults[i])
+                if self.ops_mode:
+                    sub.nemesis(*kept_ops(self.faults, set(faults), {p.rid for p in plans}, self.gates))
+                else:
+                    for i in faults:
+                        arm(self.ex.faults, self.faults[i])
             ok = still_fails(sub.verdicts, self.target)
             rec["verdicts"] = {v.oracle: v.status for v in sub.verdicts}
         except Exception as e:  # noqa: BLE001 - an attempt that cannot run does not fail the same way
@@ -116,8 +125,9 @@ class Shrinker:
             if self.exhausted():
                 return
             rest = [j for j in self.best["faults"] if j != i]
-            self.attempt(self.best["rids"], rest, self.best["concurrency"],
-                         f"drop fault {self.faults[i].get('kind') or self.faults[i].get('type')}")
+            f = self.faults[i]
+            what = f.kind if self.ops_mode else f.get("kind") or f.get("type")
+            self.attempt(self.best["rids"], rest, self.best["concurrency"], f"drop fault {what}")
 
     def lower_concurrency(self) -> None:
         # more in flight than there are requests is the same run: no attempt needed to say so
@@ -236,6 +246,10 @@ class Shrinker:
     def write(self, reproduced: bool, confirmed: int | None = None) -> dict:
         plans = subset(self.ex.plans, set(self.best["rids"]), self.best["prompts"])
         faults = [self.faults[i] for i in self.best["faults"]]
+        ops = {}
+        if self.ops_mode:  # the nemesis ops the minimal step ran (what repro.py hands to ex.nemesis)
+            kept, gates = kept_ops(self.faults, set(self.best["faults"]), {p.rid for p in plans}, self.gates)
+            faults, ops = [o.to_dict() for o in kept], {"nemesis": True, "gates": gates}
         cluster = self.ex.cluster.describe() if hasattr(self.ex.cluster, "describe") else {}
         head = next((e for e in self.ex.events if e.get("ev") == "experiment"), {})
         res = {"experiment": self.ex.name, "test": self.ex.test_id, "run_seed": self.ex.run_seed, "seed": self.ex.seed,
@@ -250,7 +264,7 @@ class Shrinker:
                "backed_off": self.backed_off,
                "steps": len(self.attempts),
                "wall_s": round(time.monotonic() - self.t0, 1),
-               "scenario": {"plans": [p.to_dict() for p in plans], "faults": faults,
+               "scenario": {"plans": [p.to_dict() for p in plans], "faults": faults, **ops,
                             "concurrency": self.best["concurrency"], "via": self.ex.via,
                             "timeout_s": self.ex.timeout_s, "checkers": [repr(c) for c in self.ex.checks.checkers]},
                "attempts": self.attempts}

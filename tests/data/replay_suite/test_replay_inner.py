@@ -81,3 +81,64 @@ def test_shrinkable(experiment, seeds, engines):
                     seed=wl.seed, settle_s=0, timeout_s=10, concurrency=4) as ex:
         pass
     ex.require(isolation=PASS)
+
+
+class _Handle:
+    def __init__(self, log, fid):
+        self.log, self.id = log, fid
+
+    def heal(self):
+        self.log.emit("fault", action="healed", fault=self.id, injector="agent")
+
+
+class _Agent:
+    """Arms and heals (logged as the agent client logs them); no engine agent reports events."""
+
+    def __init__(self, log):
+        self.log, self.n = log, 0
+
+    def arm(self, role, kind, target=None, params=None, count=None):
+        self.n += 1
+        fid = f"{kind}-{self.n}"
+        self.log.emit("fault", action="armed", fault=fid, kind=kind, injector="agent", role=role, target=target,
+                      params=params or {}, count=count)
+        return _Handle(self.log, fid)
+
+    def events(self, role):
+        return []
+
+
+class _Kit:
+    """The faults kit the runner needs for nemesis ops, against the fake engine."""
+
+    def __init__(self):
+        from kvchaos.workload import EventLog
+
+        self.log = EventLog()
+        self.agent, self.net, self.proc = _Agent(self.log), None, None
+
+    def heal_all(self, wait_s=60.0):
+        return []
+
+    def copy_agent_events(self, log, since=0.0):
+        return []
+
+
+def test_shrinkable_ops(experiment, seeds, engines):
+    """test_shrinkable's leak, with nemesis ops the leak does not need (ex.nemesis): the shrink re-runs
+    the ops it keeps and drops both."""
+    from kvchaos.workload.scenario import Op
+
+    wl = Workload(seeds(6), n_tenants=4, prefix="so")
+    plans = [wl.request(wl.tenants[i % 4], n_canaries=2) for i in range(24)]
+    eng = LeakFirst(plans[2].prompt[:12], 1000000)
+    eng.delay_s = 0.05
+    engines.append(eng.__enter__())
+    with experiment("shrinkable_ops", plans, [Isolation(), Sensitivity()], cluster=StandIn(eng.url), faults=_Kit(),
+                    seed=wl.seed, settle_s=0, timeout_s=10, concurrency=4) as ex:
+        ex.nemesis([Op(at_s=0, injector="agent", role="prefill", kind="delay", target={"tenant": "t001"},
+                       params={"ms": 5}),
+                    Op(at_s=0, injector="action", kind="abort", rids=[plans[5].rid],
+                       on={"role": "prefill", "ev": "transfer_start", "rid": plans[5].rid})],
+                   {plans[7].rid: 0})
+    ex.require(isolation=PASS)
