@@ -122,3 +122,29 @@ def test_truncated_event_log_is_reported(tmp_path):
     p.write_text("{bad\n" + json.dumps({"ev": "send"}) + "\n")
     with pytest.raises(ValueError, match="not JSON"):
         load_events(p)
+
+
+def test_gated_plans_wait_each_on_a_thread_of_its_own(tmp_path):
+    """Ten plans wait for something the last plan's sending sets off (an op on its first byte): each
+    gated plan waits on a thread of its own, so the last one's gate is not queued behind theirs (in the
+    loop's shared pool of 6 threads it was, until their bound)."""
+    import threading
+
+    wl = Workload(7, n_tenants=4, prefix="gt")
+    plans = wl.mix(11)
+    last = plans[-1].rid
+    went = threading.Event()
+    waited = []
+
+    def gate(rid):
+        if rid == last:
+            went.set()  # what the others wait for happens once this one may go
+            return
+        waited.append(went.wait(5.0))
+
+    with FakeEngine() as eng, EventLog(tmp_path / "ev.jsonl") as log:
+        t0 = time.monotonic()
+        run_plans(eng.url, plans, log, concurrency=11, timeout_s=10, gate=gate, gated=[p.rid for p in plans[1:]])
+    assert waited == [True] * 9 and time.monotonic() - t0 < 4.5
+    with pytest.raises(ValueError, match="wait for a gate, and there is none"):
+        run_plans("http://127.0.0.1:9", plans, EventLog(), gated=[last])

@@ -31,6 +31,7 @@ import hashlib
 import heapq
 import json
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import aiohttp
@@ -96,7 +97,7 @@ class Driver:
                     if p.after is not None:  # a conversation's next turn: once the previous one ended
                         await done[p.after].wait()
                     if p.rid in self.gated:  # once what it waits for in the nemesis has happened
-                        await asyncio.get_running_loop().run_in_executor(None, self.gate, p.rid)
+                        await asyncio.get_running_loop().run_in_executor(gates, self.gate, p.rid)
                     # a plan that waited for another goes next (a user answering a reply, a resend): its
                     # prefix was just cached; the rest go in plan order
                     waited = p.after is not None or p.rid in self.gated
@@ -117,9 +118,15 @@ class Driver:
             self._legs: set = set()
             self._legs_by_rid: dict = {}
             self._progress = time.monotonic()
+            # a thread for each gated plan: in the loop's shared pool (6 threads on 2 cores) plans waiting for an
+            # op that a later plan sets off (its first byte, its transfer) held every thread, and that plan's
+            # own gate never ran
+            gates = ThreadPoolExecutor(len(self.gated), thread_name_prefix="kvchaos-gate") if self.gated else None
             try:
                 return await asyncio.gather(*(one(p) for p in plans))
             finally:
+                if gates is not None:
+                    gates.shutdown(wait=False)
                 if self._legs:  # pd_direct: prefill's halves still running (bounded: timeout_s each)
                     await asyncio.wait(self._legs, timeout=self.timeout_s + 5)
 
