@@ -91,7 +91,6 @@ class Schedule:
         self.handles: dict[int, object] = {}
         self.done: set[int] = set()  # ops carried out (armed, or an action taken): each once
         self.held: dict[int, dict] = {}  # op index of a hold or park -> the agent's event: it parked a request
-        self.seen: dict[int, dict] = {}  # op index -> the event its ``on`` waited for
         self.healed: set[int] = set()
         self.released: set[int] = set()  # holds and parks a release action let go
         self.records: list[dict] = []  # what happened, op by op: armed / healed / action / error
@@ -181,7 +180,6 @@ class Schedule:
             ev = self._wait_on(i, op)
             if ev is None:
                 return self._skip(i, f"the method ended before {op.on} was seen")
-            self.seen[i] = ev
         if op.delay_s:
             # waited out even if the workload ends meanwhile: the op it waits for has fired, and this action
             # is the rest of it (a held write released past decode's release timeout; the schema bounds it).

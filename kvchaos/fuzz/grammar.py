@@ -24,6 +24,7 @@ from __future__ import annotations
 import copy
 import random
 
+from kvchaos.shrink.scenario import kept_ops
 from kvchaos.workload import Workload
 from kvchaos.workload.plan import CLIENT_CUTS
 from kvchaos.workload.snapshots import server_field
@@ -528,9 +529,7 @@ def _keep_time(old: Op, new: Op) -> Op:
 
 
 def _names_missing(op: Op, rids: set) -> bool:
-    if op.rids and any(r not in rids for r in op.rids):
-        return True
-    return bool(op.target and "rid" in op.target and op.target["rid"] not in rids)
+    return any(r not in rids for r in op.named_rids())
 
 
 def _drop(sc: Scenario, i: int) -> None:
@@ -541,22 +540,10 @@ def _drop(sc: Scenario, i: int) -> None:
 
 
 def _reindex(sc: Scenario) -> None:
-    """Drop ``None`` entries and ops whose ``after`` lost its op; renumber the rest's ``after``."""
-    old = sc.nemesis
-    new_index, out = {}, []
-    for j, o in enumerate(old):
-        if o is None or (o.after is not None and o.after not in new_index) or \
-                (o.on and "op" in o.on and o.on["op"] not in new_index):
-            continue
-        new_index[j] = len(out)
-        if o.after is not None:
-            o.after = new_index[o.after]
-        if o.on and "op" in o.on:
-            o.on = dict(o.on, op=new_index[o.on["op"]])
-        out.append(o)
-    sc.nemesis = out
-    # a plan gated on a dropped op is sent without waiting (it no longer has anything to wait for)
-    sc.traffic.gates = {r: new_index[g] for r, g in sc.traffic.gates.items() if g in new_index}
+    """Drop ``None`` entries and the ops that wait on a dropped one; renumber the rest and the plans' gates
+    (a plan gated on a dropped op is sent without waiting)."""
+    keep = {j for j, o in enumerate(sc.nemesis) if o is not None}
+    sc.nemesis, sc.traffic.gates = kept_ops(sc.nemesis, keep, None, sc.traffic.gates)
 
 
 def splice(rng: random.Random, a: Scenario, b: Scenario, name: str) -> Scenario:

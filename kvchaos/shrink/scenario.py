@@ -39,22 +39,23 @@ def fault_records(ex) -> list[dict]:
     return out
 
 
-def kept_ops(ops: list, keep: set, rids: set, gates: dict) -> tuple[list, dict]:
-    """An experiment's nemesis ops (``ex.nemesis``) for a shrink step: those of indices ``keep`` whose
-    requests are all among ``rids``, less every op that waits on one left out (followed through),
-    renumbered; and the gates of the plans in ``rids`` on the ops kept (a plan whose op is gone is sent
-    without waiting)."""
+def kept_ops(ops: list, keep: set, rids: set | None, gates: dict) -> tuple[list, dict]:
+    """Nemesis ops less some (a shrink step's, ``ex.nemesis``; a search's, ``kvchaos.fuzz.grammar``): those
+    of indices ``keep`` whose requests are all among ``rids`` (None: any), less every op that waits on one
+    left out (followed through), renumbered; and the gates of the plans in ``rids`` on the ops kept (a
+    plan whose op is gone is sent without waiting)."""
     index: dict[int, int] = {}
     out = []
     for i, o in enumerate(ops):
-        named = list(o.rids or []) + [d["rid"] for d in (o.target, o.on) if d and "rid" in d]
+        if i not in keep:
+            continue
         waits = [j for j in (o.after, (o.on or {}).get("op")) if j is not None]
-        if i not in keep or any(j not in index for j in waits) or any(r not in rids for r in named):
+        if any(j not in index for j in waits) or (rids is not None and any(r not in rids for r in o.named_rids())):
             continue
         on = dict(o.on, op=index[o.on["op"]]) if o.on and "op" in o.on else o.on
         index[i] = len(out)
         out.append(dataclasses.replace(o, after=None if o.after is None else index[o.after], on=on))
-    return out, {r: index[g] for r, g in gates.items() if r in rids and g in index}
+    return out, {r: index[g] for r, g in gates.items() if (rids is None or r in rids) and g in index}
 
 
 def arm(kit, rec: dict):

@@ -398,6 +398,10 @@ class Op:
         """It waits for another op or an event before it acts."""
         return self.after is not None or self.on is not None
 
+    def named_rids(self) -> list:
+        """The requests it names: those it aborts, targets, or whose event it waits for."""
+        return list(self.rids or []) + [d["rid"] for d in (self.target, self.on) if d and "rid" in d]
+
     @classmethod
     def from_dict(cls, d, where: str, n_before: int = 0) -> "Op":
         inj = _choice(f"{where}.injector", (d or {}).get("injector") if isinstance(d, dict) else None, INJECTORS)
