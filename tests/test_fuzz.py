@@ -20,7 +20,8 @@ from kvchaos.fuzz.grammar import FAULTS, MAX_OPS, Base, baseline, generate, muta
 from kvchaos.fuzz.loop import Clusters, Fuzzer, table
 from kvchaos.fuzz.triage import mechanism, signature, triage
 from kvchaos.oracles import FAIL, PASS, UNKNOWN, Verdict
-from kvchaos.workload.scenario import AGENT_MUTATIONS, Deployment, Scenario
+from kvchaos.workload import Workload
+from kvchaos.workload.scenario import AGENT_MUTATIONS, Deployment, Op, Scenario, Traffic, plan_dict
 
 BASE = Base(pool=2048, context=4096, reservation=512, input_limit=2042)
 
@@ -967,6 +968,25 @@ def test_shrink_keeps_what_the_find_needs_and_drops_the_rest():
     assert len(small.traffic.plans) < len(sc.traffic.plans) and len(small.nemesis) <= len(sc.nemesis)
     assert not small.deployment.live and stats["after"]["plans"] == len(small.traffic.plans)
     assert small.origin["by"] == "shrink" and small.validate()
+
+
+def test_shrink_keeps_the_plan_whose_event_an_op_waits_for():
+    """An abort on a request's first byte (abort_at_stages' decoding stage as data): the plan steps keep
+    that request as they keep the ones an op aborts or targets."""
+    from kvchaos.fuzz.shrink import shrink
+    plans = [plan_dict(p) for p in Workload(4, n_tenants=3, prefix="ev").mix(12)]
+    rid = plans[7]["rid"]
+    sc = Scenario(name="on", seed=4, traffic=Traffic(plans, 4, 10.0),
+                  nemesis=[Op(at_s=0, injector="action", kind="abort", rids=[plans[2]["rid"]],
+                              on={"role": "client", "ev": "first_byte", "rid": rid})]).validate()
+    seen = []
+
+    def shows(cand):  # shows it while the op is there; records every plan set it was run with
+        seen.append({p["rid"] for p in cand.traffic.plans})
+        return bool(cand.nemesis)
+    small, _ = shrink(sc, shows, max_attempts=200, budget_s=1e9)
+    assert all(rid in s for s in seen) and rid in {p["rid"] for p in small.traffic.plans}
+    assert len(small.traffic.plans) < len(plans) and small.nemesis == sc.nemesis
 
 
 def test_shrink_keeps_nothing_a_flaky_run_did_not_confirm():

@@ -27,12 +27,10 @@ from .grammar import _drop
 
 
 def _named_rids(sc: Scenario) -> set:
-    out = set()
-    for o in sc.nemesis:
-        out |= set(o.rids or [])
-        if o.target and "rid" in o.target:
-            out.add(o.target["rid"])
-    return out
+    """The plans an op names (kept whole by the plan steps), the request an ``on`` event waits for
+    included: without it a step could drop the plan whose first byte an abort waits for, and the abort
+    never came."""
+    return {r for o in sc.nemesis for r in o.named_rids()}
 
 
 def _without_plans(sc: Scenario, drop: set) -> Scenario:
