@@ -309,6 +309,37 @@ class History:
         """The engines' events (raw or copied in as ``agent``), of these kinds (all when none given)."""
         return [e for e, k in zip(self.agent, self._agent_kinds) if not kinds or k in kinds]
 
+    def engine_rids(self) -> dict[str, str]:
+        """Engine-side request id -> the client's rid, for the requests decode knows only by an id of
+        its own (the OpenAI routes through sglang-router reach the engines under a fresh id, not the
+        client's rid). Decode's ``kv_prealloc`` lists the canaries of the request's input; an engine id
+        is named only where exactly one plan of this log carries exactly those canaries, or, where none
+        does, exactly one carries every one of them (a conversation's later turn repeats its earlier
+        turns' canaries and adds its own) — never by order or timing. Ids that are a plan's own rid are
+        left out."""
+        if getattr(self, "_engine_rids", None) is not None:
+            return self._engine_rids
+        owner: dict[str, set] = defaultdict(set)
+        for rid, p in self.plans.items():
+            for c in p.get("canaries") or ():
+                owner[c].add(rid)
+        out: dict[str, str] = {}
+        for e in self.agent_events("kv_prealloc"):
+            eid, cs = e.get("rid"), e.get("canaries")
+            if not eid or eid in self.plans or not cs or not isinstance(cs, list):
+                continue
+            who = set.intersection(*[owner.get(c, set()) for c in cs])
+            same = {r for r in who if set(self.plans[r].get("canaries") or ()) == set(cs)}
+            if len(same) == 1 or (not same and len(who) == 1):
+                out[eid] = next(iter(same or who))
+        self._engine_rids = out
+        return out
+
+    def decode_ids(self, rid: str) -> set[str]:
+        """The ids decode knew ``rid`` by: its own, and the engine-side ids :meth:`engine_rids` names
+        back to it."""
+        return {rid} | {e for e, r in self.engine_rids().items() if r == rid}
+
     def fault_records(self, action: str | None = None) -> list[dict]:
         return [e for e in self.by_ev.get("fault", ()) if action is None or e.get("action") == action]
 

@@ -1167,3 +1167,55 @@ def test_a_search_without_deployment_changes_labels_each_draw_for_the_base_deplo
         want = rebase(Scenario.from_dict(sc.to_dict()), BASE, BASE.restart)
         assert [p.get("oversized") for p in sc.traffic.plans] == [p.get("oversized") for p in want.traffic.plans]
         assert sc.checks == want.checks
+
+
+def test_part_of_a_failure_the_faults_explain_leaves_the_rest_to_the_registry_but_never_for_a_leak():
+    """A park held one request to its timeout while another hung behind a band prompt: the registry is
+    asked about the one the scenario did not break, and a leak is never judged on part of its witnesses."""
+    recs = [{"ev": "agent", "agent_ev": "fault_fired", "rid": "parked", "kind": "park", "phase": "held"}]
+
+    class Reg:
+        """KNOWN only when no witness is the parked request (what a hang-band signature would say)."""
+        def classify(self, v, ctx, require_power=True):
+            rids = {w.get("rid") or w.get("victim_rid") for w in v.witnesses}
+            return (SimpleNamespace(id="sglang-pd-hang-band"), "matched") if "parked" not in rids else (None, "parked")
+    both = _v("liveness", FAIL, [{"rid": "parked", "outcome": "timeout"}, {"rid": "band", "outcome": "timeout"}])
+    [f] = triage([both], None, Reg(), recs)
+    assert (f.kind, f.finding) == ("known", "sglang-pd-hang-band") and "broke on purpose" in f.summary
+    assert [f.kind for f in triage([both], None, Reg(), [])] == ["new"]  # nothing parked it: the whole verdict
+    leak = _v("isolation", FAIL, [{"victim_rid": "parked", "owner_rid": "x"}, {"victim_rid": "band", "owner_rid": "x"}])
+    assert [f.kind for f in triage([leak], None, Reg(), recs)] == ["new"]
+    # a pool witness whose holders the scenario all broke goes with them, unless the pool kept more
+    for after, want in ((300, "known"), (301, "new")):
+        pool = {"problem": "decode KV pool did not return to its idle baseline", "kv_used_before": 0,
+                "kv_used_after": after, "held_by": ["parked"], "held_tokens_max": 300}
+
+        class PoolReg(Reg):
+            def classify(self, v, ctx, require_power=True):
+                if any(not (w.get("rid")) for w in v.witnesses):
+                    return None, "a pool witness"
+                return super().classify(v, ctx, require_power)
+        v = _v("liveness", FAIL, [{"rid": "parked", "outcome": "timeout"}, {"rid": "band", "outcome": "timeout"}, pool])
+        assert [f.kind for f in triage([v], None, PoolReg(), recs)] == [want], after
+
+
+def test_a_new_deployment_from_a_restart_knob_is_probed_at_the_limits_it_moved(monkeypatch):
+    from kvchaos.fuzz import grammar
+    parent = generate(random.Random(5), BASE, "p", restart_p=0.0)
+    parent.deployment = Deployment({}, {})
+    grammar._relabel(parent, BASE)
+    monkeypatch.setattr(grammar, "MUTATORS", {"restart_knob": 1})
+    seen = 0
+    for seed in range(60):
+        child = mutate(random.Random(seed), parent, BASE, f"c{seed}")
+        edges = BASE.cuts(child.deployment) - BASE.cuts(parent.deployment)
+        new = [p for p in child.traffic.plans if p["rid"] not in {q["rid"] for q in parent.traffic.plans}]
+        if not edges:
+            assert not new
+            continue
+        seen += 1
+        assert 2 <= len(new) <= 3
+        # the first probe is in a band on either side of a moved limit
+        bands = [b for b in BASE.bands(child.deployment) if b[0] in edges or b[1] in edges]
+        assert any(lo <= p["n_tokens"] < hi for p in new for lo, hi in bands), (child.deployment.restart, new)
+    assert seen > 20

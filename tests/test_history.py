@@ -184,3 +184,23 @@ def test_a_record_naming_no_request_is_read_too():
     v = oracles.isolation(History(recs))
     assert v.status == oracles.FAIL and v.witnesses[0]["victim_rid"] is None
     assert v.witnesses[0]["view"] == "chunk (no rid)"
+
+
+def test_an_engine_side_id_is_named_back_by_its_canaries_only_where_one_plan_fits():
+    """The OpenAI routes reach decode under an id of its own; its ``kv_prealloc`` lists the input's
+    canaries. Exactly those of one plan, or (where none has exactly those) every one of them in one plan
+    only: named. A conversation's later turn repeats an earlier turn's canaries and is no match for it;
+    canaries two plans share, or none, name nobody."""
+    from kvchaos.history import History
+    ev = [{"ev": "plan", "rid": "t1", "tenant": "a", "canaries": ["[AAAAAAAAAA]", "[BBBBBBBBBB]"]},
+          {"ev": "plan", "rid": "t2", "tenant": "a", "canaries": ["[AAAAAAAAAA]", "[BBBBBBBBBB]", "[CCCCCCCCCC]"]},
+          {"ev": "plan", "rid": "x1", "tenant": "b", "canaries": ["[DDDDDDDDDD]"]},
+          {"ev": "plan", "rid": "x2", "tenant": "b", "canaries": ["[DDDDDDDDDD]", "[EEEEEEEEEE]"]},
+          {"ev": "plan", "rid": "x3", "tenant": "b", "canaries": ["[DDDDDDDDDD]", "[FFFFFFFFFF]"]}]
+
+    def pre(eid, cs):
+        return {"ev": "agent", "agent_ev": "kv_prealloc", "role": "decode", "rid": eid, "canaries": cs, "wall": 1.0}
+    h = History(ev + [pre("e1", ["[BBBBBBBBBB]", "[AAAAAAAAAA]"]), pre("e2", ["[CCCCCCCCCC]"]),
+                      pre("e3", ["[DDDDDDDDDD]", "[EEEEEEEEEE]"]), pre("e4", ["[AAAAAAAAAA]"]),
+                      pre("e5", ["[ZZZZZZZZZZ]"]), pre("t1", ["[AAAAAAAAAA]", "[BBBBBBBBBB]"]), pre("e6", None)])
+    assert h.engine_rids() == {"e1": "t1", "e2": "t2", "e3": "x2"}

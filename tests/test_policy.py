@@ -544,6 +544,42 @@ def test_hang_band_is_known_only_when_every_hung_request_is_a_band_prompt_or_que
             assert j.known[0].finding.id == "sglang-pd-hang-band"
 
 
+def test_a_pool_the_hung_requests_still_hold_is_their_hang_and_more_than_they_can_hold_is_not():
+    """A hang holds its pages while it hangs: decode's pool after the run kept what the hung requests
+    were pre-allocated (and could have generated), and the hang band stays KNOWN. One token more than
+    they could hold, a hung request decode had given its pages back, or a holder that is no witness: the
+    pool witness stands on its own and the verdict is a plain FAIL. A request sent by an OpenAI route is
+    named back by its canaries."""
+    p = Policy(accept_known=True)
+
+    def log(after, released=False, chat=False):
+        ev, _live = _band_log(False)
+        ev = [dict(e, max_new_tokens=40) if e.get("ev") == "plan" else e for e in ev]
+        b1 = next(e for e in ev if e.get("ev") == "plan" and e["rid"] == "b1")
+        if chat:
+            b1["endpoint"] = "chat"
+        ev += [{"ev": "probe", "phase": "before", "role": "decode", "kv_used": 0, "ok": True, "wall": 1.0},
+               agent("kv_prealloc", role="decode", rid="eng-7" if chat else "b1", room=11, page_size=1,
+                     dst_pages_total=200, canaries=list(b1["canaries"])),
+               agent("kv_prealloc", role="decode", rid="q1", room=12, page_size=1, dst_pages_total=100)]
+        if released:
+            ev.append(agent("kv_released", role="decode", rid="q1", room=12))
+        return ev + [{"ev": "probe", "phase": "after", "role": "decode", "kv_used": after, "ok": True, "wall": 200.0}]
+    for after, released, chat, want in ((380, False, False, "known"), (380, False, True, "known"),
+                                        (381, False, False, FAIL), (300, True, False, FAIL), (240, True, False, "known")):
+        ev = log(after, released, chat)
+        live = oracles.Liveness(bound_s=30).check(ev)
+        pool = [w for w in live.witnesses if not w.get("rid")]
+        assert pool and pool[0]["held_tokens_max"] == (240 if released else 380), pool
+        j = p.judge([Verdict("isolation", PASS, "ok"), live], Context.of(ev), {"liveness": PASS})
+        assert j.status == want, (after, released, chat, j.message())
+    # the pool's holders must be the verdict's own hung requests
+    ev = log(300)
+    live = oracles.Liveness(bound_s=30).check(ev)
+    live.witnesses = [w for w in live.witnesses if w.get("rid") != "q1"]
+    assert p.judge([Verdict("isolation", PASS, "ok"), live], Context.of(ev), {"liveness": PASS}).status == FAIL
+
+
 def test_behind_a_band_prompt_is_the_engines_order_where_it_has_one():
     """Sent first by the client but queued after the band prompt by prefill, or never queued (the same
     millisecond): behind it. Queued before it by prefill: not behind, whatever the client's clock says."""

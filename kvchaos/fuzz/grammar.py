@@ -92,9 +92,13 @@ class Base:
         context): within one band every limit answers a prompt the same way, so each band is one class of
         engine path. Where prefill's limit is under decode's admission edge, the band between them is the
         prompts prefill rejects and decode would admit (the reject path's window)."""
-        pool, ppool, ctx, res, lim = self.limits(dep)
-        cuts = sorted({64, pool - res + 1, lim, ppool, pool, ctx, 2 * ctx} & set(range(64, 2 * ctx + 1)))
+        cuts = sorted(self.cuts(dep))
         return [(a, b) for a, b in zip(cuts, cuts[1:]) if b - a >= 2]
+
+    def cuts(self, dep: Deployment) -> set[int]:
+        """The prompt lengths where ``dep``'s limits change what a prompt gets (:meth:`bands`' edges)."""
+        pool, ppool, ctx, res, lim = self.limits(dep)
+        return {64, pool - res + 1, lim, ppool, pool, ctx, 2 * ctx} & set(range(64, 2 * ctx + 1))
 
     def moved(self, dep: Deployment) -> set[int]:
         """The limits ``dep``'s live knobs moved off the running deployment's own (as :meth:`bands`
@@ -103,14 +107,15 @@ class Base:
         _p, _pp, _c, res0, lim0 = self.limits(Deployment(dep.restart, {}))
         return ({lim} if lim != lim0 else set()) | ({pool - res + 1} if res != res0 else set())
 
-    def probe_sizes(self, rng: random.Random, dep: Deployment, k: int) -> list[int]:
+    def probe_sizes(self, rng: random.Random, dep: Deployment, k: int, edges: set[int] | None = None) -> list[int]:
         """``k`` prompt lengths from ``k`` different :meth:`bands` (stratified: a band is drawn, not a
         length, so a narrow band such as the reject path's window is as likely as a wide one), each at
         the band's lower edge, just above it, just under its upper edge, or anywhere inside. The bands
         on either side of a limit the live knobs moved (:meth:`moved`) come first: a knob that moves an
-        edge is tested at that edge (boundary values), where the engines it splits disagree."""
+        edge is tested at that edge (boundary values), where the engines it splits disagree. ``edges``:
+        the limits to put first instead (a restart knob's new ones)."""
         bands = self.bands(dep)
-        moved = self.moved(dep)
+        moved = self.moved(dep) if edges is None else edges
         edge = [b for b in bands if b[0] in moved or b[1] in moved]
         rng.shuffle(edge)
         edge = edge[:k]
@@ -336,6 +341,14 @@ def mutate(rng: random.Random, sc: Scenario, base: Base, name: str) -> Scenario:
             _add_probes(rng, new, base, k=rng.choice((2, 3)))
     elif how == "restart_knob":
         rebase(new, base, _knobs(rng, base, 1.0, 0.0).restart)
+        edges = base.cuts(new.deployment) - base.cuts(sc.deployment)
+        if edges:
+            # limits a new deployment moved are probed there, as the live knobs' are: the sixth 30-minute
+            # guided search on 0.5.23 found auto-truncate's stale pages only from a scenario that reached
+            # the truncation band, and the final one moved prefill's pool under decode's (1024 of 2048)
+            # with --allow-auto-truncate and sent that deployment nothing but its parent's probes (2047,
+            # 2048, 5733 tokens), past every band it had opened
+            _add_probes(rng, new, base, k=rng.choice((2, 3)), edges=edges)
     elif how == "op_param":
         i = rng.randrange(len(new.nemesis))
         op = new.nemesis[i]
@@ -478,7 +491,8 @@ def _label_plans(plans: list[dict], base: Base, dep: Deployment) -> list[dict]:
     return plans
 
 
-def _add_probes(rng: random.Random, sc: Scenario, base: Base, k: int | None = None) -> None:
+def _add_probes(rng: random.Random, sc: Scenario, base: Base, k: int | None = None,
+                edges: set[int] | None = None) -> None:
     """AFL's interesting values for this search: 1-3 prompts into the bands the scenario's deployment cuts
     (:meth:`Base.probe_sizes`), from one of its tenants (with that tenant's salt), put among the
     traffic as it is, so the earlier traffic that fills the pages stays."""
@@ -487,7 +501,7 @@ def _add_probes(rng: random.Random, sc: Scenario, base: Base, k: int | None = No
     salt = next((p.get("cache_salt") for p in sc.traffic.plans if p["tenant"] == victim), None)
     seed = rng.randrange(1, 2**31)  # its own rids and canaries: none of the scenario's are reused
     wl = Workload(seed, n_tenants=int(max(tenants)[1:]) + 1, prefix=f"fz{seed % 100000}-", page_size=base.page_size)
-    probes = _probes(rng, wl, wl.tenant(victim), base, sc.deployment, k=k or rng.choice((1, 2, 3)))
+    probes = _probes(rng, wl, wl.tenant(victim), base, sc.deployment, k=k or rng.choice((1, 2, 3)), edges=edges)
     for p in probes:
         p.cache_salt = salt
     _place(rng, sc.traffic.plans, [plan_dict(p) for p in probes], lambda p: p["n_tokens"])
@@ -504,11 +518,12 @@ def _place(rng: random.Random, plans: list, probes: list, size) -> None:
         plans.insert(pos + i, p)
 
 
-def _probes(rng: random.Random, wl: Workload, tenant, base: Base, dep: Deployment, k: int) -> list:
+def _probes(rng: random.Random, wl: Workload, tenant, base: Base, dep: Deployment, k: int,
+            edges: set[int] | None = None) -> list:
     """``k`` plans of ``tenant`` into the bands ``dep``'s limits cut, each labelled with what the limits
     say it gets (``oversized`` where prefill's limit refuses it)."""
     out = []
-    for size in base.probe_sizes(rng, dep, k=k):
+    for size in base.probe_sizes(rng, dep, k=k, edges=edges):
         label = base.expect(size, dep)
         p = wl.request(tenant, "oversized" if label == "reject" else "plain", n_tokens=size, n_canaries=3)
         p.extra["probe"] = label

@@ -10,8 +10,10 @@ confirmation and shrinking as if nobody had seen it. An UNKNOWN without witnesse
 workload did not give the power to see a leak): counted, never a find. A FAIL of a checker that is not a
 leak checker (liveness, http_semantics, abort_semantics) whose every witness is a request the scenario
 broke on purpose — a fault fired on it, it was in flight while a role was killed or stopped or a toxic
-sat on the wire, the client aborted or cut it — is **expected**: the fault did what it does. A leak
-checker's FAIL is never expected, whatever was injected. The registry only triages; it never steers
+sat on the wire, the client aborted or cut it — is **expected**: the fault did what it does. Where only
+some witnesses are such requests, the registry is asked about the rest (a park held one request to its
+timeout while the others hung behind a band prompt: KNOWN as the hang band). A leak checker's FAIL is
+never expected, nor ever judged on part of its witnesses, whatever was injected. The registry only triages; it never steers
 what is generated.
 
 A NEW verdict is deduplicated by its *mechanism*, not by who the victim was: the checker, its status,
@@ -26,7 +28,7 @@ import hashlib
 import json
 from dataclasses import dataclass, field
 
-from kvchaos.oracles import FAIL, PASS, UNKNOWN
+from kvchaos.oracles import FAIL, PASS, UNKNOWN, Verdict
 from kvchaos.policy.core import is_leak_checker
 from kvchaos.policy.signatures import power_met
 from kvchaos.workload.plan import CLIENT_CUTS
@@ -145,6 +147,33 @@ def broken_on_purpose(records) -> tuple[set, bool]:
     return rids, node
 
 
+def _unbroken(v, broken: set):
+    """``v`` with only the witnesses the scenario did not break on purpose (a liveness FAIL where a park
+    held some requests to their timeout and the rest hung behind a band prompt: the rest is what the
+    registry is asked about), or None where that is all of them or none. A pool witness whose holders
+    (``held_by``) the scenario all broke is theirs; otherwise it keeps the holders it did not break.
+    Never for a leak checker: a leak is a leak whatever was injected."""
+    if is_leak_checker(v.oracle):
+        return None
+    keep = []
+    for w in v.witnesses:
+        rid = w.get("rid") or w.get("victim_rid") if isinstance(w, dict) else None
+        if rid is not None:
+            if rid not in broken:
+                keep.append(w)
+        elif isinstance(w, dict) and w.get("held_by"):
+            held = [r for r in w["held_by"] if r not in broken]
+            within = (isinstance(w.get("kv_used_after"), int) and isinstance(w.get("kv_used_before"), int)
+                      and w["kv_used_after"] - w["kv_used_before"] <= (w.get("held_tokens_max") or 0))
+            if held or not within:  # more than its holders could hold: never the scenario's
+                keep.append({**w, "held_by": held} if within else w)
+        else:
+            keep.append(w)
+    if not keep or len(keep) == len(v.witnesses) and keep == list(v.witnesses):
+        return None
+    return Verdict(v.oracle, v.status, v.summary, keep, v.stats)
+
+
 def _expected(v, broken: set, node: bool) -> bool:
     """``broken``, ``node``: :func:`broken_on_purpose` of the run."""
     if is_leak_checker(v.oracle) or v.status != FAIL or not v.witnesses:
@@ -180,8 +209,16 @@ def triage(verdicts, ctx, registry, records) -> list[Find]:
             on_purpose = broken_on_purpose(records)
         if on_purpose is not None and _expected(v, *on_purpose):
             out.append(Find(v.oracle, v.status, "expected", None, sig, mech, v.summary))
+            continue
+        rest = _unbroken(v, on_purpose[0]) if on_purpose is not None else None
+        g, why_rest = registry.classify(rest, ctx, require_power=False) if rest is not None else (None, "")
+        if g is not None:
+            n = len(v.witnesses) - len(rest.witnesses)
+            out.append(Find(v.oracle, v.status, "known", g.id, sig, mech,
+                            f"{v.summary} [{n} witness(es) the scenario broke on purpose; the rest: {g.id}]"))
         else:
-            out.append(Find(v.oracle, v.status, "new", None, sig, mech, v.summary, why))
+            out.append(Find(v.oracle, v.status, "new", None, sig, mech, v.summary,
+                            why + (f" | without the witnesses the scenario broke on purpose: {why_rest}" if rest else "")))
     return out
 
 

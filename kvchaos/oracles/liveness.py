@@ -33,8 +33,11 @@ def liveness(events, bound_s: float, pool_tolerance_tokens: int = 0) -> Verdict:
         if role in before_used and used is not None:
             pool[role] = (before_used[role], used)
             if used > before_used[role] + pool_tolerance_tokens:
-                witnesses.append({"problem": f"{role} KV pool did not return to its idle baseline",
-                                  "kv_used_before": before_used[role], "kv_used_after": used})
+                w = {"problem": f"{role} KV pool did not return to its idle baseline",
+                     "kv_used_before": before_used[role], "kv_used_after": used}
+                if role == "decode":
+                    w.update(_held_by_hung(run, witnesses, e.get("wall")))
+                witnesses.append(w)
     # plans a wedged run never sent (kvchaos.workload.driver's stall_s): no evidence either way
     not_sent = sum(e.get("outcome") == "not_sent" for e in run.ends.values())
     stats = {"requests": len(run.plans), "ended": len(run.ends), "not_sent": not_sent, "pool": pool,
@@ -49,6 +52,36 @@ def liveness(events, bound_s: float, pool_tolerance_tokens: int = 0) -> Verdict:
         return Verdict("liveness", UNKNOWN, f"{not_sent} of {len(run.plans)} plans were never sent", [], stats)
     return Verdict("liveness", PASS, f"all {len(run.plans)} requests ended within {bound_s:.0f} s; cluster answers"
                    + ("; KV pool back to baseline" if pool else ""), [], stats)
+
+
+def _held_by_hung(run, witnesses: list[dict], probe_wall) -> dict:
+    """Which of the requests that never got an answer (``witnesses`` so far) decode could still be
+    holding pages for when the post-run probe read its pool: ``held_by`` (client rids), and
+    ``held_tokens_max`` the most those could hold — each one's pre-allocated pages (decode's
+    ``kv_prealloc``, its last one) plus its ``max_new_tokens`` — counting only those decode had not
+    given back (``kv_released`` of that room) before the probe. A request sent on an OpenAI route is
+    known to decode by an id of its own, named back by its canaries (:meth:`History.engine_rids`). An
+    upper bound: pages the pool kept beyond it are not the hung requests' (the policy's signatures read
+    it; see ``witnesses_are_timeouts``)."""
+    hung = {w["rid"] for w in witnesses if w.get("rid")}
+    names = run.engine_rids()
+    at = float(probe_wall) if isinstance(probe_wall, (int, float)) else float("inf")
+    last: dict[str, dict] = {}
+    for e in run.agent_events("kv_prealloc"):
+        rid = names.get(e.get("rid"), e.get("rid"))
+        if rid in hung and float(e.get("wall") or 0) <= at:
+            last[rid] = e
+    released = {e.get("room") for e in run.agent_events("kv_released") if float(e.get("wall") or 0) <= at}
+    held, tokens = [], 0
+    for rid, e in sorted(last.items()):
+        if e.get("room") in released:
+            continue
+        pages = e.get("dst_pages_total")
+        if not isinstance(pages, int):
+            pages = len(e.get("dst_pages") or [])
+        tokens += pages * int(e.get("page_size") or 1) + int((run.plans.get(rid) or {}).get("max_new_tokens") or 0)
+        held.append(rid)
+    return {"held_by": held, "held_tokens_max": tokens}
 
 
 class Liveness(Checker):

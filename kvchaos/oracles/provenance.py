@@ -27,15 +27,30 @@ from kvchaos.history import History, as_history
 MAX_CHAIN = 16  # holders followed back through pages a holder's own transfer left unwritten
 
 
+def _preallocs(h: History, rid: str) -> list[dict]:
+    """Decode's ``kv_prealloc`` events of ``rid``, under its own id or one the engine gave it on an
+    OpenAI route (:meth:`History.decode_ids`)."""
+    ids = h.decode_ids(rid)
+    return [e for e in h.agent_events("kv_prealloc") if e.get("rid") in ids]
+
+
+def writes(h: History, rid: str) -> list[dict]:
+    """Prefill's ``write_end`` events for ``rid``: under its rid, or into a bootstrap room decode
+    pre-allocated for it (prefill and decode share the room; on an OpenAI route each role may know the
+    request by an id of its own, and decode's is named back by :meth:`History.decode_ids`)."""
+    rooms = {e.get("room") for e in _preallocs(h, rid) if e.get("room") is not None}
+    return [e for e in h.agent_events("write_end") if e.get("rid") == rid or e.get("room") in rooms]
+
+
 def _rooms_written(h: History, rid: str) -> list:
-    return [e.get("room") for e in h.agent_events("write_end") if e.get("rid") == rid]
+    return [e.get("room") for e in writes(h, rid)]
 
 
 def prealloc(h: History, rid: str) -> dict | None:
     """The ``kv_prealloc`` (decode) of the pages ``rid``'s transfer wrote into: the first one of the
     room prefill wrote for it (a retracted request that resumed is pre-allocated again), else its
     first one; None without one."""
-    evs = [e for e in h.agent_events("kv_prealloc") if e.get("rid") == rid]
+    evs = _preallocs(h, rid)
     if not evs:
         return None
     rooms = set(_rooms_written(h, rid))
@@ -46,9 +61,7 @@ def written_pages(h: History, rid: str) -> set[int] | None:
     """Indices (in the request's page list) of the pages prefill's writes for ``rid`` filled; None
     when a write does not say where it wrote (an agent too old to report it)."""
     out: set[int] = set()
-    for e in h.agent_events("write_end"):
-        if e.get("rid") != rid:
-            continue
+    for e in writes(h, rid):
         off, total = e.get("dst_page_offset"), e.get("dst_pages_total")
         if not isinstance(off, int) or not isinstance(total, int):
             return None

@@ -45,9 +45,25 @@ def _sig_victims_shorted(v, ctx, want):
     return bool(v.witnesses) and not bad, f"victims whose transfer no short fault cut short: {bad[:5]}"
 
 
+def _pool_held_by_hung(w: dict, timeouts: set) -> bool:
+    """A ``decode KV pool did not return to its idle baseline`` witness that the hung requests' own
+    pages explain: every token the pool kept past its baseline fits within what the requests that got
+    no answer could still hold there (``held_by``, ``held_tokens_max``: :mod:`kvchaos.oracles.liveness`),
+    and each of those is a timeout witness of the same verdict. A hang holds its pages while it hangs;
+    a pool that kept more than that lost pages of its own, and stays a witness no hang explains. (A
+    page loss no larger than what the hung requests could hold is not told apart from them.)"""
+    held, cap = w.get("held_by"), w.get("held_tokens_max")
+    before, after = w.get("kv_used_before"), w.get("kv_used_after")
+    if not held or not isinstance(cap, int) or not isinstance(before, int) or not isinstance(after, int):
+        return False
+    return set(held) <= timeouts and after - before <= cap
+
+
 def _sig_witnesses_are_timeouts(v, ctx, want):
+    timeouts = {w["rid"] for w in v.witnesses
+                if w.get("rid") and (w.get("outcome") == "timeout" or "never ended" in (w.get("problem") or ""))}
     bad = [w for w in v.witnesses
-           if not w.get("rid") or not (w.get("outcome") == "timeout" or "never ended" in (w.get("problem") or ""))]
+           if not (w.get("rid") in timeouts or (not w.get("rid") and _pool_held_by_hung(w, timeouts)))]
     ok = bool(v.witnesses) and not bad
     return ok == bool(want), f"witnesses that are not a request's timeout: {[w.get('problem') for w in bad[:3]]}"
 
@@ -149,7 +165,11 @@ def _victims_written(v, ctx):
     ps = kv_page_size(ctx.history)
     for w in v.witnesses:
         rid = w.get("victim_rid") or w.get("rid")
-        yield rid, plans.get(rid, {}), sent.get(rid), ps
+        n = sent.get(rid)
+        if n is None:  # an OpenAI route: prefill wrote it under an engine-side id, into the room decode named
+            pages = [e.get("pages") for e in provenance.writes(ctx.history, rid)]
+            n = sum(pages) if pages and all(isinstance(x, int) for x in pages) else None
+        yield rid, plans.get(rid, {}), n, ps
 
 
 def _sig_victims_truncated(v, ctx, want):
