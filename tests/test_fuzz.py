@@ -109,6 +109,20 @@ def test_some_scenarios_send_no_abort_at_all():
     assert 0.25 < sum(a == 0 for a in aborts) / len(aborts) < 0.55 and max(aborts) >= 8
 
 
+def test_a_drawn_abort_waits_on_a_hold_armed_before_the_traffic_and_never_healed():
+    """An abort of a held request waits for its hold to park that request: the hold is armed at the
+    start and not healed (armed later or healed early it missed its request, and the abort was skipped)."""
+    n = 0
+    for s in _many(200):
+        for o in s.nemesis:
+            if o.kind == "abort" and o.after is not None:
+                held = s.nemesis[o.after]
+                assert held.kind in ("hold", "park") and held.target == {"rid": o.rids[0]}
+                assert held.at_s == 0.0 and held.heal_s is None, held
+                n += 1
+    assert n >= 15
+
+
 def test_some_scenarios_carry_no_fault_and_a_search_stops_sending_to_a_wedged_cluster():
     """The engine's own bugs show alone only where no fault adds its own hung or cut requests: about
     a third of drawn scenarios carry no op (quiet, plus draws of zero ops), the rest do; every drawn
