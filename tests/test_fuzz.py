@@ -123,6 +123,38 @@ def test_a_drawn_abort_waits_on_a_hold_armed_before_the_traffic_and_never_healed
     assert n >= 15
 
 
+def test_some_drawn_ops_are_set_off_by_a_requests_own_event():
+    """The suites' choreography is in the space the grammar draws from: an abort of a request once it
+    reached a stage, a stop or kill of a role once a request's transfer started (healed by an action
+    that waits on it). Each names a request of its own traffic and round-trips through the schema."""
+    from kvchaos.fuzz.grammar import ON_EVENTS
+    aborts, procs, events = 0, 0, set()
+    for s in _many(300):
+        rids = {p["rid"] for p in s.traffic.plans}
+        for i, o in enumerate(s.nemesis):
+            if o.on is None:
+                continue
+            events.add((o.on["role"], o.on["ev"]))
+            assert o.on["rid"] in rids
+            if o.kind == "abort":
+                assert o.rids == [o.on["rid"]]
+                aborts += 1
+            else:
+                assert o.injector == "process" and o.kind in ("stop", "kill")
+                assert any(h.kind == "heal" and h.after == i and h.delay_s >= 1 for h in s.nemesis), s.nemesis
+                procs += 1
+        assert Scenario.from_dict(json.loads(json.dumps(s.to_dict()))).digest() == s.digest()
+    assert aborts >= 10 and procs >= 1 and events == set(ON_EVENTS), (aborts, procs, events)
+    from kvchaos.fuzz.grammar import _on_ops
+    kinds = set()
+    for seed in range(200):  # the process arm directly: a stop or kill, healed by the action after it
+        ops = _on_ops(random.Random(seed), ["r1", "r2"], first=3)
+        if ops[0].injector == "process":
+            kinds.add(ops[0].kind)
+            assert len(ops) == 2 and ops[1].kind == "heal" and ops[1].after == 3 and 1 <= ops[1].delay_s <= 5
+    assert kinds == {"stop", "kill"}
+
+
 def test_some_scenarios_carry_no_fault_and_a_search_stops_sending_to_a_wedged_cluster():
     """The engine's own bugs show alone only where no fault adds its own hung or cut requests: about
     a third of drawn scenarios carry no op (quiet, plus draws of zero ops), the rest do; every drawn
@@ -222,7 +254,9 @@ def test_mutations_and_splices_stay_valid_and_keep_their_links(seed):
         child = (splice(rng, parent, rng.choice(pool), f"m{i}") if i % 5 == 0 else mutate(rng, parent, BASE, f"m{i}"))
         assert child.validate() is not None
         for j, op in enumerate(child.nemesis):
-            assert op.after is None or (op.after < j and child.nemesis[op.after].injector == "agent")
+            # an abort waits on a hold or park, a heal on the stop or kill it ends
+            want = {"abort": ("agent",), "heal": ("process",)}.get(op.kind, ("agent",))
+            assert op.after is None or (op.after < j and child.nemesis[op.after].injector in want), (op, child.nemesis)
         assert not any(o.mutation for o in child.nemesis)
         assert child.origin["by"] in ("mutate", "splice")
         if child.origin["by"] == "splice" or child.origin.get("how") == "add_op":  # they grow: capped

@@ -566,7 +566,8 @@ def test_a_pool_the_hung_requests_still_hold_is_their_hang_and_more_than_they_ca
             ev.append(agent("kv_released", role="decode", rid="q1", room=12))
         return ev + [{"ev": "probe", "phase": "after", "role": "decode", "kv_used": after, "ok": True, "wall": 200.0}]
     for after, released, chat, want in ((380, False, False, "known"), (380, False, True, "known"),
-                                        (381, False, False, FAIL), (300, True, False, FAIL), (240, True, False, "known")):
+                                        (381, False, False, FAIL), (300, True, False, FAIL),
+                                        (240, True, False, "known")):
         ev = log(after, released, chat)
         live = oracles.Liveness(bound_s=30).check(ev)
         pool = [w for w in live.witnesses if not w.get("rid")]

@@ -13,8 +13,10 @@ What it draws (:data:`WEIGHTS` says how often):
   (decode's admission edge ``pool − reservation``, prefill's input limit and pool, decode's pool, the
   context) as well as inside them, aborts and disconnects, through the router or straight to prefill and decode;
 - **nemesis** — timed agent faults (delay, fail, short, hold, park, stall_status_read), proxy
-  toxics on the client and server legs, process stop/kill of a role, and aborts of held requests; none
-  at all in some scenarios (``quiet``), where only the deployment and the traffic can break the engine.
+  toxics on the client and server legs, process stop/kill of a role, aborts of held requests, and ops
+  set off by a request's own event (its abort, or a stop or kill of a role, once prefill queued it, its
+  transfer started or wrote, decode pre-allocated it, or the client read its first byte); none at all in
+  some scenarios (``quiet``), where only the deployment and the traffic can break the engine.
 
 It never arms a planted engine bug (``AGENT_MUTATIONS``): the search looks for the engine's own.
 """
@@ -32,6 +34,10 @@ from kvchaos.workload.scenario import (AGENT_MUTATIONS, LIVE_KNOBS, TOXIC_TYPES,
                                        plan_dict)
 
 PARK_STAGES = ("decode_prealloc", "prefill_waiting", "decode_waiting")  # faults.wire.PARK_STAGES
+# the events of one request an op can wait for (Op.on): prefill queued it, its transfer started, a write
+# of it ended, decode pre-allocated its pages, the client read its first byte
+ON_EVENTS = (("prefill", "bootstrap_queued"), ("prefill", "transfer_start"), ("prefill", "write_end"),
+             ("decode", "kv_prealloc"), ("client", "first_byte"))
 FAULTS = {"delay": 5, "fail": 2, "short": 2, "hold": 2, "park": 2, "stall_status_read": 1}
 TOXICS = {"latency": 3, "slicer": 1, "limit_data": 1, "reset_peer": 1, "timeout": 1, "bandwidth": 1, "slow_close": 1}
 WEIGHTS = {
@@ -49,6 +55,9 @@ WEIGHTS = {
     "agent_ops": (0, 4),   # how many agent faults
     "proxy_ops": (0, 2),
     "process_op": 0.08,    # chance of a stop or kill of a role
+    # chance of an op set off by a request's own event (Op.on: the choreography the suites' `during`
+    # actions were), an abort of that request or, one in four, a stop or kill of a role
+    "on_op": 0.15,
     "abort_held": 0.6,     # chance a request a hold or park parked is aborted while parked
     # chance a drawn scenario carries no nemesis op: the engine's own bugs under edge traffic and knobs
     # alone. A fault in the same run adds its own hung or cut requests, and a verdict two causes explain
@@ -250,7 +259,7 @@ def _proxy_op(rng: random.Random, horizon: float) -> Op:
               toxicity=rng.choice((0.1, 0.3, 1.0)), params=params)
 
 
-def _nemesis(rng: random.Random, traffic: Traffic) -> list[Op]:
+def _nemesis(rng: random.Random, traffic: Traffic, seed: int = 0) -> list[Op]:
     # faults aim at requests that reach a KV transfer (a prompt over the limit is rejected first, an
     # abort or disconnect may end before one): a hold on one that never transfers only waits out its bound
     rids = [p["rid"] for p in traffic.plans if p.get("kind", "plain") in ("plain", "stream") and not p.get("oversized")]
@@ -264,6 +273,11 @@ def _nemesis(rng: random.Random, traffic: Traffic) -> list[Op]:
         kind = rng.choice(("stop", "kill"))
         ops.append(Op(at_s=at, heal_s=round(at + rng.uniform(1, 5), 2), injector="process", kind=kind,
                       role=rng.choice(("prefill", "decode"))))
+    # from a stream of its own (the scenario's seed): added after the others, it leaves every other draw a
+    # seed makes as it was, so a corpus and the searches measured before it draw the same scenarios
+    orng = random.Random(seed * 7919 + 17)
+    if orng.random() < WEIGHTS["on_op"]:
+        ops += _on_ops(orng, rids, len(ops))
     for i, op in enumerate(list(ops)):  # abort some requests a hold or park has parked
         if op.kind in ("hold", "park") and op.target and "rid" in op.target and rng.random() < WEIGHTS["abort_held"]:
             # armed before the traffic and never healed, as the abort suites do it: armed later (or healed
@@ -275,12 +289,28 @@ def _nemesis(rng: random.Random, traffic: Traffic) -> list[Op]:
     return ops
 
 
+def _on_ops(rng: random.Random, rids: list[str], first: int) -> list[Op]:
+    """An op set off by one request's own event (:data:`ON_EVENTS`), some delay after it: the abort of
+    that request, or a stop or kill of a role healed 1-5 s later by a ``heal`` action (a stopped role
+    continued, a killed one restarted). The suites' own choreography: abort at a stage, kill decode
+    once a transfer started, freeze it. ``first``: the index the first op gets."""
+    rid = rng.choice(rids)
+    role, ev = rng.choice(ON_EVENTS)
+    on = {"role": role, "ev": ev, "rid": rid}
+    delay = rng.choice((0.0, 0.05, 0.3))
+    if rng.random() < 0.75:
+        return [Op(at_s=0.0, injector="action", kind="abort", rids=[rid], on=on, delay_s=delay)]
+    kind = rng.choice(("stop", "kill"))
+    op = Op(at_s=0.0, injector="process", kind=kind, role=rng.choice(("prefill", "decode")), on=on, delay_s=delay)
+    return [op, Op(at_s=0.0, injector="action", kind="heal", after=first, delay_s=round(rng.uniform(1, 5), 2))]
+
+
 def generate(rng: random.Random, base: Base, name: str, restart_p: float | None = None) -> Scenario:
     """A whole scenario drawn from the grammar."""
     seed = rng.randrange(1, 2**31)
     dep = _knobs(rng, base, WEIGHTS["restart_knob"] if restart_p is None else restart_p, WEIGHTS["live_knob"])
     traffic = _traffic(rng, base, dep, seed)
-    nemesis = [] if rng.random() < WEIGHTS["quiet"] else _nemesis(rng, traffic)
+    nemesis = [] if rng.random() < WEIGHTS["quiet"] else _nemesis(rng, traffic, seed)
     sc = Scenario(name=name, seed=seed, deployment=dep, traffic=traffic, nemesis=nemesis,
                   checks=default_checks(traffic, dep), origin={"by": "generate"})
     return sc.validate()

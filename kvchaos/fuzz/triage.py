@@ -13,8 +13,8 @@ broke on purpose — a fault fired on it, it was in flight while a role was kill
 sat on the wire, the client aborted or cut it — is **expected**: the fault did what it does. Where only
 some witnesses are such requests, the registry is asked about the rest (a park held one request to its
 timeout while the others hung behind a band prompt: KNOWN as the hang band). A leak checker's FAIL is
-never expected, nor ever judged on part of its witnesses, whatever was injected. The registry only triages; it never steers
-what is generated.
+never expected, nor ever judged on part of its witnesses, whatever was injected. The registry only
+triages; it never steers what is generated.
 
 A NEW verdict is deduplicated by its *mechanism*, not by who the victim was: the checker, its status,
 and what its witnesses say happened (the kind of problem, the HTTP status class, the canary's origin,
@@ -217,8 +217,8 @@ def triage(verdicts, ctx, registry, records) -> list[Find]:
             out.append(Find(v.oracle, v.status, "known", g.id, sig, mech,
                             f"{v.summary} [{n} witness(es) the scenario broke on purpose; the rest: {g.id}]"))
         else:
-            out.append(Find(v.oracle, v.status, "new", None, sig, mech, v.summary,
-                            why + (f" | without the witnesses the scenario broke on purpose: {why_rest}" if rest else "")))
+            rest_why = f" | without the witnesses the scenario broke on purpose: {why_rest}" if rest else ""
+            out.append(Find(v.oracle, v.status, "new", None, sig, mech, v.summary, why + rest_why))
     return out
 
 
