@@ -192,6 +192,7 @@ class History:
         self.unattributed: list[dict] = []  # records naming no request that are not the harness's own
         self.by_ev: dict[str, list[dict]] = defaultdict(list)
         self.agent: list[dict] = []               # agent events (their kind: agent_kind(e))
+        self._engine_rids: dict[str, str] | None = None  # engine_rids(), read once
         self._agent_kinds: list[str] = []
         for e in records:
             ev = e.get("ev")
@@ -317,7 +318,7 @@ class History:
         does, exactly one carries every one of them (a conversation's later turn repeats its earlier
         turns' canaries and adds its own) — never by order or timing. Ids that are a plan's own rid are
         left out."""
-        if getattr(self, "_engine_rids", None) is not None:
+        if self._engine_rids is not None:
             return self._engine_rids
         owner: dict[str, set] = defaultdict(set)
         for rid, p in self.plans.items():

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 
 from kvchaos.oracles import FAIL, PASS, UNKNOWN, Verdict
 from kvchaos.policy.core import is_leak_checker
-from kvchaos.policy.signatures import power_met
+from kvchaos.policy.signatures import pool_within_holders, power_met
 from kvchaos.workload.plan import CLIENT_CUTS
 
 
@@ -163,8 +163,7 @@ def _unbroken(v, broken: set):
                 keep.append(w)
         elif isinstance(w, dict) and w.get("held_by"):
             held = [r for r in w["held_by"] if r not in broken]
-            within = (isinstance(w.get("kv_used_after"), int) and isinstance(w.get("kv_used_before"), int)
-                      and w["kv_used_after"] - w["kv_used_before"] <= (w.get("held_tokens_max") or 0))
+            within = pool_within_holders(w)
             if held or not within:  # more than its holders could hold: never the scenario's
                 keep.append({**w, "held_by": held} if within else w)
         else:

@@ -52,11 +52,14 @@ def _pool_held_by_hung(w: dict, timeouts: set) -> bool:
     and each of those is a timeout witness of the same verdict. A hang holds its pages while it hangs;
     a pool that kept more than that lost pages of its own, and stays a witness no hang explains. (A
     page loss no larger than what the hung requests could hold is not told apart from them.)"""
-    held, cap = w.get("held_by"), w.get("held_tokens_max")
-    before, after = w.get("kv_used_before"), w.get("kv_used_after")
-    if not held or not isinstance(cap, int) or not isinstance(before, int) or not isinstance(after, int):
-        return False
-    return set(held) <= timeouts and after - before <= cap
+    held = w.get("held_by")
+    return bool(held) and set(held) <= timeouts and pool_within_holders(w)
+
+
+def pool_within_holders(w: dict) -> bool:
+    """A pool witness kept no more past its baseline than its holders could hold (``held_tokens_max``)."""
+    cap, before, after = w.get("held_tokens_max"), w.get("kv_used_before"), w.get("kv_used_after")
+    return all(isinstance(x, int) for x in (cap, before, after)) and after - before <= cap
 
 
 def _sig_witnesses_are_timeouts(v, ctx, want):
