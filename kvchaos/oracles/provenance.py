@@ -19,7 +19,8 @@ explained — the mechanism of the stale-page findings.
 
 from __future__ import annotations
 
-from collections import Counter
+import weakref
+from collections import Counter, defaultdict
 
 from kvchaos import canary
 from kvchaos.history import History, as_history
@@ -27,19 +28,59 @@ from kvchaos.history import History, as_history
 MAX_CHAIN = 16  # holders followed back through pages a holder's own transfer left unwritten
 
 
+class _Index:
+    """A history's ``kv_prealloc`` and ``write_end`` events by request id and by room, built once: the
+    page walk (:func:`writer_kind`) asks for them once per unwritten page, and scanning every event each
+    time made judging a leak's witnesses cost pages × events."""
+
+    def __init__(self, h: History):
+        self.pre: dict = defaultdict(list)
+        for e in h.agent_events("kv_prealloc"):
+            self.pre[e.get("rid")].append(e)
+        self.ids: dict = defaultdict(set)  # client rid -> the engine-side ids decode knew it by
+        for eid, rid in h.engine_rids().items():
+            self.ids[rid].add(eid)
+        self.writes = h.agent_events("write_end")
+        self.w_rid: dict = defaultdict(list)   # rid -> positions in self.writes
+        self.w_room: dict = defaultdict(list)  # room -> positions
+        for i, e in enumerate(self.writes):
+            self.w_rid[e.get("rid")].append(i)
+            self.w_room[e.get("room")].append(i)
+
+
+_INDEXES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _index(h: History) -> _Index:
+    ix = _INDEXES.get(h)
+    if ix is None:
+        ix = _INDEXES[h] = _Index(h)
+    return ix
+
+
 def _preallocs(h: History, rid: str) -> list[dict]:
     """Decode's ``kv_prealloc`` events of ``rid``, under its own id or one the engine gave it on an
-    OpenAI route (:meth:`History.decode_ids`)."""
-    ids = h.decode_ids(rid)
-    return [e for e in h.agent_events("kv_prealloc") if e.get("rid") in ids]
+    OpenAI route (:meth:`History.decode_ids`), in the order they were logged."""
+    ix = _index(h)
+    evs = list(ix.pre.get(rid, ()))
+    for eid in ix.ids.get(rid, ()):
+        evs += ix.pre.get(eid, ())
+    if len(evs) > 1 and ix.ids.get(rid):
+        order = {id(e): i for i, e in enumerate(h.agent_events("kv_prealloc"))}
+        evs.sort(key=lambda e: order[id(e)])
+    return evs
 
 
 def writes(h: History, rid: str) -> list[dict]:
     """Prefill's ``write_end`` events for ``rid``: under its rid, or into a bootstrap room decode
     pre-allocated for it (prefill and decode share the room; on an OpenAI route each role may know the
     request by an id of its own, and decode's is named back by :meth:`History.decode_ids`)."""
+    ix = _index(h)
     rooms = {e.get("room") for e in _preallocs(h, rid) if e.get("room") is not None}
-    return [e for e in h.agent_events("write_end") if e.get("rid") == rid or e.get("room") in rooms]
+    at = set(ix.w_rid.get(rid, ()))
+    for room in rooms:
+        at.update(ix.w_room.get(room, ()))
+    return [ix.writes[i] for i in sorted(at)]
 
 
 def _rooms_written(h: History, rid: str) -> list:
