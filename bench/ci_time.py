@@ -72,7 +72,34 @@ def phases(t0: float, t_end: float, sess: list[dict]) -> list[tuple[str, float]]
     return rows
 
 
+def _venv_python() -> Path:
+    return Path(os.environ.get("KVCHAOS_VENV") or Path.home() / ".cache" / "kvchaos" / "venv") / "bin" / "python"
+
+
+def installed_from() -> Path | None:
+    """The checkout the shared venv's editable kvchaos points at (None: not installed there)."""
+    p = subprocess.run([str(_venv_python()), "-c", "import kvchaos, os; print(os.path.dirname(os.path.dirname("
+                        "os.path.abspath(kvchaos.__file__))))"], cwd="/", capture_output=True, text=True)
+    return Path(p.stdout.strip()) if p.returncode == 0 and p.stdout.strip() else None
+
+
+def reinstall(checkout: Path) -> None:
+    """Point the venv's editable kvchaos back at ``checkout``: the clone's ``make setup`` re-pointed it at
+    the clone, which is deleted after the run (every later command would then fail to import kvchaos)."""
+    subprocess.run([str(_venv_python()), "-m", "pip", "install", "-q", "--disable-pip-version-check", "--no-deps",
+                    "--no-build-isolation", "-e", str(checkout)], cwd="/", check=True, capture_output=True, timeout=600)
+
+
 def one_run(repo: Path, keep: Path | None, i: int) -> dict:
+    before = installed_from()
+    try:
+        return _one_run(repo, keep, i)
+    finally:
+        if before is not None and before.exists() and installed_from() != before:
+            reinstall(before)
+
+
+def _one_run(repo: Path, keep: Path | None, i: int) -> dict:
     work = Path(tempfile.mkdtemp(prefix="kvchaos-ci-time-"))
     clone = work / "clone"
     try:
