@@ -24,9 +24,13 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 import subprocess
+import threading
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from kvchaos import canary
 from kvchaos.experiment import _rel
 from kvchaos.oracles import kv_pages_written
 from kvchaos.workload import Workload
@@ -123,6 +127,209 @@ def engine_python(version: str, timeout_s: float = 900) -> str:
         raise ReleaseError(f"building the sglang {version} environment failed (exit {r.returncode}):\n"
                            f"{r.stderr[-3000:]}")
     return r.stdout.strip().splitlines()[-1]
+
+
+# --------------------------------------------------------------------------- the incident at its own numbers
+INCIDENT_PREFILL_POOL = 681_280  # the incident's prefill KV pool (tokens)
+INCIDENT_CONTEXT = 1_048_576  # its declared context
+DECODE_RESERVE = 512  # decode's num_reserved_decode_tokens (SGLang's default) on top of a pre-allocated prompt
+
+
+@dataclass(frozen=True)
+class Scale:
+    """A deployment and traffic of the incident's shape at some size. ``decode_pool`` must admit the
+    largest oversized prompt plus decode's reservation; ``background`` requests of other tenants go first
+    and must move more tokens through decode than its pool has beyond the victim's prompt: decode's
+    allocator (``need_sort`` in PD) hands out never-used pages until its free list runs short, and only
+    then merges the freed pages back in ascending order — a victim reserved from untouched pages reads
+    zeros, not another tenant's prompt."""
+
+    name: str
+    prefill_pool: int
+    context: int
+    decode_pool: int
+    oversized: tuple
+    background: int
+    background_tokens: tuple  # (lo, hi) prompt tokens of a background request
+    bound_s: float  # an oversized prompt's reply within this, or it hung
+    max_running: int  # --max-running-requests: req_to_token is max_running x context int32 on each role
+
+    def check(self) -> None:
+        lo, hi = min(self.oversized), max(self.oversized)
+        problems = []
+        if not self.prefill_pool < lo:
+            problems.append(f"the oversized prompts ({lo}..{hi}) must be over prefill's pool ({self.prefill_pool})")
+        if not hi < self.context:
+            problems.append(f"the oversized prompts ({lo}..{hi}) must be under the context ({self.context})")
+        if not hi + DECODE_RESERVE <= self.decode_pool:
+            problems.append(f"decode's pool ({self.decode_pool}) must admit {hi} + its reservation {DECODE_RESERVE}")
+        if self.background * self.background_tokens[0] < self.decode_pool - lo:
+            problems.append(f"{self.background} background requests of >= {self.background_tokens[0]} tokens do not "
+                            f"cycle decode's free list past {self.decode_pool - lo} tokens: the victim would be "
+                            f"reserved untouched pages")
+        if problems:
+            raise ValueError(f"scale {self.name!r}: " + "; ".join(problems))
+
+    def need_bytes(self, bytes_per_token: int, attention_bytes_per_token: int = 0) -> int:
+        """What a run at this scale needs resident at its peak: both pools, the index tables, the
+        processes, and decode's attention working set over the largest victim."""
+        m = self.memory_model(bytes_per_token)
+        return (m["prefill_pool_bytes"] + m["decode_pool_bytes"] + 2 * m["req_to_token_bytes_per_role"]
+                + ENGINE_BASE_BYTES + max(self.oversized) * attention_bytes_per_token)
+
+    def memory_model(self, bytes_per_token: int) -> dict:
+        """What the KV pools take at ``bytes_per_token`` (layers x per-layer KV bytes of one token), and
+        the index table ``req_to_token`` (int32, max_running x context, on each role)."""
+        return {"bytes_per_token": bytes_per_token,
+                "prefill_pool_bytes": self.prefill_pool * bytes_per_token,
+                "decode_pool_bytes": self.decode_pool * bytes_per_token,
+                "req_to_token_bytes_per_role": self.max_running * self.context * 4}
+
+
+SCALES = {
+    # the incident's own numbers: prefill's pool 681,280 tokens, context 1,048,576, the victim's prompt
+    # in the band between them
+    "incident": Scale("incident", INCIDENT_PREFILL_POOL, INCIDENT_CONTEXT, decode_pool=704_000,
+                      oversized=(690_000,), background=120, background_tokens=(200, 480),
+                      bound_s=1800.0, max_running=16),
+    # the same shape at 5/8 of it (pool 425,792, context 655,360): the largest that fits a 24 GiB CPU
+    # machine by :meth:`Scale.need_bytes` (measured there on 2026-12-06: the cluster's processes peaked at
+    # 21.9 GB over a 440,000-token victim; at the incident's own numbers a 690,000-token victim took decode
+    # past the machine's memory and the kernel's OOM killer stopped it): docs/tutorial/reproduce-an-incident.md
+    "largest-fit": Scale("largest-fit", 425_792, 655_360, decode_pool=450_560, oversized=(440_000,),
+                         background=120, background_tokens=(200, 480), bound_s=1800.0, max_running=16),
+}
+# decode's torch_native attention (the CPU path) gathers a request's whole context and lets SDPA expand it
+# to every query head in fp32: about this many bytes a context token while the victim decodes (the MLA
+# probe, 4 heads: decode's process tree peaked at 18.06 GB over a 440,000-token victim, 2.4 GB of it its
+# pool and process before the victim came; 2026-12-06, test_glm53_incident_scale.py at largest-fit)
+CPU_ATTENTION_BYTES_PER_TOKEN = 36_000
+ENGINE_BASE_BYTES = 6 << 30  # both roles' processes, the router and the harness, without their pools
+
+
+def scale_of(name: str) -> Scale:
+    if name not in SCALES:
+        raise ValueError(f"scale {name!r}: one of {', '.join(SCALES)} (the CI scale is the suite's default)")
+    return SCALES[name]
+
+
+def scaled_plans(scale: Scale, seed: int = GLM53_SEED):
+    """The incident's traffic at ``scale``: ``background`` requests of 15 tenants first, then the victim
+    tenant's oversized prompts (3 canaries each). Returns ``(plans, victim tenant)``."""
+    scale.check()
+    wl = Workload(seed, n_tenants=16, prefix="g")
+    victim, others = wl.tenants[-1], wl.tenants[:-1]
+    lo, hi = scale.background_tokens
+    plans = [wl.request(others[i % len(others)], "plain", n_tokens=others[i % len(others)].rng.randrange(lo, hi))
+             for i in range(scale.background)]
+    big = [wl.request(victim, "oversized", n_tokens=n, n_canaries=3) for n in scale.oversized]
+    for p in big:  # one recited canary is the evidence: each decode step over the victim's context is long
+        p.max_new_tokens = canary.LENGTH + 2
+    return plans + big, victim.name
+
+
+def scaled_spec(base: dict, scale: Scale, model_dir: str) -> dict:
+    """``base`` (a ClusterSpec dict) deployed at ``scale``: prefill's pool, decode's pool, the context,
+    ``max_running`` on both roles, the long-context copy of the probe."""
+    scale.check()
+    run = ["--max-running-requests", str(scale.max_running)]
+    return {**base, "model": model_dir, "context_length": scale.context, "pool_tokens": scale.decode_pool,
+            "startup_timeout_s": max(base.get("startup_timeout_s", 300.0), 600.0),
+            "prefill_args": list(base["prefill_args"]) + ["--max-total-tokens", str(scale.prefill_pool)] + run,
+            "decode_args": list(base["decode_args"]) + ["--max-total-tokens", str(scale.decode_pool)] + run}
+
+
+def long_context_probe(src: str | Path, context: int, dest_root: str | Path) -> Path:
+    """A copy of the probe model ``src`` whose position limits reach ``context``: the same weights (linked),
+    ``max_position_embeddings`` and the rope's ``original_max_position_embeddings`` raised (SGLang sizes
+    its rotary cache from them; with the probes' yarn factor 1 the frequencies do not change) and the
+    tokenizer's ``model_max_length``. Written once per (source, context); the weights' digest is kept."""
+    src = Path(src)
+    meta = json.loads((src / "kvchaos-model.json").read_text())
+    dest = Path(dest_root) / f"{src.name}-ctx{context}"
+    if (dest / "kvchaos-model.json").exists():
+        return dest
+    tmp = dest.with_name(dest.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    for f in src.iterdir():
+        if f.is_file() and f.name not in ("config.json", "tokenizer_config.json", "kvchaos-model.json"):
+            try:
+                (tmp / f.name).hardlink_to(f)
+            except OSError:
+                shutil.copyfile(f, tmp / f.name)
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["max_position_embeddings"] = max(cfg.get("max_position_embeddings", 0), context)
+    for key in ("rope_scaling", "rope_parameters"):
+        if isinstance(cfg.get(key), dict) and "original_max_position_embeddings" in cfg[key]:
+            cfg[key]["original_max_position_embeddings"] = cfg["max_position_embeddings"]
+    (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
+    tok = src / "tokenizer_config.json"
+    if tok.exists():
+        tc = json.loads(tok.read_text())
+        tc["model_max_length"] = cfg["max_position_embeddings"]
+        (tmp / "tokenizer_config.json").write_text(json.dumps(tc, indent=2))
+    meta["long_context_of"] = str(src)
+    meta["max_position_embeddings"] = cfg["max_position_embeddings"]
+    (tmp / "kvchaos-model.json").write_text(json.dumps(meta, indent=2))
+    shutil.rmtree(dest, ignore_errors=True)
+    tmp.rename(dest)
+    return dest
+
+
+class PeakRss:
+    """Peak resident memory of each role's process tree while the ``with`` block runs, sampled every
+    ``every_s`` (``/proc`` through psutil): ``peaks`` maps role -> bytes, ``peak_total`` the most the
+    roles held at one sample."""
+
+    def __init__(self, pids: dict[str, int], every_s: float = 0.5):
+        self.pids, self.every_s = dict(pids), every_s
+        self.peaks = {r: 0 for r in self.pids}
+        self.peak_total = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="kvchaos-peak-rss", daemon=True)
+
+    def sample(self) -> dict[str, int]:
+        import psutil
+
+        now = {}
+        for role, pid in self.pids.items():
+            total = 0
+            try:
+                root = psutil.Process(pid)
+                for p in [root, *root.children(recursive=True)]:
+                    try:
+                        total += p.memory_info().rss
+                    except (psutil.NoSuchProcess, psutil.AccessDenied):
+                        pass
+            except (psutil.NoSuchProcess, psutil.AccessDenied):
+                pass
+            now[role] = total
+            self.peaks[role] = max(self.peaks[role], total)
+        self.peak_total = max(self.peak_total, sum(now.values()))
+        return now
+
+    def _run(self):
+        while not self._stop.wait(self.every_s):
+            self.sample()
+
+    def __enter__(self):
+        self.sample()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join(timeout=10)
+        self.sample()
+        return False
+
+    def to_dict(self) -> dict:
+        return {"every_s": self.every_s, "peak_bytes": dict(self.peaks), "peak_total_bytes": self.peak_total}
+
+
+def scale_record(scale: Scale) -> dict:
+    return asdict(scale)
 
 
 # --------------------------------------------------------------------------- one trial

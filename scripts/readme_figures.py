@@ -83,7 +83,9 @@ def findings() -> str:
     data = tomllib.loads(FINDINGS.read_text())
     out = ["| finding | engine versions | checker (status) | title |", "|---|---|---|---|"]
     for f in data["finding"]:
-        checks = ", ".join(f"{m['checker']} ({'/'.join(m.get('statuses', ['fail']))})" for m in f["match"])
+        # one entry per checker and status: a finding may match the same verdict by more than one signature
+        checks = ", ".join(dict.fromkeys(f"{m['checker']} ({'/'.join(m.get('statuses', ['fail']))})"
+                                         for m in f["match"]))
         out.append(f"| `{f['id']}` | {f['engine']} {', '.join(f['versions'])} | {checks} | {f['title']} |")
     return "\n".join(out) + f"\n\n(from `{FINDINGS.relative_to(REPO)}`)"
 

@@ -142,7 +142,9 @@ def test_audit_and_repro_input_errors():
     p = kvchaos("repro", "nope")
     assert p.returncode == 2 and "unknown incident 'nope'" in p.stderr and "glm53" in p.stderr
     p = kvchaos("repro", "--list")
-    assert p.returncode == 0 and "glm53" in p.stdout
+    assert p.returncode == 0 and "glm53" in p.stdout and "--scale incident" in p.stdout
+    p = kvchaos("repro", "glm53", "--scale", "huge")
+    assert p.returncode == 2 and "unknown scale 'huge'; one of ci, incident, largest-fit" in p.stderr, p.stderr
     p = kvchaos("audit", "--prefill", "http://127.0.0.1:9", "--decode", "http://127.0.0.1:9", "--lb-probe", "sse")
     assert p.returncode == 2 and "--lb-probe 'sse': unknown mode(s) ['sse']" in p.stderr
 

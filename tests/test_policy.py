@@ -638,6 +638,32 @@ def test_an_oversized_prompt_refused_with_a_4xx_neither_confirms_nor_contradicts
             assert j.known[0].finding.id == "sglang-intake-reject-hang"
 
 
+def test_the_intake_reject_hang_of_a_deployment_is_read_from_the_engines_events_without_a_fault():
+    """No fault lowered a limit (the incident's shape deployed as such): the hang is the intake reject only
+    where decode pre-allocated each hung prompt beyond one page and prefill wrote none of it."""
+    p = Policy(accept_known=True)
+
+    def log(prealloc_pages=6875, written=False):
+        ev = [HEADER] + crowd()
+        for i, rid in enumerate(("o1", "o2")):
+            ev += [plan(rid, "t9", canary.mint(random.Random(40 + i), 2), oversized=True),
+                   {"ev": "send", "rid": rid, "wall": 100.0}, {"ev": "end", "rid": rid, "outcome": "timeout", "wall": 130.0}]
+            if prealloc_pages:
+                ev.append(agent("kv_prealloc", role="decode", rid=rid, room=70 + i, page_size=64,
+                                dst_pages_total=prealloc_pages))
+        if written:
+            ev.append(agent("write_end", role="prefill", rid="o2", room=71, pages=[0], status="success"))
+        return ev
+    hung = Verdict("liveness", FAIL, "hung", [{"rid": r, "outcome": "timeout", "problem": "no answer within 30 s"}
+                                             for r in ("o1", "o2")])
+    for kw, want in (({}, "known"), ({"written": True}, FAIL), ({"prealloc_pages": 1}, FAIL),
+                     ({"prealloc_pages": 0}, FAIL)):
+        j = p.judge([Verdict("isolation", PASS, "ok"), hung], Context.of(log(**kw)), {"liveness": PASS})
+        assert j.status == want, (kw, j.message())
+        if want == "known":
+            assert j.known[0].finding.id == "sglang-intake-reject-hang"
+
+
 def _band_extra(ev, rid, outcome, tag=True):
     """One more band prompt (tagged) that ended ``outcome`` and is no liveness witness."""
     ev.append(plan(rid, "t8", canary.mint(random.Random(hash(rid) % 1000), 2), extra={"probe": "hang_band"} if tag else {}))

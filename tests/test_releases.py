@@ -3,6 +3,7 @@ clean only when every trial measured it clean, thresholds come from the rows (re
 back), and the audit's answer for an unmeasured release is UNKNOWN unless measured neighbours agree."""
 
 import json
+import re
 from types import SimpleNamespace
 
 import pytest
@@ -156,3 +157,73 @@ def test_record_trial_appends_and_rebuilds_its_deployments_table(tmp_path):
     assert len(R.load_trials(tmp_path)) == 2 and t["releases"]["0.5.19"]["verdict"] == R.CLEAN
     assert json.loads((tmp_path / "release_table.json").read_text())["releases"]["0.5.19"]["verdict"] == R.LEAKS
     assert (tmp_path / "release_table-auto-truncate.md").exists()
+
+
+# --------------------------------------------------------------------------- the incident at its own numbers
+def test_the_incident_scale_is_the_incidents_pool_and_context_and_its_prompts_fall_between():
+    s = R.SCALES["incident"]
+    s.check()
+    assert (s.prefill_pool, s.context) == (681_280, 1_048_576)
+    plans, victim = R.scaled_plans(s, seed=3)
+    big = [p for p in plans if p.oversized]
+    assert [p.n_tokens for p in big] == list(s.oversized) and all(p.tenant == victim for p in big)
+    assert all(s.prefill_pool < p.n_tokens < s.context for p in big)
+    assert all(len(p.prompt) == p.n_tokens and len(p.canaries) == 3 for p in big)
+    assert len(plans) == s.background + len(big) and all(p.tenant != victim for p in plans[:s.background])
+    assert all(p.max_new_tokens == 12 + 2 for p in big)  # one recited canary: the evidence
+    spec = R.scaled_spec({"prefill_args": ["--x"], "decode_args": [], "startup_timeout_s": 300.0}, s, "/m")
+    assert spec["context_length"] == s.context and spec["model"] == "/m" and spec["pool_tokens"] == s.decode_pool
+    # the last --max-total-tokens wins: prefill gets the incident's pool, decode one that admits the victims
+    assert spec["prefill_args"][:3] == ["--x", "--max-total-tokens", "681280"]
+    assert spec["decode_args"][:2] == ["--max-total-tokens", str(s.decode_pool)]
+    assert "--max-running-requests" in spec["prefill_args"] and spec["startup_timeout_s"] >= 600
+    mm = s.memory_model(2304)
+    assert mm["prefill_pool_bytes"] == 681_280 * 2304 and mm["req_to_token_bytes_per_role"] == 16 * 1_048_576 * 4
+
+
+@pytest.mark.parametrize("change, why", [
+    ({"oversized": (600_000,)}, "must be over prefill's pool"),
+    ({"oversized": (1_100_000,)}, "must be under the context"),
+    ({"decode_pool": 690_000}, "must admit 690000 + its reservation"),
+    ({"background": 10}, "the victim would be reserved untouched pages"),
+])
+def test_a_scale_that_cannot_show_the_incident_is_refused_naming_why(change, why):
+    import dataclasses
+
+    s = dataclasses.replace(R.SCALES["incident"], **change)
+    with pytest.raises(ValueError, match=re.escape(why)):
+        s.check()
+
+
+def test_the_long_context_copy_keeps_the_weights_and_raises_only_the_position_limits(tmp_path):
+    src = tmp_path / "probe"
+    src.mkdir()
+    (src / "model.safetensors").write_bytes(b"weights")
+    (src / "config.json").write_text(json.dumps({"max_position_embeddings": 8192, "hidden_size": 256,
+                                                 "rope_scaling": {"original_max_position_embeddings": 8192,
+                                                                  "factor": 1.0}}))
+    (src / "tokenizer_config.json").write_text(json.dumps({"model_max_length": 8192}))
+    (src / "kvchaos-model.json").write_text(json.dumps({"kind": "probe", "weights_sha256": "abc"}))
+    d = R.long_context_probe(src, 1_048_576, tmp_path / "models")
+    cfg = json.loads((d / "config.json").read_text())
+    assert cfg["max_position_embeddings"] == cfg["rope_scaling"]["original_max_position_embeddings"] == 1_048_576
+    assert cfg["rope_scaling"]["factor"] == 1.0 and cfg["hidden_size"] == 256
+    assert json.loads((d / "tokenizer_config.json").read_text())["model_max_length"] == 1_048_576
+    assert (d / "model.safetensors").read_bytes() == b"weights"
+    meta = json.loads((d / "kvchaos-model.json").read_text())
+    assert meta["weights_sha256"] == "abc" and meta["long_context_of"] == str(src)
+    assert R.long_context_probe(src, 1_048_576, tmp_path / "models") == d  # written once
+
+
+def test_peak_rss_follows_a_roles_process_tree():
+    import os
+
+    with R.PeakRss({"me": os.getpid(), "gone": 2 ** 22 + 12345}, every_s=0.05) as m:
+        blob = bytearray(64 << 20)  # 64 MiB more while it watches
+        import time
+
+        time.sleep(0.3)
+        del blob
+    d = m.to_dict()
+    assert d["peak_bytes"]["me"] >= 64 << 20 and d["peak_bytes"]["gone"] == 0
+    assert d["peak_total_bytes"] >= d["peak_bytes"]["me"]

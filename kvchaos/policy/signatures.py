@@ -214,6 +214,26 @@ def _sig_victims_rejected_placeholder(v, ctx, want):
     return bool(v.witnesses) and not bad, f"victims not answered over the reject path's placeholder: {bad[:3]}"
 
 
+def _sig_prealloc_never_written(v, ctx, want):
+    """The intake reject from the engines' own events, without a fault that lowered a limit: every oversized
+    request that hung was pre-allocated by decode beyond one page (``kv_prealloc``) and prefill wrote none
+    of its KV (no ``write_end`` under its rid or into its room) — decode waited on a transfer prefill never
+    started. Needs the in-engine agent's events: without them it does not match."""
+    if not want:
+        raise PolicyError("prealloc_never_written takes true")
+    h = ctx.history
+    hung = [rid for rid, p in ctx.plans().items() if p.get("oversized") and h.outcome(rid) == "timeout"]
+    bad = []
+    for rid in hung:
+        pre = provenance.prealloc(h, rid)
+        total = (pre or {}).get("dst_pages_total")
+        if not isinstance(total, int) or total <= 1:
+            bad.append(f"{rid}: no pre-allocation by decode beyond one page ({total})")
+        elif provenance.writes(h, rid):
+            bad.append(f"{rid}: prefill wrote {len(provenance.writes(h, rid))} transfer(s) of its KV")
+    return bool(hung) and not bad, f"hung oversized requests not waiting on a transfer prefill never began: {bad[:3] or 'none hung'}"
+
+
 def _sig_fault_armed(v, ctx, kind):
     ok = any(e.get("kind") == kind for e in ctx.fault_events("armed"))
     return ok, f"no {kind!r} fault armed in this experiment"
@@ -272,6 +292,7 @@ SIGNATURES = {
     "all_tagged_hung": _sig_all_tagged_hung,
     "oversized_all_hung": _sig_oversized_all_hung,
     "fault_armed": _sig_fault_armed,
+    "prealloc_never_written": _sig_prealloc_never_written,
     "victims_truncated": _sig_victims_truncated,
     "victims_rejected_placeholder": _sig_victims_rejected_placeholder,
     "process_fault_fired": _sig_process_fault_fired,
