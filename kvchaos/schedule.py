@@ -419,6 +419,7 @@ def build_checks(scenario: Scenario, reference_server=None) -> list:
                "http_semantics": oracles.HttpSemantics, "liveness": oracles.Liveness,
                "kv_lifecycle": oracles.KVLifecycle, "abort_semantics": oracles.AbortSemantics,
                "retraction": oracles.Retraction, "cache_isolation": oracles.CacheIsolation,
-               "timing_isolation": oracles.TimingIsolation}[n]
+               "timing_isolation": oracles.TimingIsolation, "kv_checksum": oracles.KvChecksum,
+               "kv_canary": oracles.KvCanary}[n]
         out.append(cls(**opts))
     return out

@@ -2,19 +2,25 @@
 # GPU readiness: the first thing to run on a machine with CUDA and SGLang.
 #
 # For each KV layout (default: the GPU profile's [suites] layouts: mha-p64-bf16, gqa-p64-bf16,
-# mla-p64-bf16) it stands up the GPU profile's prefill/decode cluster with that layout's probe
-# model, runs the smoke suite (PD token-identical to a single server; decode generated from the
-# transferred KV) and the probe-model benchmark (own-canary echo, foreign-canary sensitivity,
-# stale-KV sensitivity inside SGLang, determinism), and prints one line of echo rates per layout.
-# Everything it ran is kept under reports/gpu-check-<time>/ (logs, JSON, JUnit).
+# mla-p64-bf16, then the production-shaped probes like:llama-3.1-8b-p64-bf16 and
+# like:deepseek-v3-p64-bf16: those models' KV geometry) it stands up the GPU profile's prefill/decode
+# cluster with that layout's probe model, runs the smoke suite (PD token-identical to a single server;
+# decode generated from the transferred KV) and the probe-model benchmark (own-canary echo,
+# foreign-canary sensitivity, stale-KV sensitivity inside SGLang, determinism), and prints one line of
+# echo rates per layout. Everything it ran is kept under reports/gpu-check-<time>/ (logs, JSON, JUnit).
 #
-#   bash scripts/gpu-check.sh                      # every layout of the GPU profile
+#   bash scripts/gpu-check.sh                      # every layout of the GPU profile, then the like: ones
 #   KVCHAOS_GPU_LAYOUTS=mla-p64-bf16 bash scripts/gpu-check.sh
+#   KVCHAOS_GPU_LIKE_LAYOUTS= bash scripts/gpu-check.sh      # the profile's layouts only
 #   KVCHAOS_GPU_BACKEND=mooncake bash scripts/gpu-check.sh   # RDMA (set ib_device / KVCHAOS_IB_DEVICE)
 #
 # Env: KVCHAOS_GPU_PYTHON (interpreter with torch+CUDA and sglang; default python3),
+#      KVCHAOS_GPU_LAYOUTS (the layouts, comma-separated; default: the profile's, then the like: ones),
+#      KVCHAOS_GPU_LIKE_LAYOUTS (the production-shaped probes added to the profile's layouts; default
+#        like:llama-3.1-8b-p64-bf16,like:deepseek-v3-p64-bf16; set it empty for none),
 #      KVCHAOS_GPU_BACKEND (default mooncake_tcp: works on one host without RDMA),
 #      KVCHAOS_GPU_QUICK=0 for the full benchmark (default quick: 50/50/30 trials per layout).
+# scripts/gpu_device.py runs this within a 10-minute plan on a lent GPU machine.
 # Exit: 0 every layout passed, 1 something failed (named in the summary), 2 not a GPU machine.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -48,7 +54,9 @@ fi
 echo "gpu-check: $(cat "$OUT/versions.json")"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | sed 's/^/gpu-check: /'
 
-LAYOUTS=${KVCHAOS_GPU_LAYOUTS:-$("$PY" -c 'import tomllib; print(",".join(tomllib.load(open("kvchaos/profiles/gpu.toml","rb"))["suites"]["layouts"]))')}
+# production-shaped probes (kvchaos.cluster.layouts like:<model>): unset -> both, set empty -> none
+LIKE=${KVCHAOS_GPU_LIKE_LAYOUTS-like:llama-3.1-8b-p64-bf16,like:deepseek-v3-p64-bf16}
+LAYOUTS=${KVCHAOS_GPU_LAYOUTS:-$("$PY" -c 'import tomllib; print(",".join(tomllib.load(open("kvchaos/profiles/gpu.toml","rb"))["suites"]["layouts"]))')${LIKE:+,$LIKE}}
 QUICK=()
 [ "${KVCHAOS_GPU_QUICK:-1}" = 1 ] && QUICK=(--quick)
 declare -a SUMMARY

@@ -16,7 +16,8 @@ import pytest
 from faults.agent import control as agent_control
 from faults.proxy import toxics
 from kvchaos.cluster.spec import ClusterSpec
-from kvchaos.oracles import (AbortSemantics, CacheIsolation, Differential, HttpSemantics, Isolation, KVLifecycle,
+from kvchaos.oracles import (AbortSemantics, CacheIsolation, Differential, HttpSemantics, Isolation, KvCanary,
+                             KvChecksum, KVLifecycle,
                              Liveness, Retraction, Sensitivity, SensitivityFloor, TimingIsolation)
 from kvchaos.schedule import NemesisError, Schedule, build_checks, check_spec
 from kvchaos.workload import Workload
@@ -65,7 +66,8 @@ def test_plan_fields_are_request_plans():
 def test_checks_take_the_checkers_options():
     built = {"isolation": Isolation(), "sensitivity": Sensitivity(), "http_semantics": HttpSemantics(),
              "liveness": Liveness(bound_s=5), "kv_lifecycle": KVLifecycle(), "abort_semantics": AbortSemantics(),
-             "retraction": Retraction(), "cache_isolation": CacheIsolation(), "timing_isolation": TimingIsolation()}
+             "retraction": Retraction(), "cache_isolation": CacheIsolation(), "timing_isolation": TimingIsolation(),
+             "kv_checksum": KvChecksum(), "kv_canary": KvCanary()}
     assert set(built) | {"differential"} == set(CHECKS)
     for name, c in built.items():
         opts = {k for k in vars(c) if not k.startswith("_") and k != "floor"}
@@ -157,7 +159,8 @@ def test_built_checkers_come_back_as_the_same_checks():
     ref = lambda events: {}  # noqa: E731 - a reference that names its plans, as single_server_reference's do
     ref.rids = [plans[0].rid]
     built = [Isolation(partial_len=6), Liveness(bound_s=20, pool_tolerance_tokens=2), Retraction(min_retractions=4),
-             CacheIsolation(min_hits=2, min_cross=1), TimingIsolation(alpha=0.01, min_n=9), Differential(ref)]
+             CacheIsolation(min_hits=2, min_cross=1), TimingIsolation(alpha=0.01, min_n=9), Differential(ref),
+             KvChecksum(read_logs=False), KvCanary()]
     specs = [check_spec(c) for c in built]
     sc = _roundtrip(_scenario(traffic=Traffic([plan_dict(p) for p in plans]), checks=specs))
     again = build_checks(sc, reference_server=object())

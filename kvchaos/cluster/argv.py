@@ -10,7 +10,7 @@ from pathlib import Path
 from kvchaos.model import is_complete, tiny_model_dir
 from kvchaos.probe import ensure_probe
 
-from .layouts import attention_of_model
+from .layouts import probe_kind_of_model
 from .reaper import ENV_KEY
 from .spec import ClusterSpec, SpecError
 
@@ -45,6 +45,7 @@ def server_argv(spec: ClusterSpec, model_path: str, role: str, port: int, bootst
         "--model-path", model_path,
         "--device", spec.device,
         "--dtype", spec.dtype,
+        *(["--kv-cache-dtype", spec.kv_cache_dtype] if spec.kv_cache_dtype != "auto" else []),
         "--max-total-tokens", str(spec.pool_tokens),
         "--context-length", str(spec.context_length),
         "--page-size", str(spec.page_size),
@@ -86,7 +87,7 @@ def router_argv(spec: ClusterSpec, prefill_url: str, bootstrap_port: int, decode
 def resolve_model(spec: ClusterSpec) -> str:
     """The model directory ``spec.model`` names; a ``tiny:<seed>`` model is generated on first use in
     the engine's interpreter (which has torch), so the harness itself never imports torch."""
-    kind = attention_of_model(spec.model)
+    kind = probe_kind_of_model(spec.model)  # mha | gqa | mla | like:<name>
     if kind is not None:
         return str(ensure_probe(kind))
     if spec.model.startswith("tiny:"):

@@ -18,8 +18,15 @@ page size: any integer >= 1 (the pool must be a multiple of it); dtype: ``fp32``
 Examples: ``mha-p1-fp32`` (the CPU profile's own), ``gqa-p16-bf16``, ``gqa-p64-bf16``, ``mla-p64-bf16``
 (what most production PD deployments run: FlashMLA requires page 64).
 
-Applying a layout to a spec sets ``model``, ``page_size`` and ``dtype`` and names the spec after it; a
-spec names its layout with :func:`of_spec` (``model`` that is not a probe: ``external``).
+``like:<name>-p<page size>-<dtype>``: the probe with the KV-cache geometry of a real model's config
+(``kvchaos.probe.like``: ``like:llama-3.1-8b-p64-bf16``, ``like:deepseek-v3-p64-bf16``, or a config
+registered with ``--kvchaos-probe-like``). Its attention is its config's — ``gqa`` or ``mla`` — so
+everything that branches on the pool class sees what it would for the real model. Its dtypes add
+``fp8``: the model in the config's dtype and ``--kv-cache-dtype fp8_e4m3`` (refused on CPU by
+:class:`kvchaos.cluster.spec.ClusterSpec`).
+
+Applying a layout to a spec sets ``model``, ``page_size`` and ``dtype`` (and ``kv_cache_dtype``) and names
+the spec after it; a spec names its layout with :func:`of_spec` (``model`` that is not a probe: ``external``).
 """
 
 from __future__ import annotations
@@ -27,11 +34,17 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from kvchaos.probe import like
+
 ATTENTION = ("mha", "gqa", "mla")
 # the CPU profile's own layout: every run's files before layouts existed; theirs keep their plain names
 DEFAULT_LAYOUT = "mha-p1-fp32"
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+LIKE_DTYPES = (*DTYPES, "fp8")  # fp8: the KV cache only (--kv-cache-dtype fp8_e4m3), the model in its config's dtype
+KV_CACHE_DTYPES = {"fp8": "fp8_e4m3"}
+SHORT = {v: k for k, v in DTYPES.items()}
 _NAME = re.compile(r"^(?P<att>[a-z]+)-p(?P<page>[0-9]+)-(?P<dt>[a-z0-9]+)$")
+_LIKE = re.compile(r"^like:(?P<name>[a-z0-9][a-z0-9._-]*)-p(?P<page>[0-9]+)-(?P<dt>[a-z0-9]+)$")
 
 
 class LayoutError(ValueError):
@@ -42,33 +55,65 @@ class LayoutError(ValueError):
 class Layout:
     attention: str
     page_size: int
-    dtype: str  # short name: fp32 | bf16 | fp16
+    dtype: str  # short name: fp32 | bf16 | fp16 (like layouts also fp8)
+    like: str | None = None  # a like layout's config name (kvchaos.probe.like)
 
     @property
     def name(self) -> str:
-        return f"{self.attention}-p{self.page_size}-{self.dtype}"
+        head = self.attention if self.like is None else like.PREFIX + self.like
+        return f"{head}-p{self.page_size}-{self.dtype}"
 
     @property
     def model(self) -> str:
+        if self.like is not None:
+            return f"probe:{like.PREFIX}{self.like}"
         return "probe" if self.attention == "mha" else f"probe:{self.attention}"
 
     def overrides(self) -> dict:
         """The spec fields this layout sets."""
-        return {"model": self.model, "page_size": self.page_size, "dtype": DTYPES[self.dtype]}
+        if self.like is None:
+            return {"model": self.model, "page_size": self.page_size, "dtype": DTYPES[self.dtype]}
+        fp8 = self.dtype in KV_CACHE_DTYPES
+        return {"model": self.model, "page_size": self.page_size,
+                "dtype": like.geometry(self.like).dtype if fp8 else DTYPES[self.dtype],
+                "kv_cache_dtype": KV_CACHE_DTYPES.get(self.dtype, "auto")}
+
+
+def _parse_like(name: str) -> Layout:
+    m = _LIKE.match(name)
+    if not m:
+        raise LayoutError(f"layout {name!r}: expected like:<config name>-p<page size>-<dtype>, e.g. "
+                          f"like:llama-3.1-8b-p64-bf16 (config names: {', '.join(like.names())}; dtype one of "
+                          f"{LIKE_DTYPES})")
+    cfg, page, dt = m["name"], int(m["page"]), m["dt"]
+    try:
+        geo = like.geometry(cfg)
+    except like.LikeError as e:
+        raise LayoutError(f"layout {name!r}: {e}") from None
+    if page < 1:
+        raise LayoutError(f"layout {name!r}: page size must be >= 1")
+    if dt not in LIKE_DTYPES:
+        raise LayoutError(f"layout {name!r}: dtype {dt!r} is not one of {LIKE_DTYPES}")
+    return Layout(geo.attention, page, dt, like=cfg)
 
 
 def parse(name: str) -> Layout:
-    m = _NAME.match(name.strip())
+    name = name.strip()
+    if name.startswith(like.PREFIX):
+        return _parse_like(name)
+    m = _NAME.match(name)
     if not m:
         raise LayoutError(f"layout {name!r}: expected <attention>-p<page size>-<dtype>, e.g. mla-p64-bf16 "
-                          f"(attention one of {ATTENTION}, dtype one of {tuple(DTYPES)})")
+                          f"(attention one of {ATTENTION}, dtype one of {tuple(DTYPES)}), or "
+                          f"like:<config name>-p<page size>-<dtype>")
     att, page, dt = m["att"], int(m["page"]), m["dt"]
     if att not in ATTENTION:
         raise LayoutError(f"layout {name!r}: attention {att!r} is not one of {ATTENTION}")
     if page < 1:
         raise LayoutError(f"layout {name!r}: page size must be >= 1")
     if dt not in DTYPES:
-        raise LayoutError(f"layout {name!r}: dtype {dt!r} is not one of {tuple(DTYPES)}")
+        extra = " (fp8 is a like: layout's, e.g. like:llama-3.1-8b-p64-fp8)" if dt == "fp8" else ""
+        raise LayoutError(f"layout {name!r}: dtype {dt!r} is not one of {tuple(DTYPES)}{extra}")
     return Layout(att, page, dt)
 
 
@@ -79,7 +124,9 @@ def parse_list(raw: str) -> list[Layout]:
     return [parse(n) for n in names]
 
 
-def attention_of_model(model: str) -> str | None:
+def probe_kind_of_model(model: str) -> str | None:
+    """The probe kind a spec's ``model`` names (``kvchaos.probe.ensure_probe``'s argument: ``mha``,
+    ``gqa``, ``mla`` or ``like:<name>``, unchecked); None for a model that is not a probe."""
     if model == "probe":
         return "mha"
     if model.startswith("probe:"):
@@ -87,10 +134,28 @@ def attention_of_model(model: str) -> str | None:
     return None
 
 
+def attention_of_model(model: str) -> str | None:
+    """The attention kind of a probe model: ``mha``, ``gqa`` or ``mla`` — a like probe's is its config's
+    (``gqa`` or ``mla``: the KV pool class everything downstream branches on); None for a model that is
+    not a probe. An unknown like name raises :class:`LayoutError`."""
+    kind = probe_kind_of_model(model)
+    name = like.name_of_kind(kind) if kind is not None else None
+    if name is None:
+        return kind
+    try:
+        return like.geometry(name).attention
+    except like.LikeError as e:
+        raise LayoutError(f"model {model!r}: {e}") from None
+
+
 def of_spec(spec) -> str:
     """The layout name of a spec (``external-p64-bf16`` for a model that is not a probe)."""
-    short = {v: k for k, v in DTYPES.items()}.get(spec.dtype, spec.dtype)
-    att = attention_of_model(spec.model) or ("tiny" if spec.model.startswith("tiny:") else "external")
+    short = SHORT.get(spec.dtype, spec.dtype)
+    kv = getattr(spec, "kv_cache_dtype", "auto")
+    if kv != "auto":
+        short = {v: k for k, v in KV_CACHE_DTYPES.items()}.get(kv, kv)
+    kind = probe_kind_of_model(spec.model)
+    att = kind or ("tiny" if spec.model.startswith("tiny:") else "external")
     return f"{att}-p{spec.page_size}-{short}"
 
 
@@ -100,4 +165,7 @@ def apply(spec_dict: dict, layout: Layout, *, name: str | None = None) -> dict:
     if pool and pool % layout.page_size:
         raise LayoutError(f"layout {layout.name}: the pool ({pool} tokens) is not a multiple of page size "
                           f"{layout.page_size}")
-    return {**spec_dict, **layout.overrides(), "name": name or f"{spec_dict.get('name', 'cpu')}-{layout.name}"}
+    out = {**spec_dict, **layout.overrides(), "name": name or f"{spec_dict.get('name', 'cpu')}-{layout.name}"}
+    if layout.like is None and out.get("kv_cache_dtype", "auto") != "auto":
+        out["kv_cache_dtype"] = "auto"  # a plain layout's KV cache is in the model's dtype
+    return out

@@ -6,6 +6,12 @@ Any field can be overridden (``ClusterSpec.load("cpu", pool_tokens=4096)``).
 
 Unknown keys and bad values raise :class:`SpecError` naming the key, the value and what is
 allowed — a typo in a profile must never silently fall back to a default.
+
+The defence arm (:data:`DEFENCES_ENV`, ``--kvchaos-defences``; docs/operations/gpu.md): SGLang's own KV
+defences on both roles. A profile that can run it says how in a ``[defences]`` table (``prefill_args``,
+``decode_args``: appended to the roles' own); :meth:`ClusterSpec.load` applies it when asked
+(``defences=True``, or ``KVCHAOS_DEFENCES=1`` in the environment) and refuses it by name on a profile
+without the table or on a device other than CUDA (:data:`DEFENCES_NEED_CUDA`).
 """
 
 from __future__ import annotations
@@ -18,12 +24,23 @@ import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .layouts import ATTENTION, attention_of_model, of_spec
+from kvchaos.probe import like
+
+from .layouts import ATTENTION, attention_of_model, of_spec, probe_kind_of_model
 
 PROFILE_DIR = Path(__file__).resolve().parent.parent / "profiles"
 TRANSFER_BACKENDS = ("mooncake_tcp", "nixl", "mooncake")
 ROUTERS = ("sglang-router", "mini-lb")
 DEVICES = ("cpu", "cuda")
+KV_CACHE_DTYPES = ("auto", "fp8_e4m3")  # --kv-cache-dtype: auto = the model's dtype
+DEFENCES_ENV = "KVCHAOS_DEFENCES"
+DEFENCES_KEYS = ("prefill_args", "decode_args")
+# why the defence arm is CUDA-only (sglang 0.5.23; the file:line evidence is in docs/operations/gpu.md)
+DEFENCES_NEED_CUDA = (
+    "--disaggregation-enable-kv-checksum and --kv-canary need CUDA devices: the checksum's Adler-32 computer "
+    "is built on cuda: (sglang/srt/disaggregation/prefill.py:248, decode.py:486) and the canary's stamp "
+    "kernels are CUDA-JIT only (other devices get a torch reference this project has never run); on cpu the "
+    "defence arm cannot run")
 
 
 class SpecError(ValueError):
@@ -35,9 +52,11 @@ class ClusterSpec:
     name: str = "cpu"
     engine: str = "sglang"
     engine_python: str = ""  # interpreter that runs the engine; "" = the harness's own
-    model: str = "tiny:0"  # "tiny:<seed>", "probe" / "probe:<mha|gqa|mla>" (built locally) or a model directory
+    # "tiny:<seed>", "probe" / "probe:<mha|gqa|mla>" / "probe:like:<name>" (built locally) or a model directory
+    model: str = "tiny:0"
     device: str = "cpu"
     dtype: str = "float32"
+    kv_cache_dtype: str = "auto"  # --kv-cache-dtype: auto (the model's dtype) or fp8_e4m3 (not on cpu)
     pool_tokens: int = 2048  # --max-total-tokens on each server
     context_length: int = 4096
     page_size: int = 1
@@ -65,7 +84,9 @@ class ClusterSpec:
 
     # ------------------------------------------------------------------ loading
     @classmethod
-    def load(cls, profile: str | os.PathLike = "cpu", **overrides) -> "ClusterSpec":
+    def load(cls, profile: str | os.PathLike = "cpu", defences: bool | None = None, **overrides) -> "ClusterSpec":
+        """The profile's ``[cluster]`` with ``overrides``; ``defences``: apply its ``[defences]`` arm
+        (None: when :data:`DEFENCES_ENV` asks for it)."""
         path = Path(profile)
         if not (path.suffix == ".toml" and path.exists()):
             path = PROFILE_DIR / f"{profile}.toml"
@@ -73,12 +94,14 @@ class ClusterSpec:
                 avail = sorted(p.stem for p in PROFILE_DIR.glob("*.toml"))
                 raise SpecError(f"unknown profile {str(profile)!r}: not a .toml file and not one of {avail}")
         try:
-            data = tomllib.loads(path.read_text())
+            raw = tomllib.loads(path.read_text())
         except tomllib.TOMLDecodeError as e:
             raise SpecError(f"profile {path}: invalid TOML: {e}") from None
-        data = data.get("cluster", data)
+        data = raw.get("cluster", raw)
         data.setdefault("name", path.stem)
         data.update({k: v for k, v in overrides.items() if v is not None})
+        if defences if defences is not None else defences_requested():
+            data = with_defences(data, raw.get("defences") if "cluster" in raw else None, str(path))
         return cls.from_dict(data, source=str(path))
 
     @classmethod
@@ -141,11 +164,29 @@ class ClusterSpec:
             bad(f"pool_tokens={self.pool_tokens} must be a multiple of page_size={self.page_size}")
         if self.startup_timeout_s <= 0 or self.request_timeout_s <= 0:
             bad("timeouts must be > 0")
-        probe = attention_of_model(self.model)
-        if probe is not None and probe not in ATTENTION:
-            bad(f"model={self.model!r}: probe kind {probe!r} is not one of {ATTENTION}")
+        probe = probe_kind_of_model(self.model)
+        like_name = like.name_of_kind(probe) if probe is not None else None
+        if like_name is not None:
+            try:
+                like.geometry(like_name)
+            except like.LikeError as e:
+                bad(f"model={self.model!r}: {e}")
+        elif probe is not None and probe not in ATTENTION:
+            bad(f"model={self.model!r}: probe kind {probe!r} is not one of {ATTENTION} or like:<name>")
         if not (self.model.startswith("tiny:") or probe or Path(self.model).expanduser().exists()):
             bad(f"model={self.model!r} is neither 'tiny:<seed>', 'probe[:<kind>]' nor an existing model directory")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            bad(f"kv_cache_dtype={self.kv_cache_dtype!r} not one of {KV_CACHE_DTYPES}")
+        if self.kv_cache_dtype == "fp8_e4m3" and self.device == "cpu":
+            # SGLang 0.5.23 (mem_cache/kv_cache_configurator.py, configure): an FP8 KV cache on CPU is for MHA pools
+            # only, with Intel AMX and the intel_amx attention backend (the CPU profile runs torch_native)
+            backend = _flag_value(self.common_args, "--attention-backend") or "the default"
+            mla = attention_of_model(self.model) == "mla"
+            if mla or backend != "intel_amx":
+                bad(f"kv cache dtype fp8_e4m3 is not supported on cpu by SGLang with "
+                    f"{'an MLA model' if mla else f'attention backend {backend}'}: SGLang 0.5.23 takes an FP8 KV cache "
+                    "on CPU only for MHA/GQA models, with Intel AMX and --attention-backend intel_amx (on cpu use a "
+                    "bf16/fp16/fp32 layout; fp8 on cuda)")
         if self.topology not in ("one-host", "two-hosts"):
             bad(f"topology={self.topology!r}: use 'one-host' or 'two-hosts' (prefill and decode in network "
                 "namespaces of their own)")
@@ -171,3 +212,55 @@ class ClusterSpec:
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+
+def defences_requested(environ=None) -> bool:
+    """Whether the environment asks for the defence arm (``KVCHAOS_DEFENCES``: 1, true, yes or on)."""
+    return (environ if environ is not None else os.environ).get(DEFENCES_ENV, "").strip().lower() in ("1", "true",
+                                                                                                       "yes", "on")
+
+
+def with_defences(data: dict, table, source: str = "<spec>") -> dict:
+    """``data`` (a ``[cluster]`` table) with the profile's defence arm applied: each role's args from
+    ``table`` (``[defences]``) appended to its own, once. Refused by name (:class:`SpecError`) on a device
+    other than CUDA and for a profile without the table."""
+    device = data.get("device", ClusterSpec.device)
+    if device != "cuda":
+        raise SpecError(f"{source}: the defence arm ({DEFENCES_ENV}=1 / --kvchaos-defences) on device={device!r}: "
+                        f"{DEFENCES_NEED_CUDA}")
+    if not isinstance(table, dict) or not table:
+        raise SpecError(f"{source}: the defence arm ({DEFENCES_ENV}=1 / --kvchaos-defences) needs a [defences] "
+                        f"table ({', '.join(DEFENCES_KEYS)}: the args that turn the defences on); this profile "
+                        "has none")
+    unknown = sorted(set(table) - set(DEFENCES_KEYS))
+    if unknown:
+        raise SpecError(f"{source}: [defences] unknown key(s) {unknown}; allowed: {', '.join(DEFENCES_KEYS)}")
+    out = dict(data)
+    for key in DEFENCES_KEYS:
+        add = table.get(key, [])
+        if not isinstance(add, list) or not all(isinstance(x, str) for x in add):
+            raise SpecError(f"{source}: [defences] {key}={add!r} must be a list of arguments")
+        have = list(out.get(key) or [])
+        if isinstance(have, str):
+            have = shlex.split(have)
+        if not _contains(have, add):
+            have = have + add
+        out[key] = have
+    return out
+
+
+def _contains(args: list, part: list) -> bool:
+    """``part`` appears in ``args`` as a contiguous run (the arm applied twice adds nothing)."""
+    n = len(part)
+    return n == 0 or any(args[i:i + n] == part for i in range(len(args) - n + 1))
+
+
+def _flag_value(args: list, flag: str) -> str | None:
+    """The last value given to ``flag`` in an argument list (``--flag v`` or ``--flag=v``)."""
+    got = None
+    for i, a in enumerate(args):
+        if a == flag and i + 1 < len(args):
+            got = args[i + 1]
+        elif a.startswith(flag + "="):
+            got = a.split("=", 1)[1]
+    return got

@@ -24,6 +24,7 @@ SCALED = {"glm53": ("suites/incidents/test_glm53_incident_scale.py",
 
 
 def _scales() -> list[str]:
+    # on use: the CLI's parser is built for every command, and releases pulls in the workload and runner
     from kvchaos.releases import SCALES
 
     return list(SCALES)

@@ -21,6 +21,9 @@ One module per checker (``base`` holds what they share); this package re-exports
   with finish reason ``abort``), never as a 200 success while the abort provably reached it in time.
 * :func:`retraction` — from decode's own evidence: every request decode retracted got its own KV
   back bit-exact when it resumed, and none was answered without being resumed.
+* :class:`KvChecksum`, :class:`KvCanary` — SGLang's own KV defences (``kvchaos.oracles.defences``):
+  a checksum mismatch or a kv_canary violation in the engines' logs is a FAIL. Only the defence arm
+  (``--kvchaos-defences``, CUDA) adds them; never a default, never always run.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from kvchaos.history import History, agent_kind, as_history
 from .abort_semantics import AbortSemantics, abort_semantics
 from .base import FAIL, PASS, STATUSES, UNKNOWN, Checker, Composite, Verdict, check_safe, compose
 from .cache import CacheIsolation, TimingIsolation, cache_isolation, timing_isolation
+from .defences import KvCanary, KvChecksum
 from .differential import Differential, differential
 from .http_semantics import HttpSemantics, http_semantics
 from .isolation import (CORRUPTING_FAULTS, DEFAULT_FLOOR, ECHO_RATE, Isolation, Sensitivity, SensitivityFloor,
@@ -47,7 +51,8 @@ __all__ = ["FAIL", "PASS", "STATUSES", "UNKNOWN", "CORRUPTING_FAULTS", "DEFAULT_
            "TimingIsolation", "Verdict", "abort_semantics", "agent_kind", "as_history", "binomial_lower_bound",
            "cache_isolation", "check_safe", "compose", "default_checkers", "differential", "http_semantics",
            "isolation", "kv_lifecycle", "kv_page_size", "kv_pages_written", "liveness", "pages_for", "power",
-           "retraction", "scan", "sensitivity", "timing_isolation"]
+           "retraction", "scan", "sensitivity", "timing_isolation",
+           "KvCanary", "KvChecksum"]  # the defence arm's (kvchaos.oracles.defences)
 
 
 def default_checkers(bound_s: float = 60.0) -> Composite:

@@ -6,6 +6,7 @@ and adds the kvchaos hooks (:mod:`kvchaos.plugin.hookspecs`; docs/reference/hook
 lives in ``config.stash`` / ``item.stash`` under the modules' ``pytest.StashKey``s.
 
   options      the ``--kvchaos-*`` options and markers; profile, backend and layout option parsing
+               (``--kvchaos-probe-like``: a model's KV geometry as a ``like:`` layout)
   rundir       run id and seed, run.json, progress.jsonl, the report at session end, terminal summary
   progress     the progress lines rundir registers (tests done and left, ETA, each experiment's verdicts
                as judged)
@@ -13,6 +14,8 @@ lives in ``config.stash`` / ``item.stash`` under the modules' ``pytest.StashKey`
   xdist        the machine lock under pytest-xdist
   parametrize  one session cluster per backend / layout, test order, the CUDA probe for ``gpu`` tests
   fixtures     every fixture
+  defences     ``--kvchaos-defences``: the GPU profile's defence arm (the engine's own KV checksum and
+               kv-canary on both roles, their checkers on every experiment, their table in the report)
 
 Options
   --kvchaos-profile NAME|PATH   cluster profile (default: cpu)
@@ -81,6 +84,7 @@ pytest_plugins = [
     "kvchaos.plugin.known",
     "kvchaos.plugin.parametrize",
     "kvchaos.plugin.fixtures",
+    "kvchaos.plugin.defences",
 ]
 
 

@@ -1,6 +1,6 @@
 """Options of the kvchaos plugin (``--kvchaos-*``), its markers, and the parsing of the options that
 shape a run: the profile path, ``--kvchaos-backends`` and ``--kvchaos-layouts`` (with the profile's
-``[suites] layouts``)."""
+``[suites] layouts`` and ``--kvchaos-probe-like``)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from kvchaos.cluster.layouts import LayoutError, parse_list
-from kvchaos.cluster.spec import PROFILE_DIR, TRANSFER_BACKENDS
+from kvchaos.cluster.layouts import SHORT, LayoutError, parse_list
+from kvchaos.cluster.spec import PROFILE_DIR, TRANSFER_BACKENDS, ClusterSpec, SpecError
+from kvchaos.probe import like
 
 # (layout names, named explicitly): parsed once per session
 LAYOUTS = pytest.StashKey[tuple]()
@@ -58,6 +59,12 @@ def pytest_addoption(parser):
                 help="comma-separated KV layouts to run the suites over, one cluster each (e.g. "
                      "mha-p1-fp32,gqa-p64-bf16,mla-p64-bf16) [the profile's [suites] layouts, for tests "
                      "marked every_layout]")
+    g.addoption("--kvchaos-probe-like", default=os.environ.get(like.ENV), metavar="PATH/config.json",
+                help="a model config (Hugging Face config.json; geometry only): register it as like:<its stem> and run "
+                     "on layout like:<stem>-p<the profile's page size>-<the config's dtype>, a probe with that "
+                     "model's KV-cache geometry (kvchaos.probe.like); with --kvchaos-layouts it only registers the "
+                     "config, for the like:<stem>-... layouts named there. Several: separated by "
+                     f"{os.pathsep!r}, a layout each [{like.ENV}]")
     g.addoption("--kvchaos-seed", default=os.environ.get("KVCHAOS_SEED"),
                 help="the run's seed: every suite's workload and every fault's randomness derive from it "
                      "(kvchaos.workload.seed; 0 = the reviewed plans) [a fresh random one, printed and recorded]")
@@ -129,16 +136,39 @@ def _profile_layouts(config) -> str:
     return ",".join(table.get("layouts", []))
 
 
+def probe_like(config) -> str | None:
+    """Register ``--kvchaos-probe-like``'s configs (``kvchaos.probe.like.register``: this process and the
+    ones it starts resolve ``like:<stem>``) and return the layouts they select, comma-separated:
+    ``like:<stem>-p<the profile's page size>-<the config's dtype>``; None without the option."""
+    raw = config.getoption("--kvchaos-probe-like")
+    paths = [x.strip() for x in (raw or "").split(os.pathsep) if x.strip()]
+    if not paths:
+        return None
+    if config.getoption("--kvchaos-model") or config.getoption("--kvchaos-attach"):
+        raise pytest.UsageError("--kvchaos-probe-like runs a probe with a model's KV geometry on a cluster it launches: "
+                                "it cannot be combined with --kvchaos-model or --kvchaos-attach")
+    try:
+        geos = [like.register(p) for p in paths]
+        page = ClusterSpec.load(config.getoption("--kvchaos-profile")).page_size
+    except (like.LikeError, SpecError) as e:
+        raise pytest.UsageError(f"--kvchaos-probe-like: {e}") from None
+    return ",".join(f"{like.PREFIX}{g.name}-p{page}-{SHORT[g.dtype]}" for g in geos)
+
+
 def layouts(config) -> tuple[list[str], bool]:
     """(layout names, named explicitly). The first is the one every test runs on; explicitly named
-    layouts run every suite on each; the profile's ``[suites] layouts`` only the every_layout tests."""
+    layouts run every suite on each; the profile's ``[suites] layouts`` only the every_layout tests.
+    ``--kvchaos-probe-like`` alone names its layout explicitly (every suite runs on it)."""
     cached = config.stash.get(LAYOUTS, None)
     if cached is not None:
         return cached
 
+    like_layout = probe_like(config)
     raw = config.getoption("--kvchaos-layouts")
     explicit = bool(raw)
-    if not raw:
+    if not raw and like_layout:
+        raw, explicit = like_layout, True
+    elif not raw:
         raw = _profile_layouts(config)
     elif config.getoption("--kvchaos-model") or config.getoption("--kvchaos-attach"):
         raise pytest.UsageError("--kvchaos-layouts picks each layout's probe model and launches a cluster for it: "

@@ -1,8 +1,9 @@
 """The leak-sensitive probe model and the prompts it answers (the circuit: ``kvchaos.probe.circuit``).
 
 One probe per KV layout (:func:`ensure_probe`): ``mha`` (the committed LlamaForCausalLM, 4 KV heads),
-``gqa`` (the same with 2 KV heads) and ``mla`` (DeepseekV2ForCausalLM, ``kvchaos.probe.mla``). All
-recite the canaries in their context the same way and share one tokenizer.
+``gqa`` (the same with 2 KV heads), ``mla`` (DeepseekV2ForCausalLM, ``kvchaos.probe.mla``) and
+``like:<name>`` (a real model's KV-cache geometry, ``kvchaos.probe.like``). All recite the canaries in
+their context the same way and share one tokenizer.
 """
 
 from __future__ import annotations
@@ -53,16 +54,18 @@ def max_new_tokens(n_canaries: int) -> int:
 
 
 def probe_dir(kind: str) -> Path:
-    """Where ``ensure_probe(kind)`` keeps a built probe (pure path computation)."""
+    """Where ``ensure_probe(kind)`` keeps a built probe (pure path computation; a like kind reads its config)."""
     _check_kind(kind)
     if kind == "mha":
         return COMMITTED
-    return cache_root() / "models" / f"probe-{kind}-{recipe_digest(kind)}"
+    slug = kind.replace(":", "-")  # like:<name> -> probe-like-<name>-<digest>
+    return cache_root() / "models" / f"probe-{slug}-{recipe_digest(kind)}"
 
 
 def ensure_probe(kind: str = "mha") -> Path:
-    """The probe model directory for ``kind``: "mha" is the committed model; "gqa" and "mla" are
-    built deterministically on first use (numpy + safetensors, atomic: temp dir + rename)."""
+    """The probe model directory for ``kind``: "mha" is the committed model; "gqa", "mla" and
+    "like:<name>" are built deterministically on first use (numpy + safetensors, atomic: temp dir +
+    rename)."""
     dest = probe_dir(kind)
     if kind == "mha" or ((dest / "kvchaos-model.json").exists() and (dest / "model.safetensors").exists()):
         return dest

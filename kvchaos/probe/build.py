@@ -1,5 +1,6 @@
 """Write a probe model to disk: config, weights (:mod:`kvchaos.probe.circuit` for the Llama kinds,
-:mod:`kvchaos.probe.mla` for MLA), the character-level tokenizer and ``kvchaos-model.json``.
+:mod:`kvchaos.probe.mla` for MLA; either for a ``like:<name>`` kind, with its config's KV geometry from
+:mod:`kvchaos.probe.like`), the character-level tokenizer and ``kvchaos-model.json``.
 
 The construction is deterministic (no training, no randomness): rebuilding gives bit-identical
 weights, checked by the sha256 in ``kvchaos-model.json``.
@@ -19,7 +20,7 @@ import numpy as np
 from safetensors.numpy import save_file
 
 from kvchaos.model import build_char_tokenizer
-from kvchaos.probe import mla
+from kvchaos.probe import like, mla
 from kvchaos.probe.circuit import MAX_POS, RECIPE, VOCAB, build_weights, config
 
 # COMMITTED: the mha probe shipped with kvchaos, rebuilt bit-identically by build()
@@ -34,15 +35,27 @@ CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 
 
+def _like(kind: str) -> like.Geometry | None:
+    name = like.name_of_kind(kind)
+    return None if name is None else like.geometry(name)
+
+
 def hf_config(kind: str = "mha") -> dict:
     """config.json of a probe kind."""
-    if kind == "mla":
-        return mla.hf_config()
+    geo = _like(kind)
+    if kind == "mla" or (geo is not None and geo.attention == "mla"):
+        return mla.hf_config() if geo is None else mla.hf_config(geo.layers, geo.kv_lora_rank)
+    cfg = config(kind) if geo is None else config(kv_heads=geo.kv_heads, q_heads=geo.probe_heads, n_layers=geo.layers)
     return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "torch_dtype": "float32",
-            "rope_scaling": None, **config(kind)}
+            "rope_scaling": None, **cfg}
 
 
 def weights(kind: str = "mha") -> dict[str, np.ndarray]:
+    geo = _like(kind)
+    if geo is not None:
+        if geo.attention == "mla":
+            return mla.build_weights(geo.layers, geo.kv_lora_rank)
+        return build_weights(kv_heads=geo.kv_heads, q_heads=geo.probe_heads, n_layers=geo.layers, fill_idle=True)
     if kind == "mla":
         return mla.build_weights()
     return build_weights(kind)
@@ -53,11 +66,21 @@ def metadata(kind: str, digest: str) -> dict:
             "canary_format": "[" + "base32x10" + "]", "order": "ascending first payload char"}
     if kind != "mha":  # the committed model's metadata stays as shipped
         cfg = hf_config(kind)
-        meta.update({"probe_kind": kind, "recipe_digest": recipe_digest(kind), "attention": kind,
+        geo = _like(kind)
+        attention = kind if geo is None else geo.attention
+        meta.update({"probe_kind": kind, "recipe_digest": recipe_digest(kind), "attention": attention,
                      "architecture": cfg["architectures"][0],
                      "num_attention_heads": cfg["num_attention_heads"],
                      # MLA: one latent (kv_lora_rank + qk_rope_head_dim wide) per token, shared by every head
-                     "kv_heads": 1 if kind == "mla" else cfg["num_key_value_heads"]})
+                     "kv_heads": 1 if attention == "mla" else cfg["num_key_value_heads"]})
+        if geo is not None:  # what it is like: the source config's name and KV geometry
+            src = like.config_path(geo.name).resolve()
+            try:
+                src = src.relative_to(COMMITTED.parent.parent.parent)  # a committed one: repository-relative
+            except ValueError:
+                pass
+            meta["like"] = {"name": geo.name, "config": str(src), "geometry": geo.to_dict(),
+                            "kv_bytes_per_token": {d: geo.bytes_per_token(d) for d in ("bfloat16", "float32")}}
     return meta
 
 
@@ -97,5 +120,5 @@ def build(dest: Path, kind: str = "mha", replace: bool = True) -> Path:
 
 
 if __name__ == "__main__":
-    # python -m kvchaos.probe.build [DEST [KIND]]
+    # python -m kvchaos.probe.build [DEST [KIND]]   (KIND: mha | gqa | mla | like:<name>)
     print(build(Path(sys.argv[1]) if len(sys.argv) > 1 else COMMITTED, *sys.argv[2:3]))

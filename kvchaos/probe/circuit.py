@@ -29,7 +29,9 @@ Kinds (one per KV layout; :func:`kvchaos.probe.ensure_probe`): ``mha`` — this 
 ``model/``; ``gqa`` — the same weights regrouped for 2 key/value heads (layer 1's offset heads all
 have the same key and value, so both KV heads carry them; layer 2 puts IND on query head 0 → KV head
 0 and SEL on query head 2 → KV head 1); ``mla`` — the same algorithm in DeepseekV2ForCausalLM
-(``kvchaos.probe.mla``).
+(``kvchaos.probe.mla``); ``like:<name>`` — a real model's KV geometry (``kvchaos.probe.like``): the same
+circuit in layer 0 and the last layer of ``n_layers``, ``kv_heads`` KV heads for ``q_heads`` query heads
+(:func:`build_weights`), every layer between passing the residual through (:func:`_passthrough`).
 
 A prompt built by :func:`kvchaos.probe.prompt` ends in ``[``, so the reply is
 ``[C1][C2]...[Ck][`` + EOS. Two canaries with the same first character collide (one of the two is
@@ -89,9 +91,11 @@ def _nope_dims() -> list[int]:
     return list(range(NOPE_FROM, half)) + list(range(half + NOPE_FROM, HEAD_DIM))
 
 
-def config(kind: str = "mha") -> dict:
-    """The Llama config of a Llama-architecture probe kind ("mha" or "gqa")."""
-    return {**CONFIG, "num_key_value_heads": KV_HEADS[kind]}
+def config(kind: str = "mha", *, kv_heads: int | None = None, q_heads: int = N_HEADS, n_layers: int = 2) -> dict:
+    """The Llama config of a Llama-architecture probe kind ("mha" or "gqa"), or of a like probe's
+    geometry (``kv_heads``, ``q_heads``, ``n_layers``; key order as CONFIG's)."""
+    return {**CONFIG, "num_key_value_heads": KV_HEADS[kind] if kv_heads is None else kv_heads,
+            "num_attention_heads": q_heads, "num_hidden_layers": n_layers}
 
 
 def sym_of_id() -> dict[int, str]:
@@ -137,19 +141,37 @@ def ind_features():
     return f
 
 
-def build_weights(kind: str = "mha") -> dict[str, np.ndarray]:
-    kv_heads = KV_HEADS[kind]
-    group = N_HEADS // kv_heads  # query heads per key/value head
+def check_heads(kv_heads: int, q_heads: int, n_layers: int) -> None:
+    """What the circuit needs of a head and layer layout (ValueError naming it)."""
+    if kv_heads < 2 or q_heads % kv_heads:
+        raise ValueError(f"{q_heads} query heads on {kv_heads} KV heads: the circuit needs >= 2 KV heads "
+                         "(IND and SEL read different keys) and whole groups of query heads")
+    if q_heads < len(OFFSETS):
+        raise ValueError(f"{q_heads} query heads: layer 0 needs {len(OFFSETS)} offset heads")
+    if n_layers < 2:
+        raise ValueError(f"{n_layers} layers: the circuit sits in layer 0 and the last layer")
+
+
+def build_weights(kind: str = "mha", *, kv_heads: int | None = None, q_heads: int = N_HEADS,
+                  n_layers: int = 2, fill_idle: bool = False) -> dict[str, np.ndarray]:
+    """The weights of a Llama-architecture kind, or (``kv_heads``, ``q_heads``, ``n_layers``) of a like
+    probe: the circuit in layer 0 and layer ``n_layers - 1``, :func:`_passthrough` layers between.
+    ``fill_idle`` (like probes): KV heads the circuit leaves unused carry copies of the token one-hot
+    instead of zeros (their query heads are zero; the hand-written kinds keep their zeros)."""
+    kv_heads = KV_HEADS[kind] if kv_heads is None else kv_heads
+    check_heads(kv_heads, q_heads, n_layers)
+    group = q_heads // kv_heads  # query heads per key/value head
+    last = n_layers - 1
     sq = np.sqrt(HEAD_DIM)  # cancels the attention's 1/sqrt(head_dim)
     w = {}
     w["model.embed_tokens.weight"] = embedding()
 
     # ---- layer 1: offset heads; every head's key (BIAS on the rotary pairs) and value (TOK) are
     # the same, so with fewer key/value heads each carries that same key and value
-    q = np.zeros((N_HEADS * HEAD_DIM, D_MODEL))
+    q = np.zeros((q_heads * HEAD_DIM, D_MODEL))
     k = np.zeros((kv_heads * HEAD_DIM, D_MODEL))
     v = np.zeros_like(k)
-    o = np.zeros((D_MODEL, N_HEADS * HEAD_DIM))
+    o = np.zeros((D_MODEL, q_heads * HEAD_DIM))
     om = _inv_freq()
     half = HEAD_DIM // 2
     for h, delta in enumerate(OFFSETS):
@@ -161,13 +183,17 @@ def build_weights(kind: str = "mha") -> dict[str, np.ndarray]:
         for t in range(NT):
             v[kbase + t, TOK + t] = 1.0
             o[P[delta] + t, base + t] = 1.0
+    if fill_idle:
+        _fill_idle(k, v, {h // group for h in range(len(OFFSETS))})
     _layer(w, 0, q, k, v, o, norm=np.sqrt(2 / D_MODEL))
+    for i in range(1, last):
+        _passthrough(w, i, q_heads, kv_heads)
 
     # ---- layer 2: IND (query head 0, kv head 0) and SEL (the first query head of kv head 1)
-    q = np.zeros((N_HEADS * HEAD_DIM, D_MODEL))
+    q = np.zeros((q_heads * HEAD_DIM, D_MODEL))
     k = np.zeros((kv_heads * HEAD_DIM, D_MODEL))
     v = np.zeros_like(k)
-    o = np.zeros((D_MODEL, N_HEADS * HEAD_DIM))
+    o = np.zeros((D_MODEL, q_heads * HEAD_DIM))
     nope = _nope_dims()
     A = [T[c] for c in ALPHABET]
     for d, (qs, ks, g) in zip(nope, ind_features()):
@@ -197,11 +223,38 @@ def build_weights(kind: str = "mha") -> dict[str, np.ndarray]:
         k[kb + order[c], TOK + t] = 1.0
         v[kb + t, TOK + t] = 1.0
         o[NEXT + t, qb + t] = 1.0
-    _layer(w, 1, q, k, v, o, norm=np.sqrt(6 / D_MODEL))
+    if fill_idle:
+        _fill_idle(k, v, {0, 1})
+    _layer(w, last, q, k, v, o, norm=np.sqrt(6 / D_MODEL))
 
     w["model.norm.weight"] = np.ones(D_MODEL)
     w["lm_head.weight"] = unembedding()
     return {name: a.astype(np.float32) for name, a in w.items()}
+
+
+def _fill_idle(k, v, used: set[int]) -> None:
+    """KV heads no query head of the circuit reads: key and value copy the token one-hot (so their
+    pages are not all zeros; their query heads are zero and their output columns too)."""
+    for h in range(k.shape[0] // HEAD_DIM):
+        if h not in used:
+            for t in range(NT):
+                k[h * HEAD_DIM + NOPE_FROM + t, TOK + t] = 1.0  # position-free dims, like the circuit's content
+                v[h * HEAD_DIM + t, TOK + t] = 1.0
+
+
+def _passthrough(w, i, q_heads, kv_heads):
+    """A layer between the circuit's two (like probes): attention output and MLP zero, so the residual
+    passes through unchanged; every head's query, key and value copy the token one-hot (the layer's KV
+    pages hold the token, deterministically). Its input norm makes the residual's six one-hots (BIAS, TOK,
+    P1, P2, P3, P11) unit entries."""
+    q = np.zeros((q_heads * HEAD_DIM, D_MODEL))
+    k = np.zeros((kv_heads * HEAD_DIM, D_MODEL))
+    v = np.zeros_like(k)
+    for h in range(q_heads):
+        for t in range(NT):
+            q[h * HEAD_DIM + NOPE_FROM + t, TOK + t] = 1.0
+    _fill_idle(k, v, set())
+    _layer(w, i, q, k, v, np.zeros((D_MODEL, q_heads * HEAD_DIM)), norm=np.sqrt(6 / D_MODEL))
 
 
 def _layer(w, i, q, k, v, o, norm):

@@ -14,20 +14,28 @@
 
 A model that does not repeat its context (the random tiny model) scores ~0 on the first two: the
 isolation oracle must then say ``unknown``, and ``tests/test_probe_model.py`` checks exactly that.
+
+The echo and foreign measurements also run without a server, in transformers (:class:`LocalModel`, in
+place of the URL): ``python -m kvchaos.probe.measure --kind like:llama-3.1-8b --quick`` builds the probe
+of a kind (``kvchaos.probe.ensure_probe``) and prints its rates and, for a like probe, its KV bytes.
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
+import json
 import math
 import random
+import sys
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import httpx
 
-from kvchaos import canary
-from kvchaos.probe import MIN_HEAD, MIN_TAIL, TRIGGER, max_new_tokens, prompt
+from kvchaos import canary, cpucompat
+from kvchaos.probe import MIN_HEAD, MIN_TAIL, TRIGGER, ensure_probe, like, max_new_tokens, prompt
 
 ECHO_THRESHOLD = 0.99
 CONTAMINATION_THRESHOLD = 0.95
@@ -86,11 +94,69 @@ async def _run_all(url: str, jobs: list[tuple], concurrency: int, timeout: float
 
 def run_all(url, jobs, concurrency=8, timeout=120.0, registry=None) -> list[dict]:
     """``registry``: the cluster's canary registry (``cluster.canaries``) — what it sends may stay in
-    the engines' KV pages, so its canaries are registered there and have an origin when recited."""
+    the engines' KV pages, so its canaries are registered there and have an origin when recited.
+    ``url`` may be a :class:`LocalModel` instead of a server: the jobs then run in transformers."""
     if registry is not None:
         for job in jobs:
             registry.add_text(job[0], job[2] if len(job) > 2 else None, "probe measurement")
+    if isinstance(url, LocalModel):
+        return [url.generate(job[0], job[1]) for job in jobs]
     return asyncio.run(_run_all(url, jobs, concurrency, timeout))
+
+
+class LocalModel:
+    """A probe model in transformers, answering jobs as ``/generate`` would (``text``, ``output_ids``),
+    greedy. Its greedy decoding is checked against a draft: the recital the probe should give (the
+    prompt's canaries in order of first character, the closing ``[``, EOS) goes through the model in
+    one forward pass; the reply is the draft up to the first token greedy would not pick, that token,
+    and whatever ``generate`` continues with from there — the greedy reply, in one pass when the model
+    recites as drafted (transformers' DeepSeek-V2 re-expands its whole latent cache at every decode
+    step: a 61-layer like probe would take seconds a token)."""
+
+    def __init__(self, model_dir, dtype: str = "bfloat16"):
+        cpucompat.install()  # transformers imports torchvision, which needs the CPU patch here
+        import torch  # the engine's libraries: only a local measurement pays for them
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        self.torch = torch
+        self.dir = Path(model_dir)
+        self.tok = AutoTokenizer.from_pretrained(self.dir)
+        self.model = AutoModelForCausalLM.from_pretrained(self.dir, dtype=getattr(torch, dtype)).eval()
+        self.eos = self.model.config.eos_token_id
+        self.drafted = self.continued = 0  # replies the draft gave whole / that needed generate after it
+
+    def draft(self, text: str) -> list[int]:
+        """The recital the probe should give for ``text`` (ending in the trigger): each first character
+        once (the first canary with it), in alphabet order, then ``[`` and EOS."""
+        seen, order = set(), []
+        for _, c in canary.find(text):
+            if c[1] not in seen:
+                seen.add(c[1])
+                order.append(c)
+        order.sort(key=lambda c: canary.ALPHABET.index(c[1]))
+        return self.tok("".join(order)[1:] + canary.START).input_ids + [self.eos] if order else [self.eos]
+
+    def generate(self, text: str, max_new: int) -> dict:
+        torch = self.torch
+        ids = self.tok(text, return_tensors="pt").input_ids
+        want = self.draft(text)[:max_new]
+        with torch.no_grad():
+            picked = self.model(torch.cat([ids[0], torch.tensor(want[:-1], dtype=ids.dtype)])[None]).logits
+        picked = picked[0, ids.shape[1] - 1:].argmax(-1).tolist()
+        n = next((i for i, (a, b) in enumerate(zip(picked, want)) if a != b), len(want))
+        out = want[:n] if n == len(want) else want[:n] + [picked[n]]
+        if out[-1] != self.eos and len(out) < max_new:  # off the draft: greedy from there
+            self.continued += 1
+            with torch.no_grad():
+                more = self.model.generate(torch.cat([ids[0], torch.tensor(out, dtype=ids.dtype)])[None],
+                                           max_new_tokens=max_new - len(out), do_sample=False,
+                                           eos_token_id=self.eos, pad_token_id=self.eos)
+            out += more[0, ids.shape[1] + len(out):].tolist()
+        else:
+            self.drafted += 1
+        if out and out[-1] == self.eos:
+            out = out[:-1]
+        return {"text": self.tok.decode(out), "output_ids": out, "meta_info": {"prompt_tokens": ids.shape[1]}}
 
 
 def echo_jobs(rng: random.Random, n: int, lengths: list[int]):
@@ -467,3 +533,63 @@ def measure_stale_kv(url: str, agent, n: int, pool_tokens: int, page_size: int, 
                      f"{len(verdict['whole'])} whole stale canaries, recited {len(verdict['recited'])}; "
                      f"own recital {'intact' if intact else 'broken'}, {coll} tail collisions; reply {reply[:60]!r}")
     return rate
+
+
+# =========================================================================== command line (transformers)
+QUICK = {"echo": 50, "contamination": 50}
+FULL = {"echo": 500, "contamination": 300}
+LOCAL_LENGTHS = (32, 64, 128, 256, 512, 1024)  # prompt tokens: transformers on CPU, not a server's 90 % of context
+
+
+def main(argv=None) -> int:
+    """Own-canary echo and foreign-canary rates of a probe in transformers (no server)."""
+    ap = argparse.ArgumentParser(prog="python -m kvchaos.probe.measure", description=main.__doc__)
+    ap.add_argument("--kind", default="mha", help="probe kind: mha | gqa | mla | like:<name> [mha]")
+    ap.add_argument("--model", default=None, help="a model directory instead of a probe kind")
+    ap.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16", "float16"))
+    ap.add_argument("--quick", action="store_true", help=f"{QUICK['echo']}/{QUICK['contamination']} echo/foreign trials")
+    ap.add_argument("--echo", type=int, default=None)
+    ap.add_argument("--contamination", type=int, default=None)
+    ap.add_argument("--lengths", default=",".join(map(str, LOCAL_LENGTHS)), help="prompt lengths in tokens")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--page", type=int, default=64, help="page size for a like probe's KV bytes [64]")
+    ap.add_argument("--json", dest="json_out", default=None, metavar="OUT.json")
+    args = ap.parse_args(argv)
+    counts = QUICK if args.quick else FULL
+    n_echo = counts["echo"] if args.echo is None else args.echo
+    n_cont = counts["contamination"] if args.contamination is None else args.contamination
+    lengths = [int(x) for x in args.lengths.split(",") if x.strip()]
+    try:
+        model_dir = Path(args.model) if args.model else ensure_probe(args.kind)
+    except ValueError as e:
+        ap.error(str(e))
+    t0 = time.time()
+    local = LocalModel(model_dir, args.dtype)
+    load_s = time.time() - t0
+    echo = measure_echo(local, n_echo, lengths, seed=args.seed)
+    cont = measure_contamination(local, n_cont, lengths, seed=args.seed + 1)
+    ok, why = sensitive_enough(echo, cont)
+    out = {"kind": None if args.model else args.kind, "model": str(model_dir), "dtype": args.dtype,
+           "lengths": lengths, "echo": echo.to_dict(), "contamination": cont.to_dict(), "sensitive": ok,
+           "why": why, "replies_off_draft": local.continued, "load_s": round(load_s, 1),
+           "measure_s": round(time.time() - t0 - load_s, 1)}
+    name = like.name_of_kind(args.kind) if not args.model else None
+    if name is not None:
+        geo = like.geometry(name)
+        out["kv"] = {"geometry": geo.to_dict(), "page_size": args.page,
+                     "bytes_per_token": geo.bytes_per_token(), "bytes_per_page": geo.bytes_per_page(args.page),
+                     "bytes_per_512_token_request": geo.request_bytes(512, args.page)}
+    print(f"{out['kind'] or model_dir} in transformers ({args.dtype}, prompts of {lengths} tokens):")
+    print(f"  {echo}\n  {cont}\n  sensitive: {ok} ({why}); {local.continued} replies left the draft; "
+          f"load {out['load_s']} s, measured in {out['measure_s']} s")
+    if "kv" in out:
+        kv = out["kv"]
+        print(f"  KV ({like.geometry(name).dtype}): {kv['bytes_per_token']:,d} B/token, {kv['bytes_per_page']:,d} B per "
+              f"page of {args.page}, {kv['bytes_per_512_token_request']:,d} B per 512-token request")
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps(out, indent=2, default=str))
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -21,6 +21,8 @@ How attention is mapped (per layer, c = kv_a_layernorm(latent), 512 wide):
   kv_a_layernorm.weight = sqrt(active/512) undoes: c is the one-hots themselves. W_kb^h / W_vb^h are
   0/1 selections (each latent entry feeds at most one dimension of a head), so the absorbed
   q_nope·W_kc is exact in bf16 too.
+* Like probes (``kvchaos.probe.like``): the same two layers at layer 0 and layer ``n_layers - 1`` with
+  a ``kv_lora_rank`` latent; every layer between passes the residual through (:func:`_passthrough`).
 * Rope scaling: yarn with factor 1 (SGLang's CPU rope factory only builds deepseek_yarn): the
   inverse frequencies are unchanged and both mscales are 1, so the softmax scale is
   1/sqrt(qk_nope + qk_rope) = 1/sqrt(192); queries carry sqrt(192) to cancel it.
@@ -70,15 +72,16 @@ ROPE = {"rope_type": "yarn", "factor": 1.0, "original_max_position_embeddings": 
         "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}
 
 
-def hf_config() -> dict:
+def hf_config(n_layers: int = 2, kv_lora_rank: int = KV_LORA_RANK) -> dict:
+    """config.json of the MLA probe, or (``n_layers``, ``kv_lora_rank``) of an MLA like probe."""
     return {
         "architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2", "torch_dtype": "float32",
         "vocab_size": VOCAB, "hidden_size": D_MODEL, "intermediate_size": INTERMEDIATE,
-        "num_hidden_layers": 2, "num_attention_heads": MLA_HEADS, "num_key_value_heads": MLA_HEADS,
-        "kv_lora_rank": KV_LORA_RANK, "q_lora_rank": None, "qk_rope_head_dim": QK_ROPE,
+        "num_hidden_layers": n_layers, "num_attention_heads": MLA_HEADS, "num_key_value_heads": MLA_HEADS,
+        "kv_lora_rank": kv_lora_rank, "q_lora_rank": None, "qk_rope_head_dim": QK_ROPE,
         "qk_nope_head_dim": QK_NOPE, "v_head_dim": V_HEAD,
         # every layer dense: the experts exist in the config only
-        "first_k_dense_replace": 2, "moe_layer_freq": 1, "n_routed_experts": 8, "n_shared_experts": 1,
+        "first_k_dense_replace": n_layers, "moe_layer_freq": 1, "n_routed_experts": 8, "n_shared_experts": 1,
         "num_experts_per_tok": 2, "moe_intermediate_size": INTERMEDIATE, "n_group": 1, "topk_group": 1,
         "topk_method": "greedy", "norm_topk_prob": False, "routed_scaling_factor": 1.0,
         "scoring_func": "softmax",
@@ -102,18 +105,24 @@ def _lat(r: int) -> int:
     return LAT[block] + r - block
 
 
-def build_weights() -> dict[str, np.ndarray]:
+def build_weights(n_layers: int = 2, kv_lora_rank: int = KV_LORA_RANK) -> dict[str, np.ndarray]:
+    """The MLA probe's weights, or (``n_layers``, ``kv_lora_rank``) an MLA like probe's: the circuit in
+    layer 0 and layer ``n_layers - 1``, :func:`_passthrough` layers between."""
+    if n_layers < 2 or kv_lora_rank < 4 * NT:
+        raise ValueError(f"{n_layers} layers, kv_lora_rank {kv_lora_rank}: the circuit needs 2 layers and a "
+                         f"latent of >= {4 * NT} (four one-hots)")
+    r, last = kv_lora_rank, n_layers - 1
     sq = np.sqrt(QK_HEAD)  # cancels the attention's 1/sqrt(qk_nope + qk_rope)
     A = [T[c] for c in ALPHABET]
     w = {"model.embed_tokens.weight": embedding()}
 
     # ---- layer 1: offset heads, position through the rope part only
-    q, kva, kvb, o = _zeros()
+    q, kva, kvb, o = _zeros(r)
     om = inv_freq()
     for t in range(NT):
         kva[LAT[TOK] + t, TOK + t] = 1.0
     for p in range(POS_PAIRS):
-        kva[KV_LORA_RANK + 2 * p, BIAS] = 1.0  # k_pe = 1 + 0i on pairs 0..7
+        kva[r + 2 * p, BIAS] = 1.0  # k_pe = 1 + 0i on pairs 0..7
     for h, delta in enumerate(OFFSETS):
         qpe = h * QK_HEAD + QK_NOPE
         for p, (re, im) in enumerate(offset_phases(om, delta, sq)):
@@ -123,9 +132,11 @@ def build_weights() -> dict[str, np.ndarray]:
             kvb[h * (QK_NOPE + V_HEAD) + QK_NOPE + t, LAT[TOK] + t] = 1.0
             o[P[delta] + t, h * V_HEAD + t] = 1.0
     _layer(w, 0, q, kva, kvb, o, norm=np.sqrt(2 / D_MODEL), active=1)
+    for i in range(1, last):
+        _passthrough(w, i, r)
 
     # ---- layer 2: IND (head 0) and SEL (head 1), content only (q_pe = 0)
-    q, kva, kvb, o = _zeros()
+    q, kva, kvb, o = _zeros(r)
     for block in LAT:
         for t in range(NT):
             kva[_lat(block + t), block + t] = 1.0
@@ -156,25 +167,44 @@ def build_weights() -> dict[str, np.ndarray]:
         kvb[k1 + order[c], _lat(TOK + t)] = 1.0
         kvb[v1 + t, _lat(TOK + t)] = 1.0
         o[NEXT + t, ob + t] = 1.0
-    _layer(w, 1, q, kva, kvb, o, norm=np.sqrt(6 / D_MODEL), active=4)
+    _layer(w, last, q, kva, kvb, o, norm=np.sqrt(6 / D_MODEL), active=4)
 
     w["model.norm.weight"] = np.ones(D_MODEL)
     w["lm_head.weight"] = unembedding()
     return {name: a.astype(np.float32) for name, a in w.items()}
 
 
-def _zeros():
+def _zeros(r: int = KV_LORA_RANK):
     H = MLA_HEADS
-    return (np.zeros((H * QK_HEAD, D_MODEL)), np.zeros((KV_LORA_RANK + QK_ROPE, D_MODEL)),
-            np.zeros((H * (QK_NOPE + V_HEAD), KV_LORA_RANK)), np.zeros((D_MODEL, H * V_HEAD)))
+    return (np.zeros((H * QK_HEAD, D_MODEL)), np.zeros((r + QK_ROPE, D_MODEL)),
+            np.zeros((H * (QK_NOPE + V_HEAD), r)), np.zeros((D_MODEL, H * V_HEAD)))
+
+
+def _passthrough(w, i, r):
+    """A layer between the circuit's two (like probes): o_proj and MLP zero, so the residual passes
+    through unchanged. Its latent is the token one-hot (exact after kv_a_layernorm), its k_pe layer 0's
+    constant, every head's q_nope, k_nope and value copy the token one-hot: the layer's KV pages hold
+    the token, deterministically. Its input norm makes the residual's six one-hots unit entries."""
+    q, kva, kvb, o = _zeros(r)
+    for t in range(NT):
+        kva[LAT[TOK] + t, TOK + t] = 1.0
+    for p in range(POS_PAIRS):
+        kva[r + 2 * p, BIAS] = 1.0
+    for h in range(MLA_HEADS):
+        for t in range(NT):
+            q[h * QK_HEAD + t, TOK + t] = 1.0
+            kvb[h * (QK_NOPE + V_HEAD) + t, LAT[TOK] + t] = 1.0
+            kvb[h * (QK_NOPE + V_HEAD) + QK_NOPE + t, LAT[TOK] + t] = 1.0
+    _layer(w, i, q, kva, kvb, o, norm=np.sqrt(6 / D_MODEL), active=1)
 
 
 def _layer(w, i, q, kva, kvb, o, norm, active):
     pre = f"model.layers.{i}."
+    r = kvb.shape[1]  # kv_lora_rank
     w[pre + "self_attn.q_proj.weight"] = q
     w[pre + "self_attn.kv_a_proj_with_mqa.weight"] = kva
-    # `active` one-hot entries of 1 have RMS sqrt(active/512): scale them back to 1
-    w[pre + "self_attn.kv_a_layernorm.weight"] = np.full(KV_LORA_RANK, np.sqrt(active / KV_LORA_RANK))
+    # `active` one-hot entries of 1 have RMS sqrt(active/r): scale them back to 1
+    w[pre + "self_attn.kv_a_layernorm.weight"] = np.full(r, np.sqrt(active / r))
     w[pre + "self_attn.kv_b_proj.weight"] = kvb
     w[pre + "self_attn.o_proj.weight"] = o
     w[pre + "mlp.gate_proj.weight"] = np.zeros((INTERMEDIATE, D_MODEL))

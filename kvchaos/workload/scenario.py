@@ -122,6 +122,9 @@ CHECKS = {
     "timing_isolation": {"alpha": float, "min_n": int},
     # the reference is the named plans served alone by a clean single server, taken when the scenario runs
     "differential": {"reference_rids": list},
+    # the engine's own defences (the GPU profile's defence arm; kvchaos.oracles.defences)
+    "kv_checksum": {"read_logs": bool},
+    "kv_canary": {"read_logs": bool},
 }
 # kvchaos.workload.plan.RequestPlan's fields, as a plan is written (``prompt_chars`` is derived)
 PLAN_FIELDS = {"rid": str, "tenant": str, "kind": str, "endpoint": str, "prompt": str, "canaries": list,
