@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 import subprocess
 import threading
 from dataclasses import asdict, dataclass
@@ -228,53 +227,16 @@ def scaled_plans(scale: Scale, seed: int = GLM53_SEED):
     return plans + big, victim.name
 
 
-def scaled_spec(base: dict, scale: Scale, model_dir: str) -> dict:
+def scaled_spec(base: dict, scale: Scale) -> dict:
     """``base`` (a ClusterSpec dict) deployed at ``scale``: prefill's pool, decode's pool, the context,
-    ``max_running`` on both roles, the long-context copy of the probe."""
+    ``max_running`` on both roles (a probe model is served from a copy whose positions reach the context:
+    :func:`kvchaos.probe.reaching`, by the launcher)."""
     scale.check()
     run = ["--max-running-requests", str(scale.max_running)]
-    return {**base, "model": model_dir, "context_length": scale.context, "pool_tokens": scale.decode_pool,
+    return {**base, "context_length": scale.context, "pool_tokens": scale.decode_pool,
             "startup_timeout_s": max(base.get("startup_timeout_s", 300.0), 600.0),
             "prefill_args": list(base["prefill_args"]) + ["--max-total-tokens", str(scale.prefill_pool)] + run,
             "decode_args": list(base["decode_args"]) + ["--max-total-tokens", str(scale.decode_pool)] + run}
-
-
-def long_context_probe(src: str | Path, context: int, dest_root: str | Path) -> Path:
-    """A copy of the probe model ``src`` whose position limits reach ``context``: the same weights (linked),
-    ``max_position_embeddings`` and the rope's ``original_max_position_embeddings`` raised (SGLang sizes
-    its rotary cache from them; with the probes' yarn factor 1 the frequencies do not change) and the
-    tokenizer's ``model_max_length``. Written once per (source, context); the weights' digest is kept."""
-    src = Path(src)
-    meta = json.loads((src / "kvchaos-model.json").read_text())
-    dest = Path(dest_root) / f"{src.name}-ctx{context}"
-    if (dest / "kvchaos-model.json").exists():
-        return dest
-    tmp = dest.with_name(dest.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    for f in src.iterdir():
-        if f.is_file() and f.name not in ("config.json", "tokenizer_config.json", "kvchaos-model.json"):
-            try:
-                (tmp / f.name).hardlink_to(f)
-            except OSError:
-                shutil.copyfile(f, tmp / f.name)
-    cfg = json.loads((src / "config.json").read_text())
-    cfg["max_position_embeddings"] = max(cfg.get("max_position_embeddings", 0), context)
-    for key in ("rope_scaling", "rope_parameters"):
-        if isinstance(cfg.get(key), dict) and "original_max_position_embeddings" in cfg[key]:
-            cfg[key]["original_max_position_embeddings"] = cfg["max_position_embeddings"]
-    (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
-    tok = src / "tokenizer_config.json"
-    if tok.exists():
-        tc = json.loads(tok.read_text())
-        tc["model_max_length"] = cfg["max_position_embeddings"]
-        (tmp / "tokenizer_config.json").write_text(json.dumps(tc, indent=2))
-    meta["long_context_of"] = str(src)
-    meta["max_position_embeddings"] = cfg["max_position_embeddings"]
-    (tmp / "kvchaos-model.json").write_text(json.dumps(meta, indent=2))
-    shutil.rmtree(dest, ignore_errors=True)
-    tmp.rename(dest)
-    return dest
 
 
 class PeakRss:

@@ -204,3 +204,41 @@ def test_sensitivity_check_fails_for_the_tiny_model_through_sglang(kvchaos_spec,
     ok, why = sensitive_enough(echo, cont)
     assert not ok, why
     assert echo.rate < 0.5 and cont.rate < 0.5
+
+
+def test_a_probe_is_served_from_a_copy_whose_positions_reach_a_longer_context(tmp_path, monkeypatch):
+    """The incident's million-token context on a probe built for 8192 positions: the launcher serves a
+    copy with the same weights and only the position limits raised (SGLang sizes its rotary cache from
+    them); a context the probe reaches uses the probe itself."""
+    import json
+    from pathlib import Path
+
+    from kvchaos.cluster.argv import resolve_model
+    from kvchaos.cluster.spec import ClusterSpec
+    from kvchaos.probe import reaching
+
+    monkeypatch.setenv("KVCHAOS_CACHE", str(tmp_path / "cache"))
+    src = tmp_path / "probe-mla-x"
+    src.mkdir()
+    (src / "model.safetensors").write_bytes(b"weights")
+    (src / "config.json").write_text(json.dumps({"max_position_embeddings": 8192, "hidden_size": 256,
+                                                 "rope_scaling": {"original_max_position_embeddings": 8192,
+                                                                  "factor": 1.0}}))
+    (src / "tokenizer_config.json").write_text(json.dumps({"model_max_length": 8192}))
+    (src / "kvchaos-model.json").write_text(json.dumps({"kind": "probe", "weights_sha256": "abc"}))
+    assert reaching(src, 8192) == src
+    d = reaching(src, 1_048_576)
+    cfg = json.loads((d / "config.json").read_text())
+    assert cfg["max_position_embeddings"] == cfg["rope_scaling"]["original_max_position_embeddings"] == 1_048_576
+    assert cfg["rope_scaling"]["factor"] == 1.0 and cfg["hidden_size"] == 256
+    assert json.loads((d / "tokenizer_config.json").read_text())["model_max_length"] == 1_048_576
+    assert (d / "model.safetensors").read_bytes() == b"weights" and d.parent == tmp_path / "cache" / "models"
+    meta = json.loads((d / "kvchaos-model.json").read_text())
+    assert meta["weights_sha256"] == "abc" and meta["long_context_of"] == str(src)
+    assert reaching(src, 1_048_576) == d and not list(d.parent.glob("*.tmp*"))  # written once, nothing left
+    # the launcher: the committed probe at the profile's context is itself; at a million tokens, a copy
+    spec = ClusterSpec(model="probe", context_length=4096, pool_tokens=2048)
+    assert resolve_model(spec) == str(ensure_probe("mha"))
+    long = resolve_model(ClusterSpec(model="probe", context_length=1_048_576, pool_tokens=2048))
+    assert long != str(ensure_probe("mha")) and json.loads((Path(long) / "config.json").read_text())[
+        "max_position_embeddings"] == 1_048_576

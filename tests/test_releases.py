@@ -171,8 +171,8 @@ def test_the_incident_scale_is_the_incidents_pool_and_context_and_its_prompts_fa
     assert all(len(p.prompt) == p.n_tokens and len(p.canaries) == 3 for p in big)
     assert len(plans) == s.background + len(big) and all(p.tenant != victim for p in plans[:s.background])
     assert all(p.max_new_tokens == 12 + 2 for p in big)  # one recited canary: the evidence
-    spec = R.scaled_spec({"prefill_args": ["--x"], "decode_args": [], "startup_timeout_s": 300.0}, s, "/m")
-    assert spec["context_length"] == s.context and spec["model"] == "/m" and spec["pool_tokens"] == s.decode_pool
+    spec = R.scaled_spec({"prefill_args": ["--x"], "decode_args": [], "startup_timeout_s": 300.0}, s)
+    assert spec["context_length"] == s.context and spec["pool_tokens"] == s.decode_pool
     # the last --max-total-tokens wins: prefill gets the incident's pool, decode one that admits the victims
     assert spec["prefill_args"][:3] == ["--x", "--max-total-tokens", "681280"]
     assert spec["decode_args"][:2] == ["--max-total-tokens", str(s.decode_pool)]
@@ -193,26 +193,6 @@ def test_a_scale_that_cannot_show_the_incident_is_refused_naming_why(change, why
     s = dataclasses.replace(R.SCALES["incident"], **change)
     with pytest.raises(ValueError, match=re.escape(why)):
         s.check()
-
-
-def test_the_long_context_copy_keeps_the_weights_and_raises_only_the_position_limits(tmp_path):
-    src = tmp_path / "probe"
-    src.mkdir()
-    (src / "model.safetensors").write_bytes(b"weights")
-    (src / "config.json").write_text(json.dumps({"max_position_embeddings": 8192, "hidden_size": 256,
-                                                 "rope_scaling": {"original_max_position_embeddings": 8192,
-                                                                  "factor": 1.0}}))
-    (src / "tokenizer_config.json").write_text(json.dumps({"model_max_length": 8192}))
-    (src / "kvchaos-model.json").write_text(json.dumps({"kind": "probe", "weights_sha256": "abc"}))
-    d = R.long_context_probe(src, 1_048_576, tmp_path / "models")
-    cfg = json.loads((d / "config.json").read_text())
-    assert cfg["max_position_embeddings"] == cfg["rope_scaling"]["original_max_position_embeddings"] == 1_048_576
-    assert cfg["rope_scaling"]["factor"] == 1.0 and cfg["hidden_size"] == 256
-    assert json.loads((d / "tokenizer_config.json").read_text())["model_max_length"] == 1_048_576
-    assert (d / "model.safetensors").read_bytes() == b"weights"
-    meta = json.loads((d / "kvchaos-model.json").read_text())
-    assert meta["weights_sha256"] == "abc" and meta["long_context_of"] == str(src)
-    assert R.long_context_probe(src, 1_048_576, tmp_path / "models") == d  # written once
 
 
 def test_peak_rss_follows_a_roles_process_tree():

@@ -8,7 +8,7 @@ import subprocess
 from pathlib import Path
 
 from kvchaos.model import is_complete, tiny_model_dir
-from kvchaos.probe import ensure_probe
+from kvchaos.probe import ensure_probe, reaching
 
 from .layouts import probe_kind_of_model
 from .reaper import ENV_KEY
@@ -88,8 +88,8 @@ def resolve_model(spec: ClusterSpec) -> str:
     """The model directory ``spec.model`` names; a ``tiny:<seed>`` model is generated on first use in
     the engine's interpreter (which has torch), so the harness itself never imports torch."""
     kind = probe_kind_of_model(spec.model)  # mha | gqa | mla | like:<name>
-    if kind is not None:
-        return str(ensure_probe(kind))
+    if kind is not None:  # served from a copy whose positions reach the context where the probe's do not
+        return str(reaching(ensure_probe(kind), spec.context_length))
     if spec.model.startswith("tiny:"):
         seed = int(spec.model[5:])
         path = tiny_model_dir(seed)

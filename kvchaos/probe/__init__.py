@@ -72,3 +72,51 @@ def ensure_probe(kind: str = "mha") -> Path:
     from kvchaos.probe.build import build  # numpy and safetensors: only a build pays for them
 
     return build(dest, kind, replace=False)
+
+
+def reaching(model_dir: str | Path, context: int) -> Path:
+    """``model_dir`` (a built probe) if its positions reach ``context``; else a copy whose position limits
+    do (``<cache>/models/<name>-ctx<context>``, written once): the same weights (linked),
+    ``max_position_embeddings`` and the rope's ``original_max_position_embeddings`` raised — SGLang sizes
+    its rotary cache from them, and with the probes' yarn factor 1 the frequencies do not change (the
+    recital reads stale pages at any position: ``kvchaos.probe.circuit``) — and the tokenizer's
+    ``model_max_length``. Its ``kvchaos-model.json`` keeps the weights' digest and names the source."""
+    import json
+    import shutil
+
+    src = Path(model_dir)
+    cfg = json.loads((src / "config.json").read_text())
+    if cfg.get("max_position_embeddings", 0) >= context:
+        return src
+    dest = cache_root() / "models" / f"{src.name}-ctx{context}"
+    if (dest / "kvchaos-model.json").exists():
+        return dest
+    tmp = dest.with_name(f"{dest.name}.tmp{random.getrandbits(32):08x}")
+    tmp.mkdir(parents=True)
+    try:
+        for f in src.iterdir():
+            if f.is_file() and f.name not in ("config.json", "tokenizer_config.json", "kvchaos-model.json"):
+                try:
+                    (tmp / f.name).hardlink_to(f)
+                except OSError:
+                    shutil.copyfile(f, tmp / f.name)
+        cfg["max_position_embeddings"] = context
+        for key in ("rope_scaling", "rope_parameters"):
+            if isinstance(cfg.get(key), dict) and "original_max_position_embeddings" in cfg[key]:
+                cfg[key]["original_max_position_embeddings"] = context
+        (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
+        if (src / "tokenizer_config.json").exists():
+            tc = json.loads((src / "tokenizer_config.json").read_text())
+            tc["model_max_length"] = context
+            (tmp / "tokenizer_config.json").write_text(json.dumps(tc, indent=2))
+        meta = json.loads((src / "kvchaos-model.json").read_text())
+        meta.update(long_context_of=str(src), max_position_embeddings=context)
+        (tmp / "kvchaos-model.json").write_text(json.dumps(meta, indent=2))
+        try:
+            tmp.rename(dest)
+        except OSError:  # another process wrote it meanwhile: theirs is identical
+            if not (dest / "kvchaos-model.json").exists():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return dest

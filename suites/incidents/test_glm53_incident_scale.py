@@ -2,8 +2,8 @@
 
 ``suites/incidents/test_glm53_kv_leak.py`` runs the incident's shape small (pool 576, context 4096) in
 every ``make test``. This runs it at the incident's size (``kvchaos.releases.SCALES["incident"]``), on
-the MLA probe (DeepSeek-V3 latent geometry, 2 layers, page 64, bf16; a copy whose position limits reach
-the context: ``releases.long_context_probe``), in each release's own environment:
+the MLA probe (DeepSeek-V3 latent geometry, 2 layers, page 64, bf16; served from a copy whose position
+limits reach the context: ``kvchaos.probe.reaching``), in each release's own environment:
 
 - **0.5.19** (pre-fix): expected the incident — the victim tenant's prompt (690,000 tokens: over prefill's
   pool, under the context) takes prefill's reject path, decode pre-allocates the whole prompt, receives
@@ -40,9 +40,7 @@ from kvchaos import releases
 from kvchaos.cluster import ClusterSpec
 from kvchaos.cluster.layouts import apply, parse
 from kvchaos.experiment import FAIL, PASS
-from kvchaos.model import cache_root
 from kvchaos.oracles import HttpSemantics, Isolation, Liveness, kv_pages_written
-from kvchaos.probe import ensure_probe
 from kvchaos.suite import own_cluster, server_field
 from kvchaos.workload import EventLog
 
@@ -77,9 +75,8 @@ def test_incident_scale(scale, version, experiment, seeds, kvchaos_spec, kvchaos
         pytest.skip(f"scale {scale} needs about {need / 2**30:.1f} GiB resident (pools, processes and decode's "
                     f"CPU attention over a {max(sc.oversized):,}-token victim) and this machine has "
                     f"{total / 2**30:.1f} GiB: run --scale largest-fit here, or this one on a larger machine")
-    model = releases.long_context_probe(ensure_probe("mla"), sc.context, cache_root() / "models")
     base = apply(kvchaos_spec.to_dict(), parse(LAYOUT), name=f"{kvchaos_spec.name}-{scale}-{version}")
-    spec = ClusterSpec.from_dict({**releases.scaled_spec(base, sc, str(model)), "engine_python": _python(version)})
+    spec = ClusterSpec.from_dict({**releases.scaled_spec(base, sc), "engine_python": _python(version)})
     out = kvchaos_run_dir / "incidents" / f"glm53-{scale}-{version}"
     plans, victim = releases.scaled_plans(sc, seeds(releases.GLM53_SEED))
     big = [p for p in plans if p.oversized]
@@ -91,6 +88,7 @@ def test_incident_scale(scale, version, experiment, seeds, kvchaos_spec, kvchaos
     with own_cluster(spec, kvchaos_run_dir / spec.name, kvchaos_reaper) as (c, _):
         started_s = time.monotonic() - t_start
         pf, dc = (c.server_info(r) for r in ("prefill", "decode"))
+        described = c.describe()
         assert server_field(pf, "version") == server_field(dc, "version") == version
         assert server_field(pf, "max_total_num_tokens") == sc.prefill_pool, pf
         assert server_field(pf, "context_length") == sc.context, pf
@@ -98,7 +96,7 @@ def test_incident_scale(scale, version, experiment, seeds, kvchaos_spec, kvchaos
         t0 = time.monotonic()
         # a fault kit of this cluster's own (none is armed): the session's would start the session cluster
         with EventLog(kvchaos_run_dir / "events" / f"{spec.name}-faults.jsonl") as flog, \
-                releases.PeakRss(c.describe()["pids"]) as mem:
+                releases.PeakRss(described["pids"]) as mem:
             with experiment(f"glm53-{scale}-{version}", plans,
                             [Isolation(), HttpSemantics(), Liveness(bound_s=bound)], cluster=c,
                             faults=FaultKit(c, flog), path=out / "events.jsonl", seed=seeds(releases.GLM53_SEED),
@@ -114,7 +112,7 @@ def test_incident_scale(scale, version, experiment, seeds, kvchaos_spec, kvchaos
         first = min(ends.get(w["victim_rid"], {}).get("t", float("inf")) for w in iso.witnesses) - ex.events[0]["t"]
     summary = {
         "version": version, "experiment": ex.id, "scale": releases.scale_record(sc), "layout": LAYOUT,
-        "model": str(model), "memory_model": sc.memory_model(MLA_BYTES_PER_TOKEN), "peak_rss": mem.to_dict(),
+        "model": described.get("model_path"), "memory_model": sc.memory_model(MLA_BYTES_PER_TOKEN), "peak_rss": mem.to_dict(),
         "cluster_start_s": round(started_s, 1), "wall_s": round(wall, 1), "victim_tenant": victim,
         "prefill": {k: server_field(pf, k) for k in ("max_total_num_tokens", "max_req_input_len", "context_length")},
         "decode": {k: server_field(dc, k) for k in ("max_total_num_tokens", "context_length")},
