@@ -180,7 +180,7 @@ class ClusterSpec:
         if self.kv_cache_dtype == "fp8_e4m3" and self.device == "cpu":
             # SGLang 0.5.23 (mem_cache/kv_cache_configurator.py, configure): an FP8 KV cache on CPU is for MHA pools
             # only, with Intel AMX and the intel_amx attention backend (the CPU profile runs torch_native)
-            backend = _flag_value(self.common_args, "--attention-backend") or "the default"
+            backend = flag_value(self.common_args, "--attention-backend") or "the default"
             mla = attention_of_model(self.model) == "mla"
             if mla or backend != "intel_amx":
                 bad(f"kv cache dtype fp8_e4m3 is not supported on cpu by SGLang with "
@@ -255,8 +255,8 @@ def _contains(args: list, part: list) -> bool:
     return n == 0 or any(args[i:i + n] == part for i in range(len(args) - n + 1))
 
 
-def _flag_value(args: list, flag: str) -> str | None:
-    """The last value given to ``flag`` in an argument list (``--flag v`` or ``--flag=v``)."""
+def flag_value(args: list, flag: str) -> str | None:
+    """The last value given to ``flag`` in an argument list (``--flag v`` or ``--flag=v``), or None."""
     got = None
     for i, a in enumerate(args):
         if a == flag and i + 1 < len(args):

@@ -53,6 +53,7 @@ import re
 
 from kvchaos.cluster.spec import DEFENCES_NEED_CUDA
 from kvchaos.history import as_history, witness
+from kvchaos.workload.snapshots import server_field
 
 from .base import Checker, Verdict, ladder
 
@@ -97,8 +98,8 @@ def observe(cluster) -> dict:
     for role in ROLES:
         try:
             info = cluster.server_info(role)
-            roles[role] = {"kv_checksum": _field(info, "disaggregation_enable_kv_checksum"),
-                           "kv_canary": _field(info, "kv_canary"), "device": _field(info, "device")}
+            roles[role] = {"kv_checksum": server_field(info, "disaggregation_enable_kv_checksum"),
+                           "kv_canary": server_field(info, "kv_canary"), "device": server_field(info, "device")}
         except Exception as e:  # noqa: BLE001 - an unreachable server is recorded: the checkers say UNKNOWN
             roles[role] = {"error": f"{type(e).__name__}: {e}"[:300]}
     paths = cluster.log_paths() if callable(getattr(cluster, "log_paths", None)) else {}
@@ -111,20 +112,6 @@ def observe(cluster) -> dict:
         except OSError as e:
             logs[role] = {"path": str(p), "error": f"{type(e).__name__}: {e}"[:300]}
     return {"roles": roles, "logs": logs}
-
-
-def _field(info, key):
-    """The first value of ``key`` anywhere in a nested ``/server_info`` answer."""
-    if isinstance(info, dict):
-        if key in info:
-            return info[key]
-        info = list(info.values())
-    if isinstance(info, list):
-        for x in info:
-            v = _field(x, key)
-            if v is not None:
-                return v
-    return None
 
 
 # --------------------------------------------------------------------------- reading the logs

@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvchaos.cluster.layouts import LayoutError, parse as parse_layout
+from kvchaos.cluster.spec import flag_value
 
 from .plan import RequestPlan
 
@@ -251,13 +252,13 @@ class Deployment:
         r["allow_auto_truncate"] = "--allow-auto-truncate" in common or (
             "--allow-auto-truncate" in prefill and "--allow-auto-truncate" in decode)
         r["decode_radix_cache"] = "--disaggregation-decode-enable-radix-cache" in decode
-        size = _flag_value(prefill, "--chunked-prefill-size")
+        size = flag_value(prefill, "--chunked-prefill-size")
         if size is not None and size.lstrip("-").isdigit() and int(size) >= 1:
             r["chunked_prefill_size"] = int(size)
-        ppool = _flag_value(list(getattr(spec, "prefill_args", [])), "--max-total-tokens")  # after the argv's own
+        ppool = flag_value(list(getattr(spec, "prefill_args", [])), "--max-total-tokens")  # after the argv's own
         if ppool is not None and ppool.isdigit() and int(ppool) != getattr(spec, "pool_tokens", None):
             r["prefill_pool_tokens"] = int(ppool)
-        backup = _flag_value(decode, "--disaggregation-decode-retraction-backup")
+        backup = flag_value(decode, "--disaggregation-decode-retraction-backup")
         if backup in RESTART_KNOBS["retraction_backup"][1]:
             r["retraction_backup"] = backup
         env = dict(getattr(spec, "env", {}) or {})
@@ -326,17 +327,6 @@ class Deployment:
         if env != spec.env:
             out["env"] = env
         return out
-
-
-def _flag_value(args: list, flag: str) -> str | None:
-    """The last value given to ``flag`` in ``args`` (``--flag v`` or ``--flag=v``), or None."""
-    got = None
-    for i, a in enumerate(args):
-        if a == flag and i + 1 < len(args):
-            got = args[i + 1]
-        elif a.startswith(flag + "="):
-            got = a.split("=", 1)[1]
-    return got
 
 
 def _set_flag(args: list, flag: str, value: str) -> list:
