@@ -584,7 +584,7 @@ def main(argv=None) -> int:
           f"load {out['load_s']} s, measured in {out['measure_s']} s")
     if "kv" in out:
         kv = out["kv"]
-        print(f"  KV ({like.geometry(name).dtype}): {kv['bytes_per_token']:,d} B/token, {kv['bytes_per_page']:,d} B per "
+        print(f"  KV ({kv['geometry']['dtype']}): {kv['bytes_per_token']:,d} B/token, {kv['bytes_per_page']:,d} B per "
               f"page of {args.page}, {kv['bytes_per_512_token_request']:,d} B per 512-token request")
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(out, indent=2, default=str))
