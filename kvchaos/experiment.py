@@ -112,7 +112,11 @@ class Experiment:
         self.record = record
         self.shrunk: dict | None = None  # what the plugin's --kvchaos-shrink made of it (kvchaos.plugin.fixtures)
         self.plans_digest = plans_digest(self.plans)
-        self.concurrency, self.timeout_s, self.settle_s = concurrency, timeout_s, settle_s
+        # timeout_s is the bound at pace 1 (the profile's own probe): the driver waits it times the cluster's pace
+        # (ClusterSpec.pace, a like: probe on CPU), the header records both, and liveness reads the pace back
+        self.pace = float(getattr(getattr(cluster, "spec", None), "pace", 1.0))
+        self.concurrency, self.settle_s = concurrency, settle_s
+        self.timeout_s, self.unpaced_timeout_s = timeout_s * self.pace, timeout_s
         self.stall_s = stall_s  # stop sending once the cluster is seen wedged (kvchaos.workload.driver)
         self.drive_fn, self.model_name, self.probe_before = drive, model_name, probe_before
         if via not in VIAS:
@@ -412,7 +416,7 @@ class Experiment:
                                    skipped=why)
         gates = dict(self.schedule.gates) if self.schedule is not None else {}
         sc = Scenario(name=self.name, seed=self.seed, deployment=dep,
-                      traffic=Traffic([plan_dict(p) for p in self.plans], self.concurrency, float(self.timeout_s), self.via,
+                      traffic=Traffic([plan_dict(p) for p in self.plans], self.concurrency, float(self.unpaced_timeout_s), self.via,
                                       self.stall_s, gates),
                       nemesis=ops, checks=checks,
                       origin={"test": self.test_id, "experiment": self.id, "run_seed": self.run_seed,
@@ -692,7 +696,7 @@ def _layout(cluster) -> dict:
     spec = getattr(cluster, "spec", None)
     ep = getattr(cluster, "endpoints", None)
     keep = ("name", "model", "device", "dtype", "pool_tokens", "context_length", "page_size", "transfer_backend",
-            "router", "network_proxy", "agent")
+            "router", "network_proxy", "agent", "pace")
     return {"kv_layout": kv_layout(cluster),
             "spec": {k: getattr(spec, k) for k in keep if spec is not None and hasattr(spec, k)},
             "endpoints": ep.as_dict() if ep is not None and hasattr(ep, "as_dict") else None}

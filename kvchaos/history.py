@@ -45,6 +45,7 @@ from pathlib import Path
 
 from kvchaos import canary
 from kvchaos.model import char_vocab
+from kvchaos.probe.kinds import PACE_MAX
 
 SCHEMA = 2
 ONCE_PER_RID = ("plan", "send", "body", "end")
@@ -242,6 +243,15 @@ class History:
     def responses(self) -> list[str]:
         """Every request the client got anything for (a body, an error body, a stream, a leg's error)."""
         return [rid for rid, recs in self.received.items() if any(_strings(r) for r in recs)]
+
+    @property
+    def pace(self) -> float:
+        """The cluster's pace the header records (``layout.spec.pace``: how many times longer a token took
+        than on the profile's own probe; 1 when not recorded). Validated on load: 1 to ``PACE_MAX``."""
+        layout = self.header.get("layout")
+        spec = layout.get("spec") if isinstance(layout, dict) else None
+        pace = spec.get("pace") if isinstance(spec, dict) else None
+        return 1.0 if pace is None else float(pace)
 
     def outcome(self, rid: str) -> str | None:
         return (self.ends.get(rid) or {}).get("outcome")
@@ -478,6 +488,12 @@ def _check_types(e: dict, where: str) -> None:
         for k in ("engine", "layout"):
             if e.get(k) is not None and not isinstance(e[k], dict):
                 raise HistoryError(f"{where}: experiment header: {k!r} must be an object, got {e[k]!r}"[:300])
+        spec = (e.get("layout") or {}).get("spec")
+        pace = spec.get("pace") if isinstance(spec, dict) else None
+        # liveness multiplies its bound by it: a header cannot stretch that bound without limit
+        if pace is not None and not (_num(pace) and 1 <= pace <= PACE_MAX):
+            raise HistoryError(f"{where}: experiment header: layout.spec.pace must be a number from 1 to {PACE_MAX}, "
+                               f"got {pace!r}"[:300])
     for k in ("wall", "t"):
         if k in e and e[k] is not None and not _num(e[k]):
             raise HistoryError(f"{where}: {ev} record: {k!r} must be a number, got {e[k]!r}")

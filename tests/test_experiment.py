@@ -352,3 +352,17 @@ def test_a_run_that_stopped_sending_to_a_wedged_cluster_still_gives_its_pools_se
     assert kits[0].waits == [0.0] and kits[1].waits == [60.0]
     assert any(e["ev"] == "stall" for e in ex.events) and ex.by["liveness"].status == "fail"
     assert ex.scenario().traffic.stall_s == 1.0  # the scenario it writes says so too
+
+
+def test_a_slower_pace_stretches_the_drivers_wait_and_the_liveness_bound_and_the_scenario_keeps_pace_1(tmp_path, fake):
+    """A like: probe on CPU (ClusterSpec.pace 4 here): the driver waits 4 x the suite's timeout, the
+    header records the pace liveness reads back, and the scenario it writes holds the suite's own
+    figure, so replaying it on a pace-1 cluster does not stretch anything."""
+    fake.spec = ClusterSpec.load("cpu", pace=4.0)
+    with _ex(tmp_path, fake) as ex:
+        pass
+    head = ex.events[0]
+    assert ex.timeout_s == 40 and head["timeout_s"] == 40 and head["layout"]["spec"]["pace"] == 4.0
+    lv = ex.by["liveness"]
+    assert lv.stats["bound_s"] == 120 and lv.stats["pace"] == 4, lv
+    assert Scenario.load(ex.scenario_path).traffic.timeout_s == 10

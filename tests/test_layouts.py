@@ -87,3 +87,24 @@ def test_named_layouts_run_every_suite_on_each_and_harness_tests_on_the_first():
 def test_bad_layout_options_stop_the_run_with_the_reason(args, msg):
     r, _ = _collect("suites/test_smoke.py", *args)
     assert r.returncode != 0 and msg in r.stdout + r.stderr, r.stdout[-2000:] + r.stderr[-2000:]
+
+
+def test_a_like_layout_on_cpu_sets_the_pace_of_its_layers_and_a_gpu_or_plain_layout_does_not():
+    """On CPU a like: probe computes every layer (like:llama-3.1-8b: 32, like:deepseek-v3: 61), so its
+    time bounds stretch by its layers over the probes' 2; on a GPU, and for the 2-layer layouts, they do
+    not. A profile's own pace multiplies in; nothing exceeds PACE_MAX."""
+    from kvchaos.cluster.layouts import PACE_MAX, pace
+    base = ClusterSpec.load("cpu").to_dict()
+    assert ClusterSpec.from_dict(apply(base, parse("like:llama-3.1-8b-p64-bf16"))).pace == 16
+    assert ClusterSpec.from_dict(apply(base, parse("like:deepseek-v3-p64-bf16"))).pace == 30.5
+    assert ClusterSpec.from_dict(apply(base, parse("mla-p64-bf16"))).pace == 1
+    assert pace(parse("like:llama-3.1-8b-p64-bf16"), "cuda") == 1
+    assert apply({**base, "pace": 2.0}, parse("like:llama-3.1-8b-p64-bf16"))["pace"] == 32
+    assert apply({**base, "pace": 8.0}, parse("like:deepseek-v3-p64-bf16"))["pace"] == PACE_MAX
+    assert apply({**base, "pace": 2.0}, parse("gqa-p16-bf16"))["pace"] == 2
+
+
+@pytest.mark.parametrize("bad", [0.5, 0, 65, float("nan"), "2", True])
+def test_a_pace_outside_one_to_pace_max_is_refused_naming_it(bad):
+    with pytest.raises(SpecError, match="pace=.* must be a number"):
+        ClusterSpec.load("cpu", pace=bad)

@@ -358,3 +358,37 @@ def test_the_class_floor_is_met_by_a_small_class_that_recited_everything_and_no_
     assert not one_missed["met"] and "echo lower bound" in one_missed["why"], one_missed
     per15 = {f"r{i}": (3, 3) for i in range(5)}
     assert not _class_figures("agent:hold", list(per15), {**per15, "r0": (3, 2)}, f, ECHO_RATE)["met"]
+
+
+def _paced(ev, pace):
+    return [{"ev": "experiment", "schema": 2, "layout": {"kv_layout": "like:llama-3.1-8b-p64-bf16",
+                                                         "spec": {"pace": pace}}}] + ev
+
+
+def test_liveness_bound_is_the_pace_the_history_records_times_the_checkers():
+    """A like: probe on CPU runs at the pace its header records (ClusterSpec.pace): 31 s is within 30 s
+    at pace 16 and a timeout is still a witness at any pace; without a header, or at pace 1, 31 s is not."""
+    probes = [{"ev": "probe", "phase": "before", "role": "decode", "kv_used": 0},
+              {"ev": "probe", "phase": "after", "role": "decode", "kv_used": 0, "ok": True}]
+    slow = clean_log() + probes
+    slow[[i for i, e in enumerate(slow) if e["ev"] == "end"][-1]]["latency_s"] = 31
+    assert oracles.liveness(slow, bound_s=30).status == FAIL
+    assert oracles.liveness(_paced(slow, 1), bound_s=30).status == FAIL
+    v = oracles.liveness(_paced(slow, 16), bound_s=30)
+    assert v.status == PASS and "480 s (30 s at pace 16)" in v.summary and v.stats["bound_s"] == 480, v
+    over = clean_log() + probes
+    over[[i for i, e in enumerate(over) if e["ev"] == "end"][-1]]["latency_s"] = 481
+    v = oracles.liveness(_paced(over, 16), bound_s=30)
+    assert v.status == FAIL and "480 s (30 s at pace 16)" in v.witnesses[0]["problem"], v
+    hang = clean_log() + probes
+    i = next(i for i, e in enumerate(hang) if e["ev"] == "end" and e["rid"] == "r3")
+    hang[i] = {"ev": "end", "rid": "r3", "outcome": "timeout", "latency_s": 30}
+    assert oracles.liveness(_paced(hang, 64), bound_s=30).status == FAIL
+
+
+@pytest.mark.parametrize("pace", [0.5, 65, 1e9, "16", True, {}])
+def test_a_history_whose_pace_would_stretch_liveness_without_limit_is_refused(pace):
+    """Liveness multiplies its bound by the header's pace: a header cannot make every hang 'in time'."""
+    from kvchaos.history import HistoryError, as_history
+    with pytest.raises(HistoryError, match="pace must be a number from 1 to 64"):
+        as_history(_paced(clean_log(), pace))

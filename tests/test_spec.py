@@ -122,3 +122,16 @@ def test_topology_and_agent_channel_are_checked():
         ClusterSpec.load("cpu", topology="three-hosts")
     with pytest.raises(SpecError, match="agent_channel='http': use 'unix'"):
         ClusterSpec.load("cpu", agent_channel="http")
+
+
+def test_the_router_health_check_waits_at_the_clusters_pace_unless_the_profile_says():
+    """sglang-router takes a worker out after 3 health checks time out (5 s each): a busy like: probe on
+    CPU missed them and every request got 503 (docs/reference/layouts-and-backends.md)."""
+    def tail(**kw):
+        return router_argv(ClusterSpec.load("cpu", **kw), "http://127.0.0.1:1", 2, "http://127.0.0.1:3", 4)
+    assert "--health-check-timeout-secs" not in tail()
+    argv = tail(pace=16.0)
+    assert argv[argv.index("--health-check-timeout-secs") + 1] == "80"
+    own = tail(pace=16.0, router_args=["--health-check-timeout-secs", "7"])
+    assert own.count("--health-check-timeout-secs") == 1 and own[-1] == "7"
+    assert "--health-check-timeout-secs" not in tail(pace=16.0, router="mini-lb")

@@ -102,7 +102,7 @@ class ClusterAPI:
             body["text"] = text
             self.canaries.add_text(text or "", extra.get("rid"), "cluster.generate")
         url = getattr(self.endpoints, via) if via in ("router", "prefill", "decode") else via
-        return httpx.post(f"{url}/generate", json=body, timeout=timeout or self.spec.request_timeout_s)
+        return httpx.post(f"{url}/generate", json=body, timeout=timeout or self.spec.paced(self.spec.request_timeout_s))
 
     def check_alive(self) -> None:
         pass

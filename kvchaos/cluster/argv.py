@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import subprocess
 from pathlib import Path
@@ -12,11 +13,13 @@ from kvchaos.probe import ensure_probe, reaching
 
 from .layouts import probe_kind_of_model
 from .reaper import ENV_KEY
-from .spec import ClusterSpec, SpecError
+from .spec import ClusterSpec, SpecError, flag_value
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 BOOT_DIR = REPO_ROOT / "kvchaos" / "_boot"
 LOOPBACK = "127.0.0.1"
+HEALTH_TIMEOUT_FLAG = "--health-check-timeout-secs"
+ROUTER_HEALTH_TIMEOUT_S = 5  # sglang-router 0.3.2's default (RouterArgs.health_check_timeout_secs)
 
 
 def engine_env(spec: ClusterSpec, extra: dict | None = None) -> dict:
@@ -81,6 +84,11 @@ def router_argv(spec: ClusterSpec, prefill_url: str, bootstrap_port: int, decode
         argv.append("--mini-lb")
     elif metrics_port is not None:
         argv += ["--prometheus-host", LOOPBACK, "--prometheus-port", str(metrics_port)]
+    if spec.router == "sglang-router" and spec.pace > 1 and not flag_value(spec.router_args, HEALTH_TIMEOUT_FLAG):
+        # its health check is a generate on each worker, 3 timeouts in a row take the worker out: at a slower
+        # pace a busy engine misses it and every request gets 503 "No available prefill workers" (measured on
+        # like:llama-3.1-8b, docs/reference/layouts-and-backends.md). A profile's own value wins.
+        argv += [HEALTH_TIMEOUT_FLAG, str(math.ceil(spec.paced(ROUTER_HEALTH_TIMEOUT_S)))]
     return argv + spec.router_args
 
 

@@ -26,7 +26,7 @@ from pathlib import Path
 
 from kvchaos.probe import like
 
-from .layouts import ATTENTION, attention_of_model, of_spec, probe_kind_of_model
+from .layouts import ATTENTION, PACE_MAX, attention_of_model, of_spec, probe_kind_of_model
 
 PROFILE_DIR = Path(__file__).resolve().parent.parent / "profiles"
 TRANSFER_BACKENDS = ("mooncake_tcp", "nixl", "mooncake")
@@ -65,6 +65,11 @@ class ClusterSpec:
     cpu_compat: bool = True  # load kvchaos.cpucompat into every engine process
     startup_timeout_s: float = 300.0
     request_timeout_s: float = 60.0
+    # how many times longer a token takes here than on the profile's own probe (a like: probe on CPU: its
+    # layers over the probe's, kvchaos.cluster.layouts.apply). Every time bound of a request — the suites'
+    # and the experiment's timeouts, liveness's bound (read back from the history), the router's health
+    # check — is its pace-1 figure times this; never anything a leak checker reads (PACE_MAX bounds it)
+    pace: float = 1.0
     env: dict = field(default_factory=dict)
     common_args: list = field(default_factory=list)
     prefill_args: list = field(default_factory=list)
@@ -164,6 +169,9 @@ class ClusterSpec:
             bad(f"pool_tokens={self.pool_tokens} must be a multiple of page_size={self.page_size}")
         if self.startup_timeout_s <= 0 or self.request_timeout_s <= 0:
             bad("timeouts must be > 0")
+        if isinstance(self.pace, bool) or not isinstance(self.pace, (int, float)) or not 1 <= self.pace <= PACE_MAX:
+            bad(f"pace={self.pace!r} must be a number from 1 to {PACE_MAX} (how many times slower a token is "
+                "than on the profile's own probe)")
         probe = probe_kind_of_model(self.model)
         like_name = like.name_of_kind(probe) if probe is not None else None
         if like_name is not None:
@@ -209,6 +217,10 @@ class ClusterSpec:
     def layout(self) -> str:
         """The KV layout name (``kvchaos.cluster.layouts``): attention kind, page size, dtype."""
         return of_spec(self)
+
+    def paced(self, seconds: float) -> float:
+        """A time bound set for the profile's own probe, at this cluster's :attr:`pace`."""
+        return seconds * self.pace
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

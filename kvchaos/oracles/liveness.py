@@ -9,16 +9,21 @@ from .base import FAIL, PASS, UNKNOWN, Checker, Verdict
 
 
 def liveness(events, bound_s: float, pool_tolerance_tokens: int = 0) -> Verdict:
-    """Every request ended (and within ``bound_s``); the post-run probe answered; the KV pool is
-    back at its idle baseline (``probe`` events with phase ``before``/``after`` and ``kv_used``)."""
+    """Every request ended (and within ``bound_s`` times the pace the history's header records: a like:
+    probe on CPU takes its layers over the probe's as long per token, ``ClusterSpec.pace``); the post-run
+    probe answered; the KV pool is back at its idle baseline (``probe`` events with phase
+    ``before``/``after`` and ``kv_used``)."""
     run = as_history(events)
+    pace = run.pace
+    bound_s = bound_s * pace
+    within = f"{bound_s:.0f} s" + (f" ({bound_s / pace:.0f} s at pace {pace:g})" if pace != 1 else "")
     witnesses = []
     for rid, p in run.plans.items():
         end = run.ends.get(rid)
         if end is None:
             witnesses.append({"rid": rid, "tenant": p.get("tenant"), "problem": "never ended (no end event)"})
         elif end.get("outcome") == "timeout" or (end.get("latency_s") or 0) > bound_s:
-            witnesses.append({"rid": rid, "tenant": p.get("tenant"), "problem": f"no answer within {bound_s:.0f} s",
+            witnesses.append({"rid": rid, "tenant": p.get("tenant"), "problem": f"no answer within {within}",
                               "outcome": end.get("outcome"), "latency_s": end.get("latency_s"),
                               "n_tokens": p.get("n_tokens"), "kind": p.get("kind")})
     probes = run.by_ev.get("probe", [])
@@ -41,16 +46,16 @@ def liveness(events, bound_s: float, pool_tolerance_tokens: int = 0) -> Verdict:
     # plans a wedged run never sent (kvchaos.workload.driver's stall_s): no evidence either way
     not_sent = sum(e.get("outcome") == "not_sent" for e in run.ends.values())
     stats = {"requests": len(run.plans), "ended": len(run.ends), "not_sent": not_sent, "pool": pool,
-             "after_probes": len(after)}
+             "after_probes": len(after), "bound_s": bound_s, "pace": pace}
     if witnesses:
         return Verdict("liveness", FAIL, f"{len(witnesses)} liveness problems (first: "
                        f"{witnesses[0].get('rid', '')} {witnesses[0]['problem']})", witnesses, stats)
     if not after:
-        return Verdict("liveness", UNKNOWN, f"all {len(run.plans)} requests ended within {bound_s:.0f} s, "
+        return Verdict("liveness", UNKNOWN, f"all {len(run.plans)} requests ended within {within}, "
                        "but no post-run probe of the cluster was recorded", [], stats)
     if not_sent:  # only a timeout stops a run sending, and that timeout is a witness: never here
         return Verdict("liveness", UNKNOWN, f"{not_sent} of {len(run.plans)} plans were never sent", [], stats)
-    return Verdict("liveness", PASS, f"all {len(run.plans)} requests ended within {bound_s:.0f} s; cluster answers"
+    return Verdict("liveness", PASS, f"all {len(run.plans)} requests ended within {within}; cluster answers"
                    + ("; KV pool back to baseline" if pool else ""), [], stats)
 
 

@@ -9,6 +9,11 @@ from pathlib import Path
 PROBE_KINDS = ("mha", "gqa", "mla")  # the hand-written kinds; like:<name> kinds come from kvchaos.probe.like
 _HERE = Path(__file__).resolve().parent
 COMMITTED = _HERE / "model"
+# pace (kvchaos.cluster.spec.ClusterSpec.pace): on CPU every layer of a probe is computed, so a token costs
+# its layers over the 2-layer probes' (mha/gqa/mla), capped so that no time bound stretches without limit.
+# Here, not in a recipe file: a probe's weights do not depend on them
+PROBE_LAYERS = 2
+PACE_MAX = 64.0
 RECIPE_FILES = ("build.py", "circuit.py", "mla.py")  # the builders' source, hashed into the digest
 LIKE_RECIPE_FILES = (*RECIPE_FILES, "like.py")  # a like probe's: the builders and the geometry's derivation
 

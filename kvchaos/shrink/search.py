@@ -68,7 +68,7 @@ class Shrinker:
             plans = as_on_a_fresh_cluster(self.ex.cluster, plans, random.Random(f"{self.ex.seed}/shrink/{n}"))
             sub = Experiment(f"{self.ex.name}-shrink-{n}", plans, self.ex.checks, cluster=self.ex.cluster,
                              faults=self.ex.faults, run_dir=self.ex.run_dir, test_id=self.ex.test_id, seed=self.ex.seed,
-                             concurrency=concurrency, timeout_s=self.ex.timeout_s, settle_s=self.ex.settle_s,
+                             concurrency=concurrency, timeout_s=self.ex.unpaced_timeout_s, settle_s=self.ex.settle_s,
                              model_name=self.ex.model_name, policy=self.ex.policy, via=self.ex.via, path=path,
                              run_seed=self.ex.run_seed, record=False)
             with sub:
@@ -266,7 +266,7 @@ class Shrinker:
                "wall_s": round(time.monotonic() - self.t0, 1),
                "scenario": {"plans": [p.to_dict() for p in plans], "faults": faults, **ops,
                             "concurrency": self.best["concurrency"], "via": self.ex.via,
-                            "timeout_s": self.ex.timeout_s, "checkers": [repr(c) for c in self.ex.checks.checkers]},
+                            "timeout_s": self.ex.unpaced_timeout_s, "pace": self.ex.pace, "checkers": [repr(c) for c in self.ex.checks.checkers]},
                "attempts": self.attempts}
         if reproduced and Path(self.best["log"]).exists():
             shutil.copy(self.best["log"], self.out / "minimal.events.jsonl")

@@ -62,7 +62,9 @@ WORK_COUNTERS = ("sglang:prefill_effective_tokens_total", "sglang:realtime_token
 def wait_quiet(cluster, timeout_s: float = 120.0, stable_s: float = 10.0) -> dict:
     """Wait until neither server has queued/running requests and their work counters have not moved
     for ``stable_s`` (a router still retrying a request its client abandoned keeps them moving).
-    Returns ``{"quiet": bool, "waited_s": float}``; never waits longer than ``timeout_s``."""
+    Returns ``{"quiet": bool, "waited_s": float}``; never waits longer than ``timeout_s`` at the
+    cluster's pace (``ClusterSpec.pace``: a slower probe's requests take longer to drain)."""
+    timeout_s *= getattr(getattr(cluster, "spec", None), "pace", 1.0)
     t0 = time.monotonic()
     last, since = None, time.monotonic()
     while time.monotonic() - t0 < timeout_s:
