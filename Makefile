@@ -9,7 +9,7 @@ PYTEST_ARGS ?=
 
 LAYOUTS ?= mha-p1-fp32,gqa-p16-bf16,gqa-p64-bf16,mla-p64-bf16
 
-.PHONY: setup run docs test test-two-hosts test-matrix test-unit test-layouts soak fuzz bench clean-reports lint-workflows
+.PHONY: setup run docs test test-two-hosts test-matrix test-unit test-layouts test-like soak fuzz bench clean-reports lint-workflows
 setup:
 	@bash scripts/setup.sh >/dev/null
 	@bash scripts/setup-engine.sh 0.5.19 >/dev/null  # pre-fix release for the GLM-5.3 reproduction
@@ -68,6 +68,18 @@ test-matrix: setup  # the detection matrix at 5 mutated + 2 clean trials per cla
 
 test-layouts: setup  # every default suite on every KV layout, one cluster each (hours on 2 cores)
 	$(PY) -m pytest suites -m "not slow and not gpu" -p no:cacheprovider --kvchaos-layouts $(LAYOUTS) $(PYTEST_ARGS)
+
+# test-like: the production-shaped probes (reports/layouts/): smoke, the GLM-5.3 replay and one detection-matrix
+# class (mutated + clean) on each like: layout, one cluster each; their time bounds run at the layout's pace
+# (docs/reference/layouts-and-backends.md). About 40 min (Llama-shaped) and 80 min (DeepSeek-shaped) on 2 cores.
+LIKE_RUNS ?= like:llama-3.1-8b-p64-bf16=reject_admitted like:deepseek-v3-p64-bf16=early_free
+test-like: setup
+	@for run in $(LIKE_RUNS); do \
+	  KVCHAOS_MATRIX_TRIALS=1 KVCHAOS_MATRIX_CLEAN_TRIALS=1 $(PY) -m pytest -p no:cacheprovider -o testpaths= \
+	    suites/test_smoke.py suites/incidents/test_glm53_kv_leak.py suites/test_detection_matrix.py \
+	    --kvchaos-layouts "$${run%%=*}" --kvchaos-seed $(SEED) $(PYTEST_ARGS) \
+	    -k "test_pd_output_token_identical or test_decode_generated or test_replay_leaks or $${run#*=}" || exit 1; \
+	done
 
 K ?= 3
 soak: setup  # the default suites K times, each with a fresh seed: outcome counts per test, flakes, engine failure rates

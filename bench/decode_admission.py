@@ -1,0 +1,85 @@
+"""What decode's per-request reservation costs the CPU cluster's throughput — measured on one cluster.
+
+The CPU profile's decode pool holds 2048 tokens and SGLang reserves ``num_reserved_decode_tokens`` (512 by
+default) for every request it holds, so decode admits two or three requests at a time (the clean
+control's mean decode batch: 1.5). The suites are bound by that admission, not by the harness
+(bench/RESULTS.md, "Where the cluster session's time goes"). This bench runs the clean control's
+traffic (``suites/test_clean_control.py``: N requests, 32 tenants, concurrency 64, the four endpoints)
+on one cluster at SGLang's default reservation, then with the reservation lowered on the live decode
+process (the in-engine agent's ``retract`` switch with ``interval`` 0 and ``reserve``: only
+``DecodePreallocQueue.num_reserved_decode_tokens`` changes; healed afterwards), and prints each run's
+wall time, the verdicts, and the ratio. Each arm must stay clean (isolation and liveness PASS): a
+faster arm that leaks or hangs is no option.
+
+Usage: python bench/decode_admission.py [--profile cpu] [-n 300] [--reserve 128]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from faults import AGENT_MODULE, FaultKit, open_network_proxy  # noqa: E402
+from kvchaos.cluster import Cluster, ClusterSpec  # noqa: E402
+from kvchaos.cluster.argv import resolve_model  # noqa: E402
+from kvchaos.experiment import Experiment  # noqa: E402
+from kvchaos.oracles import Isolation, Liveness  # noqa: E402
+from kvchaos.policy import Policy  # noqa: E402
+from kvchaos.workload import EventLog, Workload  # noqa: E402
+
+SEED, N_TENANTS, CONCURRENCY = 20261130, 32, 64  # the clean control's
+
+
+def run_arm(cluster, run_dir: Path, n: int, reserve: int | None) -> dict:
+    wl = Workload(SEED, n_tenants=N_TENANTS, prefix=f"adm{reserve or 'd'}-")
+    plans = wl.mix(n, weights={"plain": 3, "stream": 1}, lengths=(64, 500),
+                   endpoints=("generate", "generate", "completions", "chat"))
+    log = EventLog(run_dir / f"faults-{reserve or 'default'}.jsonl")
+    kit = FaultKit(cluster, log)
+    if reserve is not None:
+        kit.agent.arm("decode", "retract", params={"interval": 0, "reserve": reserve})
+    ex = Experiment(f"admission-{reserve or 'default'}", plans, [Isolation(), Liveness(bound_s=cluster.spec.request_timeout_s)],
+                    cluster=cluster, run_dir=run_dir, faults=kit, seed=SEED, concurrency=CONCURRENCY,
+                    timeout_s=cluster.spec.request_timeout_s, settle_s=0, policy=Policy())
+    t0 = time.monotonic()
+    try:
+        with ex:
+            pass
+    finally:
+        left = kit.heal_all()
+    wall = time.monotonic() - t0
+    return {"reserve": reserve or "default (512)", "requests": len(plans), "wall_s": round(wall, 1),
+            "verdicts": {v.oracle: v.status for v in ex.verdicts}, "left_armed": left}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--profile", default="cpu")
+    ap.add_argument("-n", type=int, default=300, help="requests per arm [300]")
+    ap.add_argument("--reserve", type=int, default=128, help="the lowered reservation, tokens [128]")
+    args = ap.parse_args(argv)
+    if args.n < 20 or args.reserve < 1:
+        ap.error("-n must be >= 20 (the sensitivity floor) and --reserve >= 1")
+    spec = ClusterSpec.load(args.profile)
+    resolve_model(spec)
+    with tempfile.TemporaryDirectory() as d:
+        cluster = Cluster(spec, d, proxy_factory=open_network_proxy, agent_module=AGENT_MODULE).start()
+        try:
+            rows = [run_arm(cluster, Path(d), args.n, None), run_arm(cluster, Path(d), args.n, args.reserve)]
+        finally:
+            cluster.stop()
+    for r in rows:
+        print(f"reserve {str(r['reserve']):14s} {r['requests']} requests in {r['wall_s']:7.1f} s   "
+              f"verdicts {r['verdicts']}" + (f"   LEFT ARMED {r['left_armed']}" if r["left_armed"] else ""))
+    print(f"ratio wall(reserve {args.reserve}) / wall(default) = {rows[1]['wall_s'] / rows[0]['wall_s']:.2f}")
+    clean = all(v == "pass" for r in rows for k, v in r["verdicts"].items() if k in ("isolation", "liveness"))
+    print("both arms clean (isolation and liveness PASS)" if clean else "NOT CLEAN: an arm failed isolation or liveness")
+    return 0 if clean else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
