@@ -58,6 +58,7 @@ def abort_on_both(cluster, rid: str) -> dict:
 # an abort counts as sent to a held request only this far inside the hold's own bound (max_hold_s): one
 # sent as the bound ran out may reach a request already let go, whose complete reply is then no lost abort
 HELD_MARGIN_S = 0.5
+WAIT_S = 60.0  # how long an op waits for the op it comes after (at pace 1)
 WAIT_SLICE_S = 0.5  # how often a wait for a hold to park looks whether the method has ended
 POLL_S = 0.02  # how often an ``on`` trigger reads the events it waits for
 # the stage an abort triggered by an event (Op.on) lands at, for abort_semantics
@@ -78,7 +79,7 @@ class Schedule:
     :meth:`~kvchaos.workload.scenario.Scenario.ops`) on ``kit`` (``.agent``, ``.net``, ``.proc``) and
     ``cluster`` (for ``action`` aborts). Times are seconds after :meth:`start`."""
 
-    def __init__(self, ops: list[Op], kit, cluster=None, *, wait_s: float = 60.0, clock=time.monotonic,
+    def __init__(self, ops: list[Op], kit, cluster=None, *, wait_s: float | None = None, clock=time.monotonic,
                  abort=None, sleep=time.sleep, client_log=None, gates: dict | None = None):
         self.ops, self.kit, self.cluster = list(ops), kit, cluster
         self.gates = dict(gates or {})  # rid -> the op (index) that plan waits for (:meth:`gate`)
@@ -86,7 +87,12 @@ class Schedule:
             if not 0 <= j < len(self.ops):
                 raise NemesisError(f"plan {rid} waits for op {j}: there are {len(self.ops)} ops")
         self.happened = [threading.Event() for _ in self.ops]  # op i armed, acted or skipped
-        self.wait_s, self.clock, self.sleep = wait_s, clock, sleep
+        # an op waits for the one before it at most WAIT_S at the cluster's pace (ClusterSpec.pace: a like: probe
+        # on CPU reaches a transfer that many times later; a DeepSeek-shaped one parked its second victim's write
+        # after more than 60 s)
+        pace = float(getattr(getattr(cluster, "spec", None), "pace", 1.0))
+        self.wait_s = WAIT_S * pace if wait_s is None else wait_s
+        self.clock, self.sleep = clock, sleep
         self.client_log = client_log  # the experiment's log: the client events an ``on`` may wait for
         self.handles: dict[int, object] = {}
         self.done: set[int] = set()  # ops carried out (armed, or an action taken): each once

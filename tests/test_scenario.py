@@ -860,3 +860,12 @@ def test_a_gated_plan_waits_for_the_park_or_the_action_it_names():
     assert s.heal() == []
     with pytest.raises(NemesisError, match="plan x waits for op 5: there are 2 ops"):
         Schedule(ops, kit, gates={"x": 5})
+
+
+def test_an_op_waits_for_the_one_before_it_at_the_clusters_pace():
+    """A like: probe on CPU reaches a transfer pace times later: an abort waiting for a hold to park
+    waited 60 s and the DeepSeek-shaped probe (pace 30.5) parked its second victim after that."""
+    slow = SimpleNamespace(spec=ClusterSpec.load("cpu", pace=30.5))
+    assert Schedule([], None, cluster=slow).wait_s == 60 * 30.5
+    assert Schedule([], None, cluster="c").wait_s == 60
+    assert Schedule([], None, cluster=slow, wait_s=5.0).wait_s == 5.0
