@@ -71,7 +71,7 @@ test-layouts: setup  # every default suite on every KV layout, one cluster each 
 
 # test-like: the production-shaped probes (reports/layouts/): smoke, the GLM-5.3 replay and one detection-matrix
 # class (mutated + clean) on each like: layout, one cluster each; their time bounds run at the layout's pace
-# (docs/reference/layouts-and-backends.md). About 40 min (Llama-shaped) and 80 min (DeepSeek-shaped) on 2 cores.
+# (docs/reference/layouts-and-backends.md). About 40 min (Llama-shaped) and 100 min (DeepSeek-shaped) on 2 cores.
 LIKE_RUNS ?= like:llama-3.1-8b-p64-bf16=reject_admitted like:deepseek-v3-p64-bf16=early_free
 test-like: setup
 	@for run in $(LIKE_RUNS); do \
