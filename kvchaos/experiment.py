@@ -38,7 +38,7 @@ from urllib.parse import urlsplit
 
 from kvchaos import canary, oracles
 from kvchaos.cluster.dry import DryRun  # noqa: F401 - raised on entering a dry run's experiment
-from kvchaos.cluster.layouts import DEFAULT_LAYOUT
+from kvchaos.cluster.layouts import DEFAULT_LAYOUT, pace_of
 from kvchaos.history import SCHEMA, History, HistoryError
 from kvchaos.oracles import FAIL, PASS, UNKNOWN  # noqa: F401 - re-exported for suites
 from kvchaos.policy import KNOWN, Context, Judgement, Policy
@@ -114,7 +114,7 @@ class Experiment:
         self.plans_digest = plans_digest(self.plans)
         # timeout_s is the bound at pace 1 (the profile's own probe): the driver waits it times the cluster's pace
         # (ClusterSpec.pace, a like: probe on CPU), the header records both, and liveness reads the pace back
-        self.pace = float(getattr(getattr(cluster, "spec", None), "pace", 1.0))
+        self.pace = pace_of(cluster)
         self.concurrency, self.settle_s = concurrency, settle_s
         self.timeout_s, self.unpaced_timeout_s = timeout_s * self.pace, timeout_s
         self.stall_s = stall_s  # stop sending once the cluster is seen wedged (kvchaos.workload.driver)

@@ -23,6 +23,7 @@ import time
 import httpx
 
 from kvchaos import oracles
+from kvchaos.cluster.layouts import pace_of
 from kvchaos.workload.scenario import CHECKS, MAX_DELAY_S, Op, Scenario, ScenarioError
 
 
@@ -90,8 +91,7 @@ class Schedule:
         # an op waits for the one before it at most WAIT_S at the cluster's pace (ClusterSpec.pace: a like: probe
         # on CPU reaches a transfer that many times later; a DeepSeek-shaped one parked its second victim's write
         # after more than 60 s)
-        pace = float(getattr(getattr(cluster, "spec", None), "pace", 1.0))
-        self.wait_s = WAIT_S * pace if wait_s is None else wait_s
+        self.wait_s = WAIT_S * pace_of(cluster) if wait_s is None else wait_s
         self.clock, self.sleep = clock, sleep
         self.client_log = client_log  # the experiment's log: the client events an ``on`` may wait for
         self.handles: dict[int, object] = {}

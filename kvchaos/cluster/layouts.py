@@ -178,6 +178,12 @@ def apply(spec_dict: dict, layout: Layout, *, name: str | None = None) -> dict:
     return out
 
 
+def pace_of(cluster) -> float:
+    """The pace of a launched or attached cluster (its spec's, :attr:`ClusterSpec.pace`); 1 for anything
+    without a spec (a stand-in in a unit test)."""
+    return float(getattr(getattr(cluster, "spec", None), "pace", 1.0))
+
+
 def pace(layout: Layout, device: str) -> float:
     """How many times longer a token of ``layout``'s probe takes on ``device`` than one of the profile's
     own probe: on CPU a like probe's layers over :data:`PROBE_LAYERS` (capped at :data:`PACE_MAX`);

@@ -6,6 +6,7 @@ import time
 
 import httpx
 
+from kvchaos.cluster.layouts import pace_of
 from kvchaos.cluster.metrics import Metrics
 
 
@@ -64,7 +65,7 @@ def wait_quiet(cluster, timeout_s: float = 120.0, stable_s: float = 10.0) -> dic
     for ``stable_s`` (a router still retrying a request its client abandoned keeps them moving).
     Returns ``{"quiet": bool, "waited_s": float}``; never waits longer than ``timeout_s`` at the
     cluster's pace (``ClusterSpec.pace``: a slower probe's requests take longer to drain)."""
-    timeout_s *= getattr(getattr(cluster, "spec", None), "pace", 1.0)
+    timeout_s *= pace_of(cluster)
     t0 = time.monotonic()
     last, since = None, time.monotonic()
     while time.monotonic() - t0 < timeout_s:
