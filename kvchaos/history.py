@@ -248,9 +248,7 @@ class History:
     def pace(self) -> float:
         """The cluster's pace the header records (``layout.spec.pace``: how many times longer a token took
         than on the profile's own probe; 1 when not recorded). Validated on load: 1 to ``PACE_MAX``."""
-        layout = self.header.get("layout")
-        spec = layout.get("spec") if isinstance(layout, dict) else None
-        pace = spec.get("pace") if isinstance(spec, dict) else None
+        pace = _header_pace(self.header)
         return 1.0 if pace is None else float(pace)
 
     def outcome(self, rid: str) -> str | None:
@@ -451,6 +449,13 @@ def _num(x) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
+def _header_pace(head: dict):
+    """The pace an experiment header records (``layout.spec.pace``), unchecked; None when absent."""
+    layout = head.get("layout")
+    spec = layout.get("spec") if isinstance(layout, dict) else None
+    return spec.get("pace") if isinstance(spec, dict) else None
+
+
 def _check_types(e: dict, where: str) -> None:
     """The fields the checkers read, with the types they need (a clear message, never a traceback)."""
     ev = e["ev"]
@@ -488,8 +493,7 @@ def _check_types(e: dict, where: str) -> None:
         for k in ("engine", "layout"):
             if e.get(k) is not None and not isinstance(e[k], dict):
                 raise HistoryError(f"{where}: experiment header: {k!r} must be an object, got {e[k]!r}"[:300])
-        spec = (e.get("layout") or {}).get("spec")
-        pace = spec.get("pace") if isinstance(spec, dict) else None
+        pace = _header_pace(e)
         # liveness multiplies its bound by it: a header cannot stretch that bound without limit
         if pace is not None and not (_num(pace) and 1 <= pace <= PACE_MAX):
             raise HistoryError(f"{where}: experiment header: layout.spec.pace must be a number from 1 to {PACE_MAX}, "
