@@ -4,6 +4,11 @@
 #   make docs   the documentation (docs/, mkdocs.yml) into site/
 VENV ?= $(HOME)/.cache/kvchaos/venv
 export KVCHAOS_VENV := $(VENV)
+# Python's bytecode cache stays on for every target, whatever the caller's environment says: with
+# PYTHONDONTWRITEBYTECODE set, each of the hundreds of Python processes make test starts (pytest, its xdist
+# workers, `python -m kvchaos` in the CLI tests, inner pytest runs) compiled this repository's ~26,000 lines
+# again and pytest re-wrote the asserts of every kvchaos module: about 2 s of CPU each (bench/RESULTS.md)
+unexport PYTHONDONTWRITEBYTECODE
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 

@@ -6,7 +6,8 @@ Per run: ``git clone`` of the repository's HEAD into a temporary directory, ``be
 CI runs: ``make test``). The phases come from what the run left: each pytest session's
 ``reports/<run-id>/run.json`` (its start) and ``progress.jsonl`` (its ``finished`` record); setup is the
 time from the command to the first session, and what follows a session's ``finished`` before the next
-one starts is that session's teardown and report.
+one starts is that session's teardown and report. Each phase also gets the machine's CPU busy share over
+its window (``/proc/stat``, sampled every 2 s): where the cores sat idle is where overlapping work could go.
 
 Usage: python bench/ci_time.py [--runs 1] [--repo .] [--keep DIR] [--json OUT]
 """
@@ -22,6 +23,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -60,16 +62,70 @@ def sessions(reports: Path) -> list[dict]:
     return sorted(out, key=lambda s: s["started"])
 
 
-def phases(t0: float, t_end: float, sess: list[dict]) -> list[tuple[str, float]]:
+def windows(t0: float, t_end: float, sess: list[dict]) -> list[tuple[str, float, float]]:
+    """(phase, start, end) in wall time: setup, then each session and what follows it."""
     names = ["unit tests (-n 2)", "cluster session", "two-host session"]
-    rows = [("setup + workflow lint", (sess[0]["started"] if sess else t_end) - t0)]
+    rows = [("setup + workflow lint", t0, sess[0]["started"] if sess else t_end)]
     for i, s in enumerate(sess):
         name = names[i] if i < len(names) else f"session {i + 1}"
         end = s["finished"] or t_end
-        rows.append((f"{name} ({s['tests']} tests, exit {s['exitstatus']})", end - s["started"]))
+        rows.append((f"{name} ({s['tests']} tests, exit {s['exitstatus']})", s["started"], end))
         nxt = sess[i + 1]["started"] if i + 1 < len(sess) else t_end
-        rows.append((f"  teardown, report{' and docs build' if i + 1 == len(sess) else ''}", nxt - end))
+        rows.append((f"  teardown, report{' and docs build' if i + 1 == len(sess) else ''}", end, nxt))
     return rows
+
+
+def phases(t0: float, t_end: float, sess: list[dict]) -> list[tuple[str, float]]:
+    return [(name, b - a) for name, a, b in windows(t0, t_end, sess)]
+
+
+def cpu_jiffies() -> tuple[int, int] | None:
+    """(busy, total) jiffies of all cores since boot, from /proc/stat's first line (None: no /proc)."""
+    try:
+        with open("/proc/stat") as fh:
+            f = [int(x) for x in fh.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    idle = f[3] + (f[4] if len(f) > 4 else 0)  # idle + iowait
+    total = sum(f[:8])  # guest time is already in user
+    return total - idle, total
+
+
+class CpuSampler:
+    """The machine's CPU (busy, total) jiffies every ``period_s`` while a run goes, for :func:`busy_share`."""
+
+    def __init__(self, period_s: float = 2.0, read=cpu_jiffies, clock=time.time):
+        self.period_s, self.read, self.clock = period_s, read, clock
+        self.samples: list[tuple[float, int, int]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="ci-time-cpu", daemon=True)
+
+    def _sample(self) -> None:
+        got = self.read()
+        if got is not None:
+            self.samples.append((self.clock(), *got))
+
+    def _run(self) -> None:
+        self._sample()
+        while not self._stop.wait(self.period_s):
+            self._sample()
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join(timeout=10)
+        self._sample()
+
+
+def busy_share(samples: list[tuple[float, int, int]], a: float, b: float) -> float | None:
+    """The CPU busy share over [a, b] from samples taken inside it (None: fewer than two there)."""
+    inside = [s for s in samples if a <= s[0] <= b]
+    if len(inside) < 2 or inside[-1][2] == inside[0][2]:
+        return None
+    return (inside[-1][1] - inside[0][1]) / (inside[-1][2] - inside[0][2])
 
 
 def _venv_python() -> Path:
@@ -107,7 +163,7 @@ def _one_run(repo: Path, keep: Path | None, i: int) -> dict:
         head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=clone, capture_output=True, text=True).stdout.strip()
         cs = cold_start(clone)
         t0 = time.time()
-        with open(work / "make-test.log", "w") as log:
+        with open(work / "make-test.log", "w") as log, CpuSampler() as cpu:
             # SIGINT at its default, as on CI's runner, even when this bench runs as a background job (which
             # inherits SIGINT ignored: the tests that interrupt a child would see it ignore Ctrl-C)
             # in a session of its own: past CI's 90 minutes the whole tree is stopped (the reapers take the
@@ -126,10 +182,13 @@ def _one_run(repo: Path, keep: Path | None, i: int) -> dict:
                     p.wait()
                 rc = "timeout (90 min)"
         t_end = time.time()
-        rows = phases(t0, t_end, sessions(clone / "reports"))
+        rows = windows(t0, t_end, sessions(clone / "reports"))
         total = t_end - t0
+        share = busy_share(cpu.samples, t0, t_end)
         res = {"run": i, "commit": head, "exit": rc, "total_s": round(total, 1), "cold_start_s": round(cs, 1),
-               "ratio": round(total / cs, 2), "limit": LIMIT, "phases": [(n, round(s, 1)) for n, s in rows],
+               "ratio": round(total / cs, 2), "limit": LIMIT,
+               "phases": [(n, round(b - a, 1), _pct(busy_share(cpu.samples, a, b))) for n, a, b in rows],
+               "cpu_busy": _pct(share),
                "log_tail": (work / "make-test.log").read_text()[-1500:]}
         if keep:
             dest = keep / f"run{i}"
@@ -142,11 +201,20 @@ def _one_run(repo: Path, keep: Path | None, i: int) -> dict:
         shutil.rmtree(work, ignore_errors=True)
 
 
+def _pct(share: float | None) -> float | None:
+    return None if share is None else round(100 * share, 1)
+
+
+def _busy(p: float | None) -> str:
+    return "" if p is None else f"   CPU busy {p:5.1f} %"
+
+
 def show(r: dict) -> None:
     print(f"run {r['run']} (commit {r['commit']}): make test exit {r['exit']}")
-    for name, s in r["phases"]:
-        print(f"  {name:58s} {s:8.1f} s")
-    print(f"  {'total (setup included)':58s} {r['total_s']:8.1f} s  ({r['total_s'] / 60:.1f} min)")
+    for name, s, *busy in r["phases"]:
+        print(f"  {name:58s} {s:8.1f} s{_busy(busy[0] if busy else None)}")
+    print(f"  {'total (setup included)':58s} {r['total_s']:8.1f} s  ({r['total_s'] / 60:.1f} min)"
+          f"{_busy(r.get('cpu_busy'))}")
     print(f"  cluster cold start beside it (bench/cold_start.py): {r['cold_start_s']:.1f} s; "
           f"ratio make-test/cold-start = {r['ratio']:.1f} (target <= {LIMIT}: {'met' if r['ratio'] <= LIMIT else 'NOT met'})")
 

@@ -47,3 +47,36 @@ def test_a_venv_left_where_it_was_is_not_reinstalled(tmp_path, monkeypatch):
     monkeypatch.setattr(b, "reinstall", reinstalled.append)
     b.one_run(REPO, None, 1)
     assert reinstalled == []
+
+
+def test_busy_share_is_the_cpu_used_between_the_samples_inside_a_window():
+    b = _bench()
+    samples = [(0.0, 100, 1000), (2.0, 150, 1200), (4.0, 350, 1400), (6.0, 360, 1600)]
+    assert b.busy_share(samples, 0.0, 4.0) == (350 - 100) / (1400 - 1000)  # 62.5 %
+    assert b.busy_share(samples, 2.0, 4.0) == 1.0  # both cores busy
+    assert b.busy_share(samples, 4.0, 6.0) == 10 / 200
+    assert b.busy_share(samples, 4.5, 5.5) is None  # no two samples inside: unknown, not 0 %
+
+
+def test_the_sampler_reads_until_it_is_stopped_and_once_more_at_the_end():
+    b = _bench()
+    reads = iter([(i * 10, i * 100) for i in range(1, 1000)])
+    with b.CpuSampler(period_s=0.01, read=lambda: next(reads)) as cpu:
+        import time
+        time.sleep(0.1)
+    n = len(cpu.samples)
+    assert n >= 3 and [s[1] for s in cpu.samples] == [i * 10 for i in range(1, n + 1)]
+    assert b.cpu_jiffies() is None or b.cpu_jiffies()[1] > 0  # /proc/stat where there is one
+
+
+def test_each_phase_has_its_window_and_show_prints_the_busy_share(capsys):
+    b = _bench()
+    sess = [{"started": 10.0, "finished": 50.0, "tests": 3, "exitstatus": 0},
+            {"started": 55.0, "finished": 90.0, "tests": 2, "exitstatus": 0}]
+    w = b.windows(0.0, 100.0, sess)
+    assert [(a, c) for _, a, c in w] == [(0.0, 10.0), (10.0, 50.0), (50.0, 55.0), (55.0, 90.0), (90.0, 100.0)]
+    assert b.phases(0.0, 100.0, sess)[1] == ("unit tests (-n 2) (3 tests, exit 0)", 40.0)
+    b.show({"run": 1, "commit": "abc", "exit": 0, "total_s": 100.0, "cold_start_s": 50.0, "ratio": 2.0,
+            "phases": [("setup", 10.0, 37.5), ("unit", 40.0, None)], "cpu_busy": 80.0})
+    out = capsys.readouterr().out
+    assert "CPU busy  37.5 %" in out and "CPU busy  80.0 %" in out and "unit" in out
