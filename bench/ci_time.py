@@ -64,7 +64,7 @@ def sessions(reports: Path) -> list[dict]:
 
 def windows(t0: float, t_end: float, sess: list[dict]) -> list[tuple[str, float, float]]:
     """(phase, start, end) in wall time: setup, then each session and what follows it."""
-    names = ["unit tests (-n 2)", "cluster session", "two-host session"]
+    names = ["unit tests (-n 3)", "cluster session", "two-host session"]
     rows = [("setup + workflow lint", t0, sess[0]["started"] if sess else t_end)]
     for i, s in enumerate(sess):
         name = names[i] if i < len(names) else f"session {i + 1}"

@@ -75,7 +75,7 @@ def test_each_phase_has_its_window_and_show_prints_the_busy_share(capsys):
             {"started": 55.0, "finished": 90.0, "tests": 2, "exitstatus": 0}]
     w = b.windows(0.0, 100.0, sess)
     assert [(a, c) for _, a, c in w] == [(0.0, 10.0), (10.0, 50.0), (50.0, 55.0), (55.0, 90.0), (90.0, 100.0)]
-    assert b.phases(0.0, 100.0, sess)[1] == ("unit tests (-n 2) (3 tests, exit 0)", 40.0)
+    assert b.phases(0.0, 100.0, sess)[1] == ("unit tests (-n 3) (3 tests, exit 0)", 40.0)
     b.show({"run": 1, "commit": "abc", "exit": 0, "total_s": 100.0, "cold_start_s": 50.0, "ratio": 2.0,
             "phases": [("setup", 10.0, 37.5), ("unit", 40.0, None)], "cpu_busy": 80.0})
     out = capsys.readouterr().out
