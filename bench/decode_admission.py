@@ -39,7 +39,7 @@ SEED, N_TENANTS, CONCURRENCY = 20261130, 32, 64  # the clean control's
 
 
 def run_arm(cluster, run_dir: Path, n: int, reserve: int | None, i: int = 0) -> dict:
-    wl = Workload(SEED, n_tenants=N_TENANTS, prefix=f"adm{reserve or 'd'}{i}-")  # the same traffic in every arm
+    wl = Workload(SEED, n_tenants=N_TENANTS, prefix=f"adm{reserve or 'd'}{i}-")
     plans = wl.mix(n, weights={"plain": 3, "stream": 1}, lengths=(64, 500),
                    endpoints=("generate", "generate", "completions", "chat"))
     log = EventLog(run_dir / f"faults-{i}-{reserve or 'default'}.jsonl")
@@ -78,7 +78,7 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory() as d:
         cluster = Cluster(spec, d, proxy_factory=open_network_proxy, agent_module=AGENT_MODULE).start()
         try:
-            # each arm mints its own canaries (its prefix: the arm's reservation and its place in the order)
+            # every arm sends the same prompts and canaries (one seed); its rids carry its place in the order
             rows = [run_arm(cluster, Path(d), args.n, None if a == "default" else args.reserve, i)
                     for i, a in enumerate(order)]
         finally:
