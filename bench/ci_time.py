@@ -128,6 +128,31 @@ def busy_share(samples: list[tuple[float, int, int]], a: float, b: float) -> flo
     return (inside[-1][1] - inside[0][1]) / (inside[-1][2] - inside[0][2])
 
 
+def test_windows(progress: Path) -> list[tuple[str, float, float]]:
+    """(test id, start, end) of each test a session's ``progress.jsonl`` records as ended."""
+    out = []
+    for line in progress.read_text().splitlines() if progress.exists() else []:
+        try:
+            e = json.loads(line)
+        except ValueError:
+            continue
+        if e.get("ev") == "end" and e.get("wall_start") is not None:
+            out.append((e["nodeid"], e["wall_start"], e["wall_end"]))
+    return out
+
+
+def idle_by_test(samples: list[tuple[float, int, int]], tests: list[tuple[str, float, float]],
+                 cores: int, most: int = 8) -> list[tuple[str, float, float, float]]:
+    """(test, seconds, CPU busy %, idle core-seconds) of the ``most`` tests that left the most cores idle: where
+    a serial session could overlap work. Tests with fewer than two samples inside are left out."""
+    rows = []
+    for name, a, b in tests:
+        share = busy_share(samples, a, b)
+        if share is not None:
+            rows.append((name, round(b - a, 1), _pct(share), round((1 - share) * cores * (b - a), 1)))
+    return sorted(rows, key=lambda r: -r[3])[:most]
+
+
 def _venv_python() -> Path:
     return Path(os.environ.get("KVCHAOS_VENV") or Path.home() / ".cache" / "kvchaos" / "venv") / "bin" / "python"
 
@@ -182,13 +207,17 @@ def _one_run(repo: Path, keep: Path | None, i: int) -> dict:
                     p.wait()
                 rc = "timeout (90 min)"
         t_end = time.time()
-        rows = windows(t0, t_end, sessions(clone / "reports"))
+        sess = sessions(clone / "reports")
+        rows = windows(t0, t_end, sess)
+        # the serial sessions (not the xdist one, where tests overlap): which tests left the cores idle
+        serial = [t for s in sess[1:] for t in test_windows(clone / "reports" / s["run_id"] / "progress.jsonl")]
         total = t_end - t0
         share = busy_share(cpu.samples, t0, t_end)
         res = {"run": i, "commit": head, "exit": rc, "total_s": round(total, 1), "cold_start_s": round(cs, 1),
                "ratio": round(total / cs, 2), "limit": LIMIT,
                "phases": [(n, round(b - a, 1), _pct(busy_share(cpu.samples, a, b))) for n, a, b in rows],
-               "cpu_busy": _pct(share),
+               "cpu_busy": _pct(share), "idle_tests": idle_by_test(cpu.samples, serial, os.cpu_count() or 1),
+               "cpu_samples": cpu.samples,
                "log_tail": (work / "make-test.log").read_text()[-1500:]}
         if keep:
             dest = keep / f"run{i}"
@@ -215,6 +244,10 @@ def show(r: dict) -> None:
         print(f"  {name:58s} {s:8.1f} s{_busy(busy[0] if busy else None)}")
     print(f"  {'total (setup included)':58s} {r['total_s']:8.1f} s  ({r['total_s'] / 60:.1f} min)"
           f"{_busy(r.get('cpu_busy'))}")
+    if r.get("idle_tests"):
+        print("  the serial sessions' tests that left the most CPU idle (seconds, CPU busy, idle core-seconds):")
+        for name, secs, busy, idle in r["idle_tests"]:
+            print(f"    {secs:7.1f} s  {busy:5.1f} %  {idle:7.1f}  {name}")
     print(f"  cluster cold start beside it (bench/cold_start.py): {r['cold_start_s']:.1f} s; "
           f"ratio make-test/cold-start = {r['ratio']:.1f} (target <= {LIMIT}: {'met' if r['ratio'] <= LIMIT else 'NOT met'})")
 

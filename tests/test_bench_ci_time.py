@@ -2,6 +2,7 @@
 ``make setup`` re-points it at the clone, which the bench deletes after the run."""
 
 import importlib.util
+import json
 from pathlib import Path
 
 import pytest
@@ -80,3 +81,22 @@ def test_each_phase_has_its_window_and_show_prints_the_busy_share(capsys):
             "phases": [("setup", 10.0, 37.5), ("unit", 40.0, None)], "cpu_busy": 80.0})
     out = capsys.readouterr().out
     assert "CPU busy  37.5 %" in out and "CPU busy  80.0 %" in out and "unit" in out
+
+
+def test_the_tests_that_left_the_cores_idle_come_first(tmp_path, capsys):
+    b = _bench()
+    prog = tmp_path / "progress.jsonl"
+    prog.write_text("\n".join(json.dumps(e) for e in [
+        {"ev": "start", "nodeid": "a"},
+        {"ev": "end", "nodeid": "busy", "wall_start": 0.0, "wall_end": 4.0},
+        {"ev": "end", "nodeid": "idle", "wall_start": 4.0, "wall_end": 8.0},
+        {"ev": "end", "nodeid": "short", "wall_start": 8.0, "wall_end": 8.5}]) + "\nnot json\n")
+    tests = b.test_windows(prog)
+    assert [t[0] for t in tests] == ["busy", "idle", "short"]
+    # two cores: 'busy' uses both all along, 'idle' a quarter of them; 'short' has no two samples inside
+    samples = [(0.0, 0, 0), (4.0, 800, 800), (8.0, 1000, 1600)]
+    rows = b.idle_by_test(samples, tests, cores=2)
+    assert rows == [("idle", 4.0, 25.0, 6.0), ("busy", 4.0, 100.0, 0.0)]
+    b.show({"run": 1, "commit": "abc", "exit": 0, "total_s": 10.0, "cold_start_s": 5.0, "ratio": 2.0,
+            "phases": [], "idle_tests": rows})
+    assert "25.0 %      6.0  idle" in capsys.readouterr().out
