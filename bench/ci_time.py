@@ -128,7 +128,7 @@ def busy_share(samples: list[tuple[float, int, int]], a: float, b: float) -> flo
     return (inside[-1][1] - inside[0][1]) / (inside[-1][2] - inside[0][2])
 
 
-def test_windows(progress: Path) -> list[tuple[str, float, float]]:
+def ended_tests(progress: Path) -> list[tuple[str, float, float]]:
     """(test id, start, end) of each test a session's ``progress.jsonl`` records as ended."""
     out = []
     for line in progress.read_text().splitlines() if progress.exists() else []:
@@ -210,7 +210,7 @@ def _one_run(repo: Path, keep: Path | None, i: int) -> dict:
         sess = sessions(clone / "reports")
         rows = windows(t0, t_end, sess)
         # the serial sessions (not the xdist one, where tests overlap): which tests left the cores idle
-        serial = [t for s in sess[1:] for t in test_windows(clone / "reports" / s["run_id"] / "progress.jsonl")]
+        serial = [t for s in sess[1:] for t in ended_tests(clone / "reports" / s["run_id"] / "progress.jsonl")]
         total = t_end - t0
         share = busy_share(cpu.samples, t0, t_end)
         res = {"run": i, "commit": head, "exit": rc, "total_s": round(total, 1), "cold_start_s": round(cs, 1),

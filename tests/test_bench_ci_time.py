@@ -91,7 +91,7 @@ def test_the_tests_that_left_the_cores_idle_come_first(tmp_path, capsys):
         {"ev": "end", "nodeid": "busy", "wall_start": 0.0, "wall_end": 4.0},
         {"ev": "end", "nodeid": "idle", "wall_start": 4.0, "wall_end": 8.0},
         {"ev": "end", "nodeid": "short", "wall_start": 8.0, "wall_end": 8.5}]) + "\nnot json\n")
-    tests = b.test_windows(prog)
+    tests = b.ended_tests(prog)
     assert [t[0] for t in tests] == ["busy", "idle", "short"]
     # two cores: 'busy' uses both all along, 'idle' a quarter of them; 'short' has no two samples inside
     samples = [(0.0, 0, 0), (4.0, 800, 800), (8.0, 1000, 1600)]
