@@ -40,20 +40,26 @@ def cold_start(clone: Path) -> float:
     return float(m.group(1))
 
 
+def progress_records(progress: Path) -> list[dict]:
+    """A session's ``progress.jsonl`` records (none if it is missing; a torn line is skipped)."""
+    out = []
+    for line in progress.read_text().splitlines() if progress.exists() else []:
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            continue
+    return out
+
+
 def sessions(reports: Path) -> list[dict]:
     """Each pytest session of the run (xdist workers folded into their controller), in start order."""
     out = []
     for d in sorted(reports.iterdir()):
-        if d.name.endswith(("-gw0", "-gw1")) or not (d / "run.json").exists():
+        if re.search(r"-gw\d+$", d.name) or not (d / "run.json").exists():
             continue
         started = json.loads((d / "run.json").read_text())["started"]
         finished = n = exitstatus = None
-        prog = d / "progress.jsonl"
-        for line in prog.read_text().splitlines() if prog.exists() else []:
-            try:
-                e = json.loads(line)
-            except ValueError:
-                continue
+        for e in progress_records(d / "progress.jsonl"):
             if e.get("ev") == "finished":
                 finished, exitstatus = e["wall"], e.get("exitstatus")
             elif e.get("ev") == "end":
@@ -130,15 +136,8 @@ def busy_share(samples: list[tuple[float, int, int]], a: float, b: float) -> flo
 
 def ended_tests(progress: Path) -> list[tuple[str, float, float]]:
     """(test id, start, end) of each test a session's ``progress.jsonl`` records as ended."""
-    out = []
-    for line in progress.read_text().splitlines() if progress.exists() else []:
-        try:
-            e = json.loads(line)
-        except ValueError:
-            continue
-        if e.get("ev") == "end" and e.get("wall_start") is not None:
-            out.append((e["nodeid"], e["wall_start"], e["wall_end"]))
-    return out
+    return [(e["nodeid"], e["wall_start"], e["wall_end"]) for e in progress_records(progress)
+            if e.get("ev") == "end" and e.get("wall_start") is not None]
 
 
 def idle_by_test(samples: list[tuple[float, int, int]], tests: list[tuple[str, float, float]],

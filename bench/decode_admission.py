@@ -71,7 +71,7 @@ def main(argv=None) -> int:
     if args.n < 20 or args.reserve < 1:
         ap.error("-n must be >= 20 (the sensitivity floor) and --reserve >= 1")
     order = [a.strip() for a in args.order.split(",")]
-    if not set(order) >= {"default", "lowered"} or not set(order) <= {"default", "lowered"}:
+    if set(order) != {"default", "lowered"}:
         ap.error(f"--order {args.order!r}: a comma-separated sequence of 'default' and 'lowered', each at least once")
     spec = ClusterSpec.load(args.profile)
     resolve_model(spec)

@@ -3,6 +3,7 @@
 
 import importlib.util
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -63,7 +64,6 @@ def test_the_sampler_reads_until_it_is_stopped_and_once_more_at_the_end():
     b = _bench()
     reads = iter([(i * 10, i * 100) for i in range(1, 1000)])
     with b.CpuSampler(period_s=0.01, read=lambda: next(reads)) as cpu:
-        import time
         time.sleep(0.1)
     n = len(cpu.samples)
     assert n >= 3 and [s[1] for s in cpu.samples] == [i * 10 for i in range(1, n + 1)]
@@ -100,3 +100,16 @@ def test_the_tests_that_left_the_cores_idle_come_first(tmp_path, capsys):
     b.show({"run": 1, "commit": "abc", "exit": 0, "total_s": 10.0, "cold_start_s": 5.0, "ratio": 2.0,
             "phases": [], "idle_tests": rows})
     assert "25.0 %      6.0  idle" in capsys.readouterr().out
+
+
+def test_sessions_fold_every_xdist_worker_into_its_controller(tmp_path):
+    b = _bench()
+    for name, started in [("20261206-1-1", 1.0), ("20261206-1-1-gw2", 1.5), ("20261206-2-2", 2.0)]:
+        d = tmp_path / name
+        d.mkdir()
+        (d / "run.json").write_text(json.dumps({"started": started}))
+        (d / "progress.jsonl").write_text(json.dumps({"ev": "end"}) + "\ntorn {\n"
+                                          + json.dumps({"ev": "finished", "wall": started + 1, "exitstatus": 0}))
+    got = b.sessions(tmp_path)
+    assert [s["run_id"] for s in got] == ["20261206-1-1", "20261206-2-2"]  # a third worker too (-n 3)
+    assert got[0]["tests"] == 1 and got[0]["finished"] == 2.0 and got[0]["exitstatus"] == 0
