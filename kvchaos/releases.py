@@ -42,7 +42,7 @@ CODE_READING_FILE = REPO / "reports" / "releases" / "code-reading.json"
 DEPLOYMENTS = {"incident": [], "auto-truncate": ["--allow-auto-truncate"]}
 GLM53_SEED = 53
 PREFILL_POOL = 576  # prefill's --max-total-tokens in the incident's shape (input limit 570 < context 4096)
-OVERSIZED = (600, 900, 1200, 1400)  # between prefill's limit and decode's 1536-token admission edge
+OVERSIZED = (600, 900, 1200, 1400)  # between prefill's limit and decode's admission edge (2048 − 512 at most)
 BOUND_S = 30.0  # an oversized prompt not answered within this is "hung"
 WRITEUP_FIRST_FIXED = "0.5.22"  # the incident write-up: "upgrade to v0.5.22 or later"
 CLEAN, LEAKS, UNMEASURED = "clean", "leaks", "unknown"
@@ -131,7 +131,9 @@ def engine_python(version: str, timeout_s: float = 900) -> str:
 # --------------------------------------------------------------------------- the incident at its own numbers
 INCIDENT_PREFILL_POOL = 681_280  # the incident's prefill KV pool (tokens)
 INCIDENT_CONTEXT = 1_048_576  # its declared context
-DECODE_RESERVE = 512  # decode's num_reserved_decode_tokens (SGLang's default) on top of a pre-allocated prompt
+# decode's num_reserved_decode_tokens on top of a pre-allocated prompt: SGLang's default, the largest a
+# deployment here runs (the CPU profile sets 128), so a scale that admits its prompts with it admits them with any
+DECODE_RESERVE = 512
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ slots answers fluently with another generation's context.
 The nemesis is the in-engine agent's ``retract`` setting on the live decode process
 (``faults/agent/retraction.py``): SGLang's own test trigger (``SGLANG_TEST_RETRACT``: one request
 retracted every ``interval`` forward steps), or decode's per-request reservation
-(``--num-reserved-decode-tokens``, 512) lowered so the pool itself runs out and the memory-pressure
+(``--num-reserved-decode-tokens``; the CPU profile sets 128) lowered so the pool itself runs out and the memory-pressure
 path retracts. Judged by:
 
 - ``retraction`` — decode's own evidence: every retracted request got its KV back bit-exact (the pool
@@ -71,7 +71,7 @@ def test_retracted_requests_resume_with_their_own_tokens(experiment, seeds, faul
 
 @pytest.mark.slow
 def test_memory_pressure_retraction_keeps_replies_their_own(experiment, seeds, faults, cluster, reference_server):
-    """The engine's own trigger: decode reserves 16 tokens per request instead of 512, admits more than
+    """The engine's own trigger: decode reserves 16 tokens per request instead of its 128, admits more than
     its 2048-token pool can grow, and retracts when it runs out."""
     wl, plans = _long_replies(seeds(802), "rp", 32)
     checks = [Retraction(min_retractions=3), Differential(single_server_reference(reference_server, plans)),

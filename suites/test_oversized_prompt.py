@@ -10,8 +10,8 @@ among 8 other tenants' traffic:
 edge                        length on the CPU profile   a correct engine
 =========================  ==========================  ==========================================
 below the pool              pool / 4 = 512              answers 200 with the requester's canaries
-pool − decode reservation   2048 − 512 = 1536           answers 200 (decode can pre-allocate it)
-(hang band)                 1537 … 2041                 answers, or rejects with 4xx — never hangs
+pool − decode reservation   2048 − 128 = 1920           answers 200 (decode can pre-allocate it)
+(hang band)                 1921 … 2041                 answers, or rejects with 4xx — never hangs
 at the input limit          2042                        400 with an error, no content (SGLang
                                                         rejects len >= max_req_input_len)
 between pool and context    3072                        400
@@ -23,7 +23,7 @@ Every test: isolation (no foreign canary in any response), HTTP semantics (rejec
 4xx with an error, never 200 with content) and liveness (every request ends within the bound, the
 cluster answers afterwards, the KV pools return to their idle baseline).
 
-The hang band is a known engine finding on SGLang 0.5.23 (decode cannot pre-allocate prompt + 512
+The hang band is a known engine finding on SGLang 0.5.23 (decode cannot pre-allocate prompt + its
 reserved decode tokens in a 2048 pool, and nothing rejects the request): it surfaces as a liveness
 FAIL naming the stuck requests, KNOWN as ``sglang-pd-hang-band`` (kvchaos/findings.toml) only while
 every witness is a timeout of a prompt tagged as inside the band and every band prompt hangs.

@@ -7,7 +7,8 @@ let it through, decode reserved pages for the full prompt, received one page, an
 pages holding other tenants' prompts: HTTP 200, fluent, with other tenants' data.
 
 Traffic (all modes): one tenant sends only oversized prompts (600–1400 tokens: over prefill's limit,
-under decode's 1536-token admission edge) among 15 other tenants' requests.
+under decode's admission edge: pool − reservation, 1920 tokens on the CPU profile) among 15 other tenants'
+requests.
 
 - ``prefix``: the pinned pre-fix release **SGLang 0.5.19** — the newest on PyPI without PR #36988
   (prefill retires an aborted result before sending KV; first shipped in 0.5.20; #38935's
@@ -54,7 +55,7 @@ SEED = releases.GLM53_SEED
 PREFILL_LIMIT = 512
 PREFIX_VERSION = "0.5.19"  # newest release without PR #36988
 PREFIX_PREFILL_POOL = releases.PREFILL_POOL  # prefill's --max-total-tokens in the pre-fix deployment (input limit 570)
-OVERSIZED = releases.OVERSIZED  # between prefill's limit and decode's 1536-token admission edge
+OVERSIZED = releases.OVERSIZED  # between prefill's limit and decode's admission edge (pool − reservation)
 
 
 LEAD = 8  # background requests before the oversized prompts in the modes that expect the leak
@@ -111,7 +112,8 @@ def _assert_one_page_handoff(summary):
 
 def _version(cluster, role):
     si = cluster.server_info(role)
-    return {k: server_field(si, k) for k in ("version", "max_total_num_tokens", "max_req_input_len", "context_length")}
+    return {k: server_field(si, k) for k in ("version", "max_total_num_tokens", "max_req_input_len", "context_length",
+                                            "num_reserved_decode_tokens")}
 
 
 PLANTED = {"prefix": f"pre-fix release sglang {PREFIX_VERSION} deployed like the incident (prefill pool < context)",
@@ -161,7 +163,7 @@ def test_prefix_release_leaks_another_tenants_data_with_http_200(experiment, see
     assert pf["version"] == dc["version"] == PREFIX_VERSION, (pf, dc)
     # the incident's deployment: prefill pool < context, and prefill's limit < decode's admission edge
     assert pf["max_total_num_tokens"] < pf["context_length"], pf
-    assert pf["max_req_input_len"] < min(OVERSIZED) and max(OVERSIZED) < dc["max_total_num_tokens"] - 512, (pf, dc)
+    assert pf["max_req_input_len"] < min(OVERSIZED) and max(OVERSIZED) <= dc["max_total_num_tokens"] - dc["num_reserved_decode_tokens"], (pf, dc)
     with EventLog(kvchaos_run_dir / "events" / "glm53-prefix-faults.jsonl") as flog:
         kit = FaultKit(c, flog)
         try:
