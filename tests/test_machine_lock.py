@@ -48,6 +48,32 @@ def _hold(path, exclusive, seconds, q):
         q.put(("out", exclusive, time.monotonic()))
 
 
+def test_runs_sharing_a_machine_lock_keep_each_exclusive_test_alone_across_both(tmp_path):
+    """``make test``'s shape: a serial session and an xdist run at once, both given one lock file by
+    KVCHAOS_MACHINE_LOCK. Each exclusive test overlaps no test of either run; the rest run side by side;
+    no test sees the variable (a pytest it starts must not take the lock); the lock file is its owner's."""
+    lock = tmp_path / "shared.lock"
+    runs = {}
+    for name, extra in (("serial", []), ("xdist", ["-n", "2"])):
+        runs[name] = subprocess.Popen(
+            [sys.executable, "-m", "pytest", str(REPO / "tests/data/inner_exclusive_suite.py"), "-q",
+             "-p", "no:cacheprovider", *extra, "--kvchaos-reports", str(tmp_path / f"reports-{name}"), "-o", "testpaths="],
+            cwd=REPO, env=child_env(KVCHAOS_INNER_OUT=str(tmp_path / name), KVCHAOS_MACHINE_LOCK=str(lock)),
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    outs = {name: p.communicate(timeout=300)[0] for name, p in runs.items()}
+    assert all(p.returncode == 0 and "7 passed" in outs[n] for n, p in runs.items()), outs
+    recs = [dict(json.loads(ln), run=f.name.split(".")[0]) for f in tmp_path.glob("*.*")
+            if f.name.startswith(("serial.", "xdist.")) for ln in f.read_text().splitlines()]
+    assert sorted(x["run"] for x in recs) == ["serial"] * 7 + ["xdist"] * 7, recs
+    for ex in (x for x in recs if x["exclusive"]):
+        beside = [(x["run"], x["name"]) for x in recs if x is not ex and _overlap(ex, x)]
+        assert not beside, f"{ex['run']}'s exclusive test ran beside {beside}"
+    shared = [x for x in recs if not x["exclusive"]]
+    assert any(_overlap(a, b) for a in shared for b in shared if a["run"] != b["run"]), "the runs never overlapped"
+    assert {x["lock_env"] for x in recs} == {None}
+    assert lock.exists()  # neither session removes what it did not create
+
+
 def _churn(path, until):
     while time.monotonic() < until:  # shared holders back to back: an exclusive waiter must still get in
         with MachineLock(path).hold():

@@ -13,7 +13,8 @@ def _run(name, exclusive=False):
     time.sleep(1.0)
     out = f"{os.environ['KVCHAOS_INNER_OUT']}.{os.environ.get('PYTEST_XDIST_WORKER', 'main')}"
     with open(out, "a") as f:
-        f.write(json.dumps({"name": name, "start": t0, "end": time.time(), "exclusive": exclusive}) + "\n")
+        f.write(json.dumps({"name": name, "start": t0, "end": time.time(), "exclusive": exclusive,
+                            "lock_env": os.environ.get("KVCHAOS_MACHINE_LOCK")}) + "\n")
 
 
 @pytest.mark.parametrize("i", range(3))
