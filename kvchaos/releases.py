@@ -30,6 +30,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from kvchaos import canary
+from kvchaos.cluster.spec import SGLANG_DECODE_RESERVATION
 from kvchaos.experiment import _rel
 from kvchaos.oracles import kv_pages_written
 from kvchaos.workload import Workload
@@ -133,7 +134,7 @@ INCIDENT_PREFILL_POOL = 681_280  # the incident's prefill KV pool (tokens)
 INCIDENT_CONTEXT = 1_048_576  # its declared context
 # decode's num_reserved_decode_tokens on top of a pre-allocated prompt: SGLang's default, the largest a
 # deployment here runs (the CPU profile sets 128), so a scale that admits its prompts with it admits them with any
-DECODE_RESERVE = 512
+DECODE_RESERVE = SGLANG_DECODE_RESERVATION
 
 
 @dataclass(frozen=True)

@@ -37,7 +37,8 @@ def test_audit_flags_the_unsafe_cpu_cluster(cluster):
     assert st[("pool_vs_context", "prefill")] == "fail" and pool_p["numbers"]["pool_tokens"] == cluster.spec.pool_tokens
     assert pool_p["numbers"]["context_length"] == cluster.spec.context_length
     assert st[("pool_vs_context", "decode")] == "fail"
-    assert pool_d["numbers"]["usable_for_prompt"] == cluster.spec.pool_tokens - 512
+    assert pool_d["numbers"]["num_reserved_decode_tokens"] == cluster.spec.decode_reservation
+    assert pool_d["numbers"]["usable_for_prompt"] == cluster.spec.pool_tokens - cluster.spec.decode_reservation
     assert st[("engine_version", "both")] == "pass"
     for role in ("prefill", "decode"):
         # read from the live server process on this host, not guessed
@@ -59,7 +60,7 @@ def test_audit_flags_the_unsafe_cpu_cluster(cluster):
 def safe_cluster(kvchaos_spec, kvchaos_run_dir, kvchaos_reaper):
     if kvchaos_spec.device != "cpu":
         pytest.skip("the safe/unsafe pair is sized for the CPU profile")
-    ctx = kvchaos_spec.pool_tokens - 512  # what decode can pre-allocate next to its reserved tokens
+    ctx = kvchaos_spec.pool_tokens - kvchaos_spec.decode_reservation  # what decode can pre-allocate next to them
     d = kvchaos_spec.to_dict()
     spec = ClusterSpec.from_dict({**d, "name": "cpu-audit-safe", "context_length": ctx, "network_proxy": "",
                                   "env": {**d["env"], "SGLANG_MOONCAKE_MAX_TRANSFER_BATCH_INDICES": "256",

@@ -16,6 +16,17 @@ def test_cpu_profile_loads_with_measured_flags():
     assert argv[argv.index("--host") + 1] == "127.0.0.1"
 
 
+def test_decode_reservation_is_the_deployed_flag_else_sglangs_default():
+    cpu = ClusterSpec.load("cpu")
+    argv = server_argv(cpu, "/m", "decode", 1234)
+    assert cpu.decode_reservation == int(argv[argv.index("--num-reserved-decode-tokens") + 1]) == 128
+    assert "--num-reserved-decode-tokens" not in server_argv(cpu, "/m", "prefill", 1, bootstrap_port=2)  # decode's
+    assert ClusterSpec.load("gpu").decode_reservation == 512  # not set: SGLang's default
+    assert ClusterSpec.load("cpu", decode_args=["--num-reserved-decode-tokens=64"]).decode_reservation == 64
+    assert ClusterSpec.load("cpu", decode_args=["--num-reserved-decode-tokens", "16",
+                                                "--num-reserved-decode-tokens", "32"]).decode_reservation == 32
+
+
 def test_gpu_profile_is_rdma_cuda_without_cpu_compat():
     s = ClusterSpec.load("gpu", ib_device="mlx5_0")
     assert (s.device, s.transfer_backend, s.cpu_compat) == ("cuda", "mooncake", False)

@@ -35,6 +35,7 @@ DEVICES = ("cpu", "cuda")
 KV_CACHE_DTYPES = ("auto", "fp8_e4m3")  # --kv-cache-dtype: auto = the model's dtype
 DEFENCES_ENV = "KVCHAOS_DEFENCES"
 DEFENCES_KEYS = ("prefill_args", "decode_args")
+SGLANG_DECODE_RESERVATION = 512  # SGLang's default --num-reserved-decode-tokens (srt/arg_groups/fields/disagg.py)
 # why the defence arm is CUDA-only (sglang 0.5.23; the file:line evidence is in docs/operations/gpu.md)
 DEFENCES_NEED_CUDA = (
     "--disaggregation-enable-kv-checksum and --kv-canary need CUDA devices: the checksum's Adler-32 computer "
@@ -217,6 +218,19 @@ class ClusterSpec:
     def layout(self) -> str:
         """The KV layout name (``kvchaos.cluster.layouts``): attention kind, page size, dtype."""
         return of_spec(self)
+
+    @property
+    def decode_reservation(self) -> int:
+        """Decode's ``num_reserved_decode_tokens`` as this spec deploys it: the last
+        ``--num-reserved-decode-tokens`` of its args, else SGLang's default. A running cluster's own value
+        is in its ``/server_info``; this is for sizing a deployment before it starts."""
+        args, value = [str(a) for a in [*self.common_args, *self.decode_args]], SGLANG_DECODE_RESERVATION
+        for i, a in enumerate(args):
+            if a == "--num-reserved-decode-tokens" and i + 1 < len(args):
+                value = int(args[i + 1])
+            elif a.startswith("--num-reserved-decode-tokens="):
+                value = int(a.split("=", 1)[1])
+        return value
 
     def paced(self, seconds: float) -> float:
         """A time bound set for the profile's own probe, at this cluster's :attr:`pace`."""
