@@ -4,9 +4,10 @@ measured beside it. The target (issue 27): the whole of it, setup included, with
 Per run: ``git clone`` of the repository's HEAD into a temporary directory, ``bench/cold_start.py
 --no-baseline`` there (the cold start of the same machine in the same hour), then ``bash .ci/run`` (what
 CI runs: ``make test``). The phases come from what the run left: each pytest session's
-``reports/<run-id>/run.json`` (its start) and ``progress.jsonl`` (its ``finished`` record); setup is the
-time from the command to the first session, and what follows a session's ``finished`` before the next
-one starts is that session's teardown and report. Each phase also gets the machine's CPU busy share over
+``reports/<run-id>/run.json`` (its start and command line) and ``progress.jsonl`` (its ``finished``
+record); setup is the time from the command to the first session, a session that ran beside another
+(the cluster-free tests beside the cluster session) is shown with its own window, and the time no session
+ran between them is teardown and report. Each phase also gets the machine's CPU busy share over
 its window (``/proc/stat``, sampled every 2 s): where the cores sat idle is where overlapping work could go.
 
 Usage: python bench/ci_time.py [--runs 1] [--repo .] [--keep DIR] [--json OUT]
@@ -51,33 +52,51 @@ def progress_records(progress: Path) -> list[dict]:
     return out
 
 
+def session_name(args: list) -> str:
+    """What a session of ``make test`` is, from its command line (run.json's ``args``)."""
+    a = [str(x) for x in args or []]
+    marks = next((a[i + 1] for i, x in enumerate(a[:-1]) if x == "-m"), "")
+    if "two-hosts" in a:
+        return "two-host session"
+    if marks.startswith("not cluster"):
+        n = next((a[i + 1] for i, x in enumerate(a[:-1]) if x == "-n"), None)
+        return f"unit tests (-n {n})" if n else "unit tests"
+    return "cluster session" if "cluster" in marks else "session"
+
+
 def sessions(reports: Path) -> list[dict]:
     """Each pytest session of the run (xdist workers folded into their controller), in start order."""
     out = []
     for d in sorted(reports.iterdir()):
         if re.search(r"-gw\d+$", d.name) or not (d / "run.json").exists():
             continue
-        started = json.loads((d / "run.json").read_text())["started"]
+        run = json.loads((d / "run.json").read_text())
         finished = n = exitstatus = None
         for e in progress_records(d / "progress.jsonl"):
             if e.get("ev") == "finished":
                 finished, exitstatus = e["wall"], e.get("exitstatus")
             elif e.get("ev") == "end":
                 n = (n or 0) + 1
-        out.append({"run_id": d.name, "started": started, "finished": finished, "tests": n, "exitstatus": exitstatus})
+        out.append({"run_id": d.name, "name": session_name(run.get("args")), "started": run["started"],
+                    "finished": finished, "tests": n, "exitstatus": exitstatus})
     return sorted(out, key=lambda s: s["started"])
 
 
 def windows(t0: float, t_end: float, sess: list[dict]) -> list[tuple[str, float, float]]:
-    """(phase, start, end) in wall time: setup, then each session and what follows it."""
-    names = ["unit tests (-n 3)", "cluster session", "two-host session"]
+    """(phase, start, end) in wall time: setup, each session (one that ran beside another says so), and
+    the time no session was running between them and after the last (teardown, report, docs build)."""
     rows = [("setup + workflow lint", t0, sess[0]["started"] if sess else t_end)]
+    covered = sess[0]["started"] if sess else t_end
     for i, s in enumerate(sess):
-        name = names[i] if i < len(names) else f"session {i + 1}"
         end = s["finished"] or t_end
-        rows.append((f"{name} ({s['tests']} tests, exit {s['exitstatus']})", s["started"], end))
-        nxt = sess[i + 1]["started"] if i + 1 < len(sess) else t_end
-        rows.append((f"  teardown, report{' and docs build' if i + 1 == len(sess) else ''}", end, nxt))
+        if s["started"] > covered:
+            rows.append(("  teardown, report", covered, s["started"]))
+        beside = [o.get("name", "session") for o in sess[:i] if (o["finished"] or t_end) > s["started"]]
+        where = f", beside the {beside[0]}" if beside else ""
+        rows.append((f"{s.get('name', 'session')} ({s['tests']} tests, exit {s['exitstatus']}{where})", s["started"], end))
+        covered = max(covered, end)
+    if sess:
+        rows.append(("  teardown, report and docs build", covered, max(covered, t_end)))
     return rows
 
 
@@ -209,7 +228,8 @@ def _one_run(repo: Path, keep: Path | None, i: int) -> dict:
         sess = sessions(clone / "reports")
         rows = windows(t0, t_end, sess)
         # the serial sessions (not the xdist one, where tests overlap): which tests left the cores idle
-        serial = [t for s in sess[1:] for t in ended_tests(clone / "reports" / s["run_id"] / "progress.jsonl")]
+        serial = [t for s in sess if not s["name"].startswith("unit")
+                  for t in ended_tests(clone / "reports" / s["run_id"] / "progress.jsonl")]
         total = t_end - t0
         share = busy_share(cpu.samples, t0, t_end)
         res = {"run": i, "commit": head, "exit": rc, "total_s": round(total, 1), "cold_start_s": round(cs, 1),

@@ -72,11 +72,21 @@ def test_the_sampler_reads_until_it_is_stopped_and_once_more_at_the_end():
 
 def test_each_phase_has_its_window_and_show_prints_the_busy_share(capsys):
     b = _bench()
-    sess = [{"started": 10.0, "finished": 50.0, "tests": 3, "exitstatus": 0},
-            {"started": 55.0, "finished": 90.0, "tests": 2, "exitstatus": 0}]
+    sess = [{"name": "cluster session", "started": 10.0, "finished": 50.0, "tests": 3, "exitstatus": 0},
+            {"name": "two-host session", "started": 55.0, "finished": 90.0, "tests": 2, "exitstatus": 0}]
     w = b.windows(0.0, 100.0, sess)
     assert [(a, c) for _, a, c in w] == [(0.0, 10.0), (10.0, 50.0), (50.0, 55.0), (55.0, 90.0), (90.0, 100.0)]
-    assert b.phases(0.0, 100.0, sess)[1] == ("unit tests (-n 3) (3 tests, exit 0)", 40.0)
+    assert b.phases(0.0, 100.0, sess)[1] == ("cluster session (3 tests, exit 0)", 40.0)
+    # make test's shape: the unit tests beside the cluster session, outliving it; no gap is made up
+    sess = [{"name": "cluster session", "started": 10.0, "finished": 50.0, "tests": 3, "exitstatus": 0},
+            {"name": "unit tests (-n 2)", "started": 11.0, "finished": 70.0, "tests": 9, "exitstatus": 0},
+            {"name": "two-host session", "started": 52.0, "finished": 90.0, "tests": 2, "exitstatus": 1}]
+    w = b.windows(0.0, 100.0, sess)
+    assert [(n, a, c) for n, a, c in w] == [
+        ("setup + workflow lint", 0.0, 10.0), ("cluster session (3 tests, exit 0)", 10.0, 50.0),
+        ("unit tests (-n 2) (9 tests, exit 0, beside the cluster session)", 11.0, 70.0),
+        ("two-host session (2 tests, exit 1, beside the unit tests (-n 2))", 52.0, 90.0),
+        ("  teardown, report and docs build", 90.0, 100.0)]
     b.show({"run": 1, "commit": "abc", "exit": 0, "total_s": 100.0, "cold_start_s": 50.0, "ratio": 2.0,
             "phases": [("setup", 10.0, 37.5), ("unit", 40.0, None)], "cpu_busy": 80.0})
     out = capsys.readouterr().out
@@ -107,9 +117,20 @@ def test_sessions_fold_every_xdist_worker_into_its_controller(tmp_path):
     for name, started in [("20261206-1-1", 1.0), ("20261206-1-1-gw2", 1.5), ("20261206-2-2", 2.0)]:
         d = tmp_path / name
         d.mkdir()
-        (d / "run.json").write_text(json.dumps({"started": started}))
+        (d / "run.json").write_text(json.dumps({"started": started, "args": ["-m", "not cluster and not slow"]}))
         (d / "progress.jsonl").write_text(json.dumps({"ev": "end"}) + "\ntorn {\n"
                                           + json.dumps({"ev": "finished", "wall": started + 1, "exitstatus": 0}))
     got = b.sessions(tmp_path)
     assert [s["run_id"] for s in got] == ["20261206-1-1", "20261206-2-2"]  # a third worker too (-n 3)
     assert got[0]["tests"] == 1 and got[0]["finished"] == 2.0 and got[0]["exitstatus"] == 0
+    assert got[0]["name"] == "unit tests"
+
+
+def test_each_session_is_named_by_its_command_line():
+    b = _bench()
+    assert b.session_name(["-m", "not cluster and not slow and not gpu", "-n", "2", "-p", "no:cacheprovider"]) \
+        == "unit tests (-n 2)"
+    assert b.session_name(["-m", "cluster and not slow and not gpu", "--kvchaos-seed", "0"]) == "cluster session"
+    assert b.session_name(["tests/x.py", "-m", "cluster and not slow", "--kvchaos-topology", "two-hosts"]) \
+        == "two-host session"
+    assert b.session_name(None) == "session"
