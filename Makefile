@@ -44,9 +44,9 @@ TWO_HOSTS ?= tests/test_two_hosts_live.py suites/test_smoke.py \
 # the workflow lint (make lint-workflows, about a second), then the sessions. Everything that drives a real
 # cluster runs in one session, one test at a time (the engines want both cores), then the two-host
 # topology (prefill and decode in network namespaces, every agent fault over TCP). The harness's tests that
-# need no cluster run beside them on 2 xdist workers at nice 19 (scripts/beside.py), on the cores the
-# cluster session leaves idle: it kept them busy 72 % of its 2,148 s, while alone they took 546 s of both
-# cores (bench/RESULTS.md). Both hold one machine lock (KVCHAOS_MACHINE_LOCK, kvchaos/plugin/xdist.py), so a
+# need no cluster run beside them on 2 xdist workers (scripts/beside.py), in the time the cluster session
+# leaves the cores idle: it kept them busy 72 % of its 2,148 s, while alone they took 546 s of both cores
+# (bench/RESULTS.md). Both hold one machine lock (KVCHAOS_MACHINE_LOCK, kvchaos/plugin/xdist.py), so a
 # test that measures time (`exclusive`) has the machine to itself. Their output goes to
 # reports/unit-tests.log and is printed when they end. Then the strict docs build (a broken link or a page
 # missing from the nav is red). All always run; the target fails if any does; Ctrl-C stops them all. Each
@@ -57,7 +57,7 @@ test: setup
 	trap 'if [ -n "$$unit" ]; then kill -INT $$unit 2>/dev/null; wait $$unit; fi; rm -f $$lock $$lock.turnstile' EXIT; \
 	trap 'exit 130' INT TERM; \
 	$(PY) scripts/lint_workflows.py || rc=1; \
-	echo "make test: the cluster-free tests run beside the cluster sessions (nice 19); output in $$log when they end"; \
+	echo "make test: the cluster-free tests run beside the cluster sessions; their output is in $$log when they end"; \
 	KVCHAOS_MACHINE_LOCK=$$lock $(PY) scripts/beside.py $(PY) -m pytest -m "not cluster and not slow and not gpu" -n 2 \
 	  -p no:cacheprovider --kvchaos-seed $(SEED) $(PYTEST_ARGS) > $$log 2>&1 & unit=$$!; \
 	KVCHAOS_MACHINE_LOCK=$$lock KVCHAOS_MATRIX_TRIALS=$(MATRIX_TRIALS) KVCHAOS_MATRIX_CLEAN_TRIALS=$(MATRIX_CLEAN_TRIALS) \

@@ -1,15 +1,18 @@
-"""Run a command beside the one in the foreground, on the cores it leaves idle: ``make test`` runs the
-cluster-free tests this way while the cluster session runs.
+"""Run a command in the background beside the one in the foreground, stopped with it: ``make test`` runs
+the cluster-free tests this way while the cluster sessions run.
 
     python scripts/beside.py COMMAND [ARG ...]
 
-It execs COMMAND (its exit status is the command's) after three changes to this process:
+It execs COMMAND (its exit status is the command's) after two changes to this process:
 
-- ``nice 19``: the foreground's processes take the CPU whenever they can run;
 - SIGINT back to its default: a shell starts a background job with SIGINT ignored, and Python leaves an
   ignored SIGINT ignored, so Ctrl-C in the terminal would stop the foreground run and not this one;
 - SIGINT when the shell that started it dies (``PR_SET_PDEATHSIG``), even by SIGKILL: nothing runs on
   after the ``make`` that started it is gone.
+
+Its priority is left as it is. At nice 19 the unit tests that time a few hundred milliseconds would wait
+whole seconds whenever the cluster kept both cores busy; at equal priority both sides slow alike, which
+each already does on 2 cores (3 xdist workers; two clusters at once were green, bench/RESULTS.md).
 """
 
 from __future__ import annotations
@@ -24,7 +27,6 @@ USAGE = "usage: python scripts/beside.py COMMAND [ARG ...]"
 
 
 def prepare() -> None:
-    os.nice(19 - os.nice(0))
     signal.signal(signal.SIGINT, signal.SIG_DFL)
     libc = ctypes.CDLL(None, use_errno=True)
     if libc.prctl(PR_SET_PDEATHSIG, signal.SIGINT, 0, 0, 0) != 0:
