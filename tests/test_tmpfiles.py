@@ -103,6 +103,23 @@ OWNER = textwrap.dedent("""
 """)
 
 
+def test_a_reaper_whose_owner_died_before_it_started_still_releases_the_owners_ports(port_dir):
+    """The owner is named on the reaper's command line: one SIGKILLed while the reaper's interpreter was
+    still starting (make test runs the unit tests beside the cluster session) leaves the reaper reparented,
+    and getppid() would name init."""
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait(timeout=30)
+    port_dir.mkdir(parents=True, exist_ok=True)
+    port_dir.joinpath("20002").write_text(str(gone.pid))
+    port_dir.joinpath("20003").write_text(str(os.getpid()))  # a live owner's: kept
+    r = subprocess.run([sys.executable, "-c", "import sys; from kvchaos.cluster.reaper import main; "
+                        "sys.exit(main(sys.argv[1:]))", "kvc-test-owner-gone", "0.1", str(gone.pid)],
+                       stdin=subprocess.DEVNULL, env={**os.environ, "PYTHONPATH": str(REPO)},
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert not port_dir.joinpath("20002").exists() and port_dir.joinpath("20003").exists(), r.stderr
+
+
 def test_sigkilled_owners_reaper_deletes_its_entries_and_ports(tmp_path, port_dir):
     info = tmp_path / "info.json"
     env = {**os.environ, "PYTHONPATH": str(REPO)}

@@ -134,17 +134,20 @@ def kill_tree(roots: set[int], tokens, grace_s: float = 5.0, known: dict[int, in
 
 def main(argv: list[str]) -> int:
     if not argv:
-        sys.stderr.write("usage: python -m kvchaos.cluster.reaper TOKEN [GRACE_S]\n")
+        sys.stderr.write("usage: python -m kvchaos.cluster.reaper TOKEN [GRACE_S [OWNER_PID]]\n")
         return 2
     token = argv[0]
     grace = float(argv[1]) if len(argv) > 1 else 5.0
+    # whoever started us: its port reservations go when it has gone. Named by the owner, not read from
+    # getppid(): an owner SIGKILLed while this interpreter was still starting (a busy machine) would leave
+    # us reparented, and its reservations to the next session's sweep
+    owner = int(argv[2]) if len(argv) > 2 else os.getppid()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C in the terminal must not kill the reaper first
     roots: set[int] = set()
     tokens = {token}
     known: dict[int, int] = {}
     cleanup: list[tuple[str, str]] = []  # ("netns" | "link", name): deleted after the processes
     paths: list[str] = []  # kvchaos.cluster.tmpfiles entries: deleted last
-    owner = os.getppid()  # whoever started us: its port reservations go when it has gone
     buf = b""
     while True:
         ready, _, _ = select.select([0], [], [], 0.5)
@@ -220,7 +223,8 @@ class Reaper:
         self.token = token
         self._tokens = {token}
         self.proc = subprocess.Popen(
-            [python, "-c", "import sys; from kvchaos.cluster.reaper import main; sys.exit(main(sys.argv[1:]))", token, str(grace_s)],
+            [python, "-c", "import sys; from kvchaos.cluster.reaper import main; sys.exit(main(sys.argv[1:]))", token, str(grace_s),
+             str(os.getpid())],
             stdin=subprocess.PIPE,
             stdout=subprocess.DEVNULL,
             start_new_session=True,
