@@ -146,11 +146,12 @@ class Breaks:
     """A launched cluster whose prefill's transfer thread dies on the third look at its log."""
 
     def __init__(self):
-        self.looks, self.pending, self.restarts = 0, [], []
+        self.looks, self.pending, self.restarts, self.broke_at = 0, [], [], None
 
     def engine_errors(self):
         self.looks += 1
         if self.looks == 3:
+            self.broke_at = time.monotonic()
             self.pending = [{"role": "prefill", "signature": "mooncake_transfer_worker_died", "line": "RuntimeError"}]
             return list(self.pending)
         return []
@@ -158,7 +159,7 @@ class Breaks:
     def heal_engine_errors(self):
         todo, self.pending = self.pending, []
         for f in todo:
-            self.restarts.append((f["role"], self.looks))
+            self.restarts.append((f["role"], self.looks, time.monotonic() - self.broke_at))
             f["healed"] = {"role": f["role"], "rejoined_s": 1.5}
         return todo
 
@@ -173,8 +174,10 @@ def test_an_engine_that_breaks_mid_run_is_restarted_after_the_grace_and_its_erro
     while not c.restarts and time.monotonic() < deadline:
         time.sleep(0.02)
     w.stop()
-    (role, at), = c.restarts
-    assert role == "prefill" and at >= 3 + 0.2 / 0.02 - 2  # not before the grace: its stranded requests time out first
+    (role, at, after_s), = c.restarts
+    # not before the grace: its stranded requests time out first. In seconds, not looks: on a busy machine
+    # (make test runs these tests beside the cluster session) fewer looks fit in the grace than it holds periods
+    assert role == "prefill" and at > 3 and after_s >= 0.2, c.restarts
     (e,) = w.seen
     assert e["signature"] == "mooncake_transfer_worker_died" and e["healed"]["rejoined_s"] == 1.5
     (rec,) = [r for r in log.records if r["ev"] == "engine_healed"]
