@@ -229,7 +229,10 @@ class Schedule:
         bounded by its timeout), not by ``wait_s``: an abort 0.4 s after the transfer of the 90th request
         of a run waits for as long as that request takes to be sent."""
         on = dict(op.on)
-        role, ev, of = on.pop("role"), on.pop("ev"), on.pop("op", op.after)
+        role, ev = on.pop("role"), on.pop("ev")
+        # a fault_fired event names its fault: that of op ``on.op``, else of op ``after``; another event
+        # (an abort_ingested a release waits for) names none, and ``after`` is only the op it acts on
+        of = on.pop("op", op.after if ev == "fault_fired" else None)
         if of is not None and role != "client":
             while of not in self.handles:  # the op whose fault the event names: armed first
                 if self.stop.is_set():

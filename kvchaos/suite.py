@@ -133,9 +133,13 @@ def abort_at_stage_ops(stage: str, rid: str, first: int = 0, settle_s: float = 0
         return [Op(at_s=0.0, injector="action", kind="abort", rids=[rid],
                    on={"role": "client", "ev": "first_byte", "rid": rid})]
     params = {"max_hold_s": 30} if kind == "hold" else {"stage": stage}
+    # let go once the holding role's scheduler has acted on the abort (the agent's abort_ingested), not a
+    # fixed time after /abort_request answered: that only queues it, and a busy scheduler read it 1.4 s
+    # later, after a release 0.8 s on had let the request finish (make test, 2026-12-06)
     return [Op(at_s=0.0, injector="agent", role=role, kind=kind, target={"rid": rid}, params=params),
             Op(at_s=0.0, injector="action", kind="abort", rids=[rid], after=first),
-            Op(at_s=0.0, injector="action", kind="release", after=first, delay_s=settle_s)]
+            Op(at_s=0.0, injector="action", kind="release", after=first, delay_s=settle_s,
+               on={"role": role, "ev": "abort_ingested", "rid": rid})]
 
 
 def abort_at_stages_ops(victims: dict, settle_s: float = 0.5) -> list:

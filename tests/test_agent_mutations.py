@@ -303,6 +303,22 @@ def test_park_holds_a_request_at_its_stage_until_released_aborted_or_healed(deco
     g.heal()
 
 
+def test_the_scheduler_says_when_it_acted_on_an_abort(decode_agent):
+    """``abort_ingested``: logged once ``Scheduler.abort_request`` has run (what the abort at a stage waits
+    for before it lets the held request go), with the abort's rid; the engine's own return value kept."""
+    mod = types.ModuleType("fake_scheduler_abort")
+    seen = []
+    mod.Scheduler = type("Scheduler", (), {"abort_request": lambda self, req: seen.append(
+        [e["rid"] for e in decode_agent.events if e["ev"] == "abort_ingested"]) or "done"})
+    sched_mod._hook_scheduler(mod)
+    s = mod.Scheduler()
+    assert s.abort_request(types.SimpleNamespace(rid="r-x", abort_all=False)) == "done"
+    assert s.abort_request(types.SimpleNamespace(rid="", abort_all=True)) == "done"
+    assert seen == [[], ["r-x"]]  # each logged after the engine's own handling, not before
+    assert [(e["rid"], e["abort_all"]) for e in decode_agent.events if e["ev"] == "abort_ingested"] == [
+        ("r-x", False), ("", True)]
+
+
 def test_chunked_prefill_sets_the_live_chunk_size_and_refuses_a_size_off_the_page_grid(agent):
     """``chunked_prefill`` (prefill): ``--chunked-prefill-size`` on the live schedulers; a size that is
     not a multiple of the KV page size is refused and leaves nothing armed or changed."""

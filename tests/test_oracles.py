@@ -293,7 +293,10 @@ def test_retraction(case, status):
 
 @pytest.mark.parametrize("case,status", [
     ("error_and_abort_200", PASS), ("held_but_success_200", FAIL), ("error_without_message", FAIL),
-    ("too_late_unheld", PASS), ("no_abort", UNKNOWN), ("never_answered", UNKNOWN)])
+    ("too_late_unheld", PASS), ("no_abort", UNKNOWN), ("never_answered", UNKNOWN),
+    ("ingested_while_held_then_success_200", FAIL), ("let_go_before_ingested", PASS),
+    ("none_ingested_in_time", UNKNOWN), ("never_ingested", UNKNOWN), ("read_by_the_role_that_did_not_hold_it", PASS),
+    ("hold_let_go_by_the_harness_first", PASS)])
 def test_abort_semantics(case, status):
     def ab(rid, stage, held=True):
         return {"ev": "fault", "action": "abort_request", "kind": "abort", "rid": rid, "stage": stage, "held": held}
@@ -315,13 +318,44 @@ def test_abort_semantics(case, status):
         ev = [e for e in ev if e["ev"] != "fault"]
     elif case == "never_answered":
         ev = ev[:4]
+    else:  # the agent logs when a scheduler acted on an abort (abort_ingested) and when it let a held request go
+
+        def agent(kind, rid, wall, **kw):
+            return {"ev": "agent", "agent_ev": kind, "role": "decode", "rid": rid, "wall": wall, **kw}
+
+        served = ev[:4] + reply("r1", "abort", 500, error="e") + reply("r2", "stop")
+        r1_in_time = [agent("abort_ingested", "r1", 10.0), agent("fault_fired", "r1", 10.5, phase="released")]
+        if case == "ingested_while_held_then_success_200":  # read while parked, and still served whole: lost
+            ev = served + r1_in_time + [agent("abort_ingested", "r2", 20.0),
+                                        agent("fault_fired", "r2", 20.5, phase="released")]
+        elif case == "let_go_before_ingested":  # released at 20.5, the abort read at 21.9: nothing lost
+            ev = served + r1_in_time + [agent("fault_fired", "r2", 20.5, phase="released"),
+                                        agent("abort_ingested", "r2", 21.9)]
+        elif case == "none_ingested_in_time":  # every held request let go before its abort was read: blind
+            ev = served[:2] + served[2:4] + reply("r1", "stop") + reply("r2", "stop") + [
+                agent("fault_fired", "r1", 10.0, phase="released"), agent("abort_ingested", "r1", 11.0),
+                agent("fault_fired", "r2", 20.5, phase="released"), agent("abort_ingested", "r2", 21.9)]
+        elif case == "never_ingested":  # another request's abort read, these never: no proof either way
+            ev = ev[:4] + reply("r1", "stop") + reply("r2", "stop") + [agent("abort_ingested", "zz", 1.0)]
+        elif case == "hold_let_go_by_the_harness_first":  # a hold's release is the harness's record alone
+            ev = served + r1_in_time + [{**agent("fault_fired", "r2", 19.0, phase="held"), "role": "prefill"},
+                                        {"ev": "fault", "action": "released", "kind": "hold", "target": {"rid": "r2"},
+                                         "at": 20.0}, {**agent("abort_ingested", "r2", 20.4), "role": "prefill"}]
+        elif case == "read_by_the_role_that_did_not_hold_it":  # prefill read r2's abort; decode held it
+            ev = served + r1_in_time + [agent("fault_fired", "r2", 19.0, phase="held"),
+                                        {**agent("abort_ingested", "r2", 20.0), "role": "prefill"},
+                                        agent("fault_fired", "r2", 20.5, phase="released")]
     v = oracles.abort_semantics(ev)
     assert v.status == status, v
     if status == FAIL:
-        assert len(v.witnesses) == 1 and v.witnesses[0]["rid"] == ("r2" if case == "held_but_success_200" else "r1")
+        assert len(v.witnesses) == 1 and v.witnesses[0]["rid"] == (
+            "r2" if case in ("held_but_success_200", "ingested_while_held_then_success_200") else "r1")
     if case == "error_and_abort_200":
         assert v.stats["outcomes"]["decode_waiting"] == {"rid": "r2", "status": 200, "finish_reason": "abort",
-                                                          "held": True, "attempts": None, "text_chars": 1, "error": None}
+                                                          "held": True, "ingested_in_time": None, "attempts": None,
+                                                          "text_chars": 1, "error": None}
+    if case == "let_go_before_ingested":
+        assert v.stats["not_in_time"] == ["r2"] and v.stats["outcomes"]["decode_waiting"]["ingested_in_time"] is False
 
 
 def test_aborted_replies_are_not_echo_evidence_on_any_endpoint():

@@ -680,6 +680,39 @@ def test_ops_that_wait_do_so_each_on_its_own_in_the_engines_order():
     assert s.heal() == []
 
 
+@pytest.mark.exclusive  # times a few hundred ms: the machine to itself (make test runs clusters beside)
+def test_a_held_victim_is_let_go_once_its_roles_scheduler_acted_on_the_abort_not_a_fixed_time_after_it():
+    """abort_at_stage_ops: /abort_request answering only queues the abort; the release waits for the holding
+    role's ``abort_ingested`` (here 0.6 s after the park, as a busy scheduler reads it), then settles. Another
+    request's abort, or the other role's, does not let it go."""
+    from kvchaos.suite import abort_at_stage_ops
+
+    plans = _plans()
+    a, b = plans[0].rid, plans[1].rid
+    ops = abort_at_stage_ops("decode_waiting", a, settle_s=0.1) + abort_at_stage_ops("decode_waiting", b, first=3,
+                                                                                       settle_s=0.1)
+    assert ops[2].on == {"role": "decode", "ev": "abort_ingested", "rid": a} and ops[2].after == 0
+    kit = _Kit()
+    kit.agent = _EventAgent(kit.log, parks={a: 0.1, b: 0.1},
+                            events=[{"role": "decode", "ev": "abort_ingested", "rid": a, "after_s": 0.6},
+                                    {"role": "prefill", "ev": "abort_ingested", "rid": b, "after_s": 0.3},
+                                    {"role": "decode", "ev": "abort_ingested", "rid": "other", "after_s": 0.2}])
+    aborted = {}
+    s = Schedule(ops, kit, cluster="c", wait_s=2.0, abort=lambda c, rid: aborted.setdefault(rid, time.time()) and 200)
+    th = threading.Thread(target=s.run)
+    th.start()
+    time.sleep(1.5)
+    s.stop.set()
+    th.join(5)
+    t0 = kit.agent.t0
+    released = [(h, t) for what, h, t in kit.log if what == "release"]
+    assert aborted[a] - t0 < 0.5 and aborted[b] - t0 < 0.5  # each abort once its request parked
+    (h, t), = released  # a's alone: b's abort was read by prefill only, which does not hold it
+    assert h == s.handles[0].id
+    assert 0.7 <= time.time() - (time.monotonic() - t) - t0 < 1.2  # 0.6 s (ingested) + 0.1 s (settle)
+    assert s.heal() == []
+
+
 def test_an_abort_on_an_event_comes_delay_s_after_the_events_own_time_and_names_its_stage():
     """abort_random's aborter as data: each target aborted 0-400 ms after its transfer started (the
     agent's ``transfer_start``, timed by the engine), logged at stage ``transferring``, never held."""
@@ -839,6 +872,7 @@ def test_dropping_an_op_drops_what_waits_on_it_and_the_gates_on_it():
     sc.validate()
 
 
+@pytest.mark.exclusive  # times a few hundred ms: the machine to itself (make test runs clusters beside)
 def test_a_gated_plan_waits_for_the_park_or_the_action_it_names():
     plans = _plans()
     a, b, c = plans[0].rid, plans[1].rid, plans[2].rid

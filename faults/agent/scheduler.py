@@ -331,9 +331,22 @@ def _hook_deferred(tq):
         _wrap(tq, "_observe_deferred_kv_release", make_observe)
 
 
+def _make_abort_ingested(orig):
+    """``Scheduler.abort_request``: the scheduler has read an abort off its socket and acted on it
+    (``abort_ingested``: its rid, or ``abort_all``). What ``/abort_request``'s HTTP 200 does not say: the
+    endpoint only queues the abort for the scheduler, which reads it at a later iteration — more than a
+    second later on a busy 2-core machine. A request let go before this event was not aborted in time."""
+    def abort_request(self, recv_req, *a, **k):
+        out = orig(self, recv_req, *a, **k)
+        _ctl.AGENT.emit("abort_ingested", rid=getattr(recv_req, "rid", None),
+                        abort_all=bool(getattr(recv_req, "abort_all", False)))
+        return out
+    return abort_request
+
+
 def _hook_scheduler(mod):
-    _hook_class(mod, "Scheduler", optional={"get_new_batch_prefill": _hide_parked("waiting_queue", "prefill_waiting")},
-                track=True)
+    _hook_class(mod, "Scheduler", optional={"get_new_batch_prefill": _hide_parked("waiting_queue", "prefill_waiting"),
+                                            "abort_request": _make_abort_ingested}, track=True)
 
 
 HOOKS = {
