@@ -36,6 +36,7 @@ def test_discovery_and_bad_input_named(agent):
         _call(sock, {"cmd": "explode"})
 
 
+@pytest.mark.exclusive  # times a few hundred ms: the machine to itself (make test runs clusters beside)
 def test_delay_fires_only_on_target_and_is_logged(agent, mgr, tmp_path):
     ctl = AgentClient(agent.dir)
     f = ctl.arm("prefill", "delay", target={"rid": "r-a"}, params={"ms": 150}, hooks=())
@@ -59,6 +60,7 @@ def _teardown_check(mgr, room):
     return room not in mgr.request_status or mgr.check_status(room) == 4
 
 
+@pytest.mark.exclusive  # times a few hundred ms: the machine to itself (make test runs clusters beside)
 def test_stall_status_read_widens_the_transfer_workers_check_then_read(agent, monkeypatch):
     """Only the transfer worker's re-read of its own chunk's concluded room stalls; a clear() on
     another thread inside the stall turns SGLang's own read into the KeyError that kills the worker."""

@@ -124,6 +124,7 @@ def test_bad_input_named(tp, echo, srv):
     assert r.status_code == 400 and "bad json" in r.json()["error"]
 
 
+@pytest.mark.exclusive  # times a few hundred ms: the machine to itself (make test runs clusters beside)
 def test_latency_applies_and_heals(tp, echo):
     p = tp.create(upstream=f"127.0.0.1:{echo.port}", name="lat")
     with _connect(p.listen) as s:
