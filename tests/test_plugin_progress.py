@@ -113,11 +113,26 @@ def test_the_eta_comes_from_the_newest_earlier_run_of_each_test(pytester):
     r = _run(pytester, "--kvchaos-progress", "on")
     r.assert_outcomes(passed=3)
     first, second, third = _lines(r)
-    # a 100 + b 200 + c at the median of the known (a, b: 150 s) = 450 s; then b + c = 350 s; then c
-    note = "(from run 20260102-000000-2; 1 new test counted at the median 150.0 s)"
+    # a 100 + b 200 + c at the mean of the known (a, b: 150 s) = 450 s; then b + c = 350 s; then c
+    note = "(from run 20260102-000000-2; 1 new test counted at the mean 150.0 s)"
     assert re.search(r"· ETA ~7m (29|30)s " + re.escape(note) + "$", first), first
     assert re.search(r"· ETA ~5m (49|50)s " + re.escape(note) + "$", second), second
     assert re.search(r"· ETA ~2m (29|30)s ", third), third
+
+
+def test_new_tests_count_at_the_mean_of_the_known_not_the_median(pytester):
+    """The ETA is a sum and test times are skewed: known 1 s, 2 s and 297 s (median 2 s, mean 100 s), the
+    new test counts 100 s — at the median, a run of many quick tests and a few long ones said seconds left
+    where minutes were."""
+    pytester.makepyfile(test_inner=THREE + "\ndef test_d():\n    pass\n")
+    a, b, c = (f"test_inner.py::test_{x}" for x in "abc")
+    _earlier(pytester, "20260102-000000-2", {a: 1.0, b: 2.0, c: 297.0}, mtime=2_000)
+    r = _run(pytester, "--kvchaos-progress", "on")
+    r.assert_outcomes(passed=4)
+    first = _lines(r)[0]
+    # 1 + 2 + 297 + d at the mean 100 = 400 s
+    assert re.search(r"· ETA ~6m (39|40)s \(from run 20260102-000000-2; 1 new test counted at the mean 100\.0 s\)$",
+                     first), first
 
 
 def test_a_test_the_newest_run_lacks_takes_its_time_from_an_older_one(pytester):
