@@ -4,6 +4,7 @@ the others still run side by side, an exclusive waiter is not starved, and waits
 import glob
 import json
 import multiprocessing
+import os
 import subprocess
 import sys
 import tempfile
@@ -24,9 +25,10 @@ def _overlap(a, b):
 
 def test_under_xdist_an_exclusive_test_overlaps_no_other_and_the_others_run_side_by_side(tmp_path):
     out = tmp_path / "inner"
-    before = set(glob.glob(str(Path(tempfile.gettempdir()) / "kvchaos-xdist-*")))
+    uid = os.urandom(8).hex()  # the inner run's: other runs on this machine make and remove lock files of their own
     r = subprocess.run([sys.executable, "-m", "pytest", str(REPO / "tests/data/inner_exclusive_suite.py"), "-q",
-                        "-p", "no:cacheprovider", "-n", "2", "--kvchaos-reports", str(tmp_path / "reports"),
+                        "-p", "no:cacheprovider", "-n", "2", "--testrunuid", uid,
+                        "--kvchaos-reports", str(tmp_path / "reports"),
                         "-o", "testpaths="], cwd=REPO, env=child_env(KVCHAOS_INNER_OUT=str(out)),
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0 and "7 passed" in r.stdout, r.stdout[-2000:] + r.stderr[-2000:]
@@ -38,7 +40,8 @@ def test_under_xdist_an_exclusive_test_overlaps_no_other_and_the_others_run_side
     # without the marker tests do run in parallel: the check above could have failed
     assert any(_overlap(a, b) for i, a in enumerate(others) for b in others[i + 1:]), recs
     # the controller removes the run's lock files
-    assert set(glob.glob(str(Path(tempfile.gettempdir()) / "kvchaos-xdist-*"))) <= before
+    assert {x["testrunuid"] for x in recs} == {uid}  # the run's lock was kvchaos-xdist-<uid>.lock
+    assert glob.glob(str(Path(tempfile.gettempdir()) / f"kvchaos-xdist-{uid}.lock*")) == []
 
 
 def _hold(path, exclusive, seconds, q):
@@ -58,8 +61,14 @@ def test_runs_sharing_a_machine_lock_keep_each_exclusive_test_alone_across_both(
         runs[name] = subprocess.Popen(
             [sys.executable, "-m", "pytest", str(REPO / "tests/data/inner_exclusive_suite.py"), "-q",
              "-p", "no:cacheprovider", *extra, "--kvchaos-reports", str(tmp_path / f"reports-{name}"), "-o", "testpaths="],
-            cwd=REPO, env=child_env(KVCHAOS_INNER_OUT=str(tmp_path / name), KVCHAOS_MACHINE_LOCK=str(lock)),
+            cwd=REPO, env=child_env(KVCHAOS_INNER_OUT=str(tmp_path / name), KVCHAOS_MACHINE_LOCK=str(lock),
+                                    KVCHAOS_INNER_SLEEP_S="2.0"),
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        deadline = time.monotonic() + 120
+        while name == "serial" and not (tmp_path / "serial.main").exists() and time.monotonic() < deadline:
+            time.sleep(0.1)  # the xdist run starts once the serial one is inside its tests: they overlap
+            # even on a loaded machine (make test runs this beside the cluster session), where its
+            # startup alone could outlast the serial run's 7 tests
     outs = {name: p.communicate(timeout=300)[0] for name, p in runs.items()}
     assert all(p.returncode == 0 and "7 passed" in outs[n] for n, p in runs.items()), outs
     recs = [dict(json.loads(ln), run=f.name.split(".")[0]) for f in tmp_path.glob("*.*")

@@ -10,11 +10,12 @@ import pytest
 
 def _run(name, exclusive=False):
     t0 = time.time()
-    time.sleep(1.0)
+    time.sleep(float(os.environ.get("KVCHAOS_INNER_SLEEP_S", "1.0")))
     out = f"{os.environ['KVCHAOS_INNER_OUT']}.{os.environ.get('PYTEST_XDIST_WORKER', 'main')}"
     with open(out, "a") as f:
         f.write(json.dumps({"name": name, "start": t0, "end": time.time(), "exclusive": exclusive,
-                            "lock_env": os.environ.get("KVCHAOS_MACHINE_LOCK")}) + "\n")
+                            "lock_env": os.environ.get("KVCHAOS_MACHINE_LOCK"),
+                            "testrunuid": os.environ.get("PYTEST_XDIST_TESTRUNUID")}) + "\n")
 
 
 @pytest.mark.parametrize("i", range(3))
