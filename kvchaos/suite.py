@@ -77,16 +77,21 @@ def abort_in_flight_ops(victims, hold_s: float = 0.3, first: int = 0) -> list:
     """The abort choreography as scenario ops, to sit at nemesis index ``first`` on (for
     ``ex.nemesis(...)``): for each victim a hold on its KV write inside prefill's transfer (armed when the
     method starts), the abort of its exact rid on both engines once the write is parked, and the
-    write's release ``hold_s`` after it parked (it lands late). Each victim's ops wait on their own, in
-    the order the engine parks the writes (a parked write can keep the next one from starting).
-    :func:`in_flight_outcomes` reads back what happened."""
+    write's release ``hold_s`` after decode's scheduler acted on the abort (the agent's
+    ``abort_ingested``): it lands late, after decode handled the abort, not merely after the abort was
+    queued (with both cores busy decode read it 0.4-1.7 s after the send, and a write let go 0.3 s
+    after it parked landed while its room still waited for input: the matrix's early_free arm saw
+    nothing, make test 2026-12-06). Each victim's ops wait on their own, in the order the engine parks
+    the writes (a parked write can keep the next one from starting). :func:`in_flight_outcomes` reads
+    back what happened."""
     ops = []
     for v in victims:
         i = first + len(ops)
         ops += [Op(at_s=0.0, injector="agent", role="prefill", kind="hold", target={"rid": v.rid},
                    params={"max_hold_s": 30}),
                 Op(at_s=0.0, injector="action", kind="abort", rids=[v.rid], after=i),
-                Op(at_s=0.0, injector="action", kind="release", after=i, delay_s=hold_s)]
+                Op(at_s=0.0, injector="action", kind="release", after=i, delay_s=hold_s,
+                   on={"role": "decode", "ev": "abort_ingested", "rid": v.rid})]
     return ops
 
 

@@ -66,8 +66,13 @@ class Agent:
 def _run(agent, rids, wait_s):
     aborted = []
     ops = suite.abort_in_flight_ops([SimpleNamespace(rid=r) for r in rids], hold_s=0)
-    s = Schedule(ops, SimpleNamespace(agent=agent, log=None), cluster="c", wait_s=wait_s,
-                 abort=lambda cluster, rid: aborted.append(rid) or {"prefill": 200})
+    def abort(cluster, rid):  # decode's scheduler acts on it: what each release waits for
+        aborted.append(rid)
+        with agent.lock:
+            agent.log.append({"ev": "abort_ingested", "rid": rid, "wall": next(_walls)})
+        return {"prefill": 200}
+
+    s = Schedule(ops, SimpleNamespace(agent=agent, log=None), cluster="c", wait_s=wait_s, abort=abort)
     return s, aborted
 
 
@@ -87,3 +92,21 @@ def test_a_write_never_parked_is_an_error_named_not_a_hang():
         s.run()
     assert time.monotonic() - t0 < 3 and aborted == ["v1"] and agent.released == ["v1"]
     assert s.heal() == []
+
+
+def test_a_held_write_is_let_go_only_once_decode_acted_on_the_abort():
+    """/abort_request answering only queues the abort: the write lands late only if decode has acted on it
+    (its ``abort_ingested``), so the release waits for that, not a fixed time after the park."""
+    agent = Agent(park_order=["v1"])
+    aborted = []
+    ops = suite.abort_in_flight_ops([SimpleNamespace(rid="v1")], hold_s=0)
+    s = Schedule(ops, SimpleNamespace(agent=agent, log=None), cluster="c", wait_s=5,
+                 abort=lambda cluster, rid: aborted.append(rid) or {"prefill": 200})
+    th = threading.Thread(target=s.run)
+    th.start()
+    time.sleep(0.6)
+    assert aborted == ["v1"] and agent.released == []  # aborted, but decode has not read it yet
+    with agent.lock:
+        agent.log.append({"ev": "abort_ingested", "rid": "v1", "wall": next(_walls)})
+    th.join(5)
+    assert agent.released == ["v1"] and s.heal() == []
