@@ -59,10 +59,10 @@ test: setup
 	@rc=0; unit=; log=reports/unit-tests.log; lock=$${TMPDIR:-/tmp}/kvchaos-xdist-$$(printf %x $$$$).lock; \
 	mkdir -p reports; echo $$$$ > $$lock; \
 	trap 'if [ -n "$$unit" ]; then kill -INT $$unit 2>/dev/null; wait $$unit; fi; rm -f $$lock $$lock.turnstile' EXIT; \
-	trap 'exit 130' INT TERM; \
+	trap 'exit 130' INT TERM HUP; \
 	$(PY) scripts/lint_workflows.py || rc=1; \
-	[ "$(BESIDE)" = 1 ] && echo "make test: the cluster-free tests run beside the cluster sessions; their output is in $$log when they end"; \
 	if [ "$(BESIDE)" = 1 ]; then \
+	  echo "make test: the cluster-free tests run beside the cluster sessions; their output is in $$log when they end"; \
 	  KVCHAOS_MACHINE_LOCK=$$lock $(PY) scripts/beside.py $(PY) -m pytest -m "not cluster and not slow and not gpu" -n 2 \
 	    -p no:cacheprovider --kvchaos-seed $(SEED) $(PYTEST_ARGS) > $$log 2>&1 & unit=$$!; \
 	else \

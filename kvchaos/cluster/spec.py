@@ -224,13 +224,8 @@ class ClusterSpec:
         """Decode's ``num_reserved_decode_tokens`` as this spec deploys it: the last
         ``--num-reserved-decode-tokens`` of its args, else SGLang's default. A running cluster's own value
         is in its ``/server_info``; this is for sizing a deployment before it starts."""
-        args, value = [str(a) for a in [*self.common_args, *self.decode_args]], SGLANG_DECODE_RESERVATION
-        for i, a in enumerate(args):
-            if a == "--num-reserved-decode-tokens" and i + 1 < len(args):
-                value = int(args[i + 1])
-            elif a.startswith("--num-reserved-decode-tokens="):
-                value = int(a.split("=", 1)[1])
-        return value
+        got = flag_value([str(a) for a in [*self.common_args, *self.decode_args]], "--num-reserved-decode-tokens")
+        return SGLANG_DECODE_RESERVATION if got is None else int(got)
 
     def paced(self, seconds: float) -> float:
         """A time bound set for the profile's own probe, at this cluster's :attr:`pace`."""

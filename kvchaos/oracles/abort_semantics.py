@@ -35,9 +35,8 @@ def _in_time(run, aborts) -> dict | None:
             holder.setdefault(rid, e.get("role"))
             if e.get("phase") == "released":
                 released[rid] = min(released.get(rid, math.inf), float(e.get("wall") or 0.0))
-        elif e.get("ev") == "fault" and e.get("action") == "released" and (e.get("target") or {}).get("rid") in aborts:
+        elif e.get("ev") == "fault" and e.get("action") == "released" and (t := (e.get("target") or {}).get("rid")) in aborts:
             # the harness let its hold or park go (a hold's release has no agent phase of its own)
-            t = (e.get("target") or {})["rid"]
             released[t] = min(released.get(t, math.inf), float(e.get("at") or e.get("wall") or 0.0))
     if not seen:
         return None
@@ -66,7 +65,7 @@ def abort_semantics(events) -> Verdict:
         if agent_kind(e) == "bootstrap_queued" and e.get("rid") in aborts and e.get("room") not in rooms[e["rid"]]:
             rooms[e["rid"]].append(e.get("room"))
     in_time = _in_time(run, aborts)
-    late = []  # held at the send, let go before any scheduler acted on the abort
+    late = []  # held at the send, let go before the holding role's scheduler acted on the abort
     witnesses, outcomes, undecided = [], {}, []
     for rid, a in aborts.items():
         status, body = run.statuses.get(rid), run.bodies.get(rid) or {}
