@@ -23,6 +23,7 @@ PR numbers.
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import threading
@@ -45,6 +46,7 @@ GLM53_SEED = 53
 PREFILL_POOL = 576  # prefill's --max-total-tokens in the incident's shape (input limit 570 < context 4096)
 OVERSIZED = (600, 900, 1200, 1400)  # between prefill's limit and decode's admission edge (2048 − 512 at most)
 BOUND_S = 30.0  # an oversized prompt not answered within this is "hung"
+MAIN_RELEASE = "0.5.23"  # the main venv's sglang: scripts/setup-engine.sh builds no environment for it
 WRITEUP_FIRST_FIXED = "0.5.22"  # the incident write-up: "upgrade to v0.5.22 or later"
 CLEAN, LEAKS, UNMEASURED = "clean", "leaks", "unknown"
 
@@ -115,9 +117,22 @@ def table_file(deployment: str = "incident", base: Path | None = None) -> Path:
     return d / ("release_table.json" if deployment == "incident" else f"release_table-{deployment}.json")
 
 
+def env_python(version: str) -> str:
+    """Where scripts/setup-engine.sh puts ``version``'s interpreter (its ``DEST``), built or not."""
+    main = Path(os.environ.get("KVCHAOS_VENV") or Path.home() / ".cache" / "kvchaos" / "venv")
+    if version == MAIN_RELEASE:
+        return str(main / "bin" / "python")
+    dest = os.environ.get("KVCHAOS_ENGINE_VENV") or main.parent / f"venv-sglang-{version}"
+    return str(Path(dest) / "bin" / "python")
+
+
 def engine_python(version: str, timeout_s: float = 900) -> str:
-    """The interpreter of ``version``'s environment (built on first use by scripts/setup-engine.sh)."""
+    """The interpreter of ``version``'s environment (built on first use by scripts/setup-engine.sh).
+    A dry run (``--kvchaos-dry``: ``KVCHAOS_DRY=1``) starts no engine, so it names the interpreter and
+    builds nothing: a fresh machine's dry run of every suite would otherwise install three releases."""
     version_key(version)
+    if os.environ.get("KVCHAOS_DRY") == "1":
+        return env_python(version)
     try:
         r = subprocess.run(["bash", str(REPO / "scripts" / "setup-engine.sh"), version],
                            capture_output=True, text=True, timeout=timeout_s)

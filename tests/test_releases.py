@@ -207,3 +207,22 @@ def test_peak_rss_follows_a_roles_process_tree():
     d = m.to_dict()
     assert d["peak_bytes"]["me"] >= 64 << 20 and d["peak_bytes"]["gone"] == 0
     assert d["peak_total_bytes"] >= d["peak_bytes"]["me"]
+
+
+def test_a_dry_run_names_the_release_interpreter_and_builds_nothing(monkeypatch, tmp_path):
+    """``pytest suites --kvchaos-dry`` (tests/test_seed.py) reaches the release matrix's fixture: it must not
+    install three sglang releases on a fresh machine to start no engine."""
+    def no_build(*a, **k):
+        raise AssertionError(f"a dry run built an environment: {a}")
+
+    monkeypatch.setattr(R.subprocess, "run", no_build)
+    monkeypatch.setenv("KVCHAOS_DRY", "1")
+    monkeypatch.setenv("KVCHAOS_VENV", str(tmp_path / "venv"))
+    monkeypatch.delenv("KVCHAOS_ENGINE_VENV", raising=False)
+    assert R.engine_python("0.5.21") == str(tmp_path / "venv-sglang-0.5.21" / "bin" / "python")
+    assert R.engine_python(R.MAIN_RELEASE) == str(tmp_path / "venv" / "bin" / "python")
+    with pytest.raises(ValueError, match="not a release version"):
+        R.engine_python("latest")
+    monkeypatch.delenv("KVCHAOS_DRY")
+    with pytest.raises(AssertionError, match="built an environment"):  # a real run still builds it
+        R.engine_python("0.5.21")
