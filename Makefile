@@ -41,38 +41,44 @@ TWO_HOSTS ?= tests/test_two_hosts_live.py suites/test_smoke.py \
 	suites/test_transfer_delay.py::test_transfer_delay_with_jitter_keeps_isolation \
 	suites/incidents/test_glm53_kv_leak.py::test_replay_leaks_another_tenants_data_with_http_200
 
-# the workflow lint (make lint-workflows, about a second), then the sessions: the harness's tests that need
-# no cluster on 3 xdist workers, then everything that drives a real cluster, one test at a time (the engines
-# want both cores), then the two-host topology (prefill and decode in network namespaces, every agent fault
-# over TCP), then the strict docs build (a broken link or a page missing from the nav is red). All always
-# run; the target fails if any does; Ctrl-C stops them all. Each pytest session leaves its own
-# reports/<run-id>/.
-# BESIDE=1 runs the cluster-free tests beside the cluster sessions instead, on 2 workers (scripts/beside.py),
-# in the time the cluster session leaves the cores idle (72 % busy alone): 0.86x the total in two fresh
-# clones (bench/RESULTS.md). Both hold one machine lock (KVCHAOS_MACHINE_LOCK, kvchaos/plugin/xdist.py), so
-# a test that measures time (`exclusive`) has the machine to itself; their output goes to
-# reports/unit-tests.log, printed when they end. Not the default yet: each of its three fresh clones so far
-# found a harness flake the contention exposed (fixed, bench/RESULTS.md); it becomes the default after a
-# green one.
-BESIDE ?= 0
+# the workflow lint (make lint-workflows, about a second), then the sessions: everything that drives a real
+# cluster, one test at a time (the engines want both cores), in the foreground; beside it
+# (scripts/beside.py), the harness's tests that need no cluster on 2 xdist workers, then the two-host
+# topology (prefill and decode in network namespaces, every agent fault over TCP); then the strict docs
+# build (a broken link or a page missing from the nav is red). All always run; the target fails if any
+# does; Ctrl-C stops them all. Each pytest session leaves its own reports/<run-id>/; the output of the two
+# beside the cluster session goes to reports/beside.log, printed when they end.
+# Beside: they use the cores the cluster session leaves idle (72 % busy alone; bench/RESULTS.md). All hold
+# one machine lock (KVCHAOS_MACHINE_LOCK, kvchaos/plugin/xdist.py), so a test that measures time
+# (`exclusive`) has the machine to itself. The unit workers run torch on one thread each (OMP_NUM_THREADS=1):
+# two threads per worker only spin against the engines on 2 cores.
+# BESIDE=0: one session after the other (the cluster-free tests first, on 3 workers), as before.
+BESIDE ?= 1
+UNIT_SESSION = env OMP_NUM_THREADS=1 $(PY) -m pytest -m "not cluster and not slow and not gpu" -p no:cacheprovider \
+	--kvchaos-seed $(SEED) $(PYTEST_ARGS)
+TWO_HOST_SESSION = $(PY) -m pytest $(TWO_HOSTS) -m "cluster and not slow and not gpu" -p no:cacheprovider \
+	--kvchaos-seed $(SEED) --kvchaos-topology two-hosts --kvchaos-layouts mha-p1-fp32 $(PYTEST_ARGS)
 test: setup
-	@rc=0; unit=; log=reports/unit-tests.log; lock=$${TMPDIR:-/tmp}/kvchaos-xdist-$$(printf %x $$$$).lock; \
+	@rc=0; bg=; log=reports/beside.log; lock=$${TMPDIR:-/tmp}/kvchaos-xdist-$$(printf %x $$$$).lock; \
 	mkdir -p reports; echo $$$$ > $$lock; \
-	trap 'if [ -n "$$unit" ]; then kill -INT $$unit 2>/dev/null; wait $$unit; fi; rm -f $$lock $$lock.turnstile' EXIT; \
+	trap 'if [ -n "$$bg" ]; then kill -INT $$bg 2>/dev/null; wait $$bg; fi; rm -f $$lock $$lock.turnstile' EXIT; \
 	trap 'exit 130' INT TERM HUP; \
 	$(PY) scripts/lint_workflows.py || rc=1; \
+	export KVCHAOS_MACHINE_LOCK=$$lock; \
 	if [ "$(BESIDE)" = 1 ]; then \
-	  echo "make test: the cluster-free tests run beside the cluster sessions; their output is in $$log when they end"; \
-	  KVCHAOS_MACHINE_LOCK=$$lock $(PY) scripts/beside.py $(PY) -m pytest -m "not cluster and not slow and not gpu" -n 2 \
-	    -p no:cacheprovider --kvchaos-seed $(SEED) $(PYTEST_ARGS) > $$log 2>&1 & unit=$$!; \
+	  echo "make test: beside the cluster session, the cluster-free tests and then the two-host session; their output is in $$log when they end"; \
+	  $(PY) scripts/beside.py $(UNIT_SESSION) -n 2 --then $(TWO_HOST_SESSION) > $$log 2>&1 & bg=$$!; \
 	else \
-	  $(PY) -m pytest -m "not cluster and not slow and not gpu" -n 3 -p no:cacheprovider --kvchaos-seed $(SEED) $(PYTEST_ARGS) || rc=1; \
+	  $(UNIT_SESSION) -n 3 || rc=1; \
 	fi; \
-	KVCHAOS_MACHINE_LOCK=$$lock KVCHAOS_MATRIX_TRIALS=$(MATRIX_TRIALS) KVCHAOS_MATRIX_CLEAN_TRIALS=$(MATRIX_CLEAN_TRIALS) \
+	KVCHAOS_MATRIX_TRIALS=$(MATRIX_TRIALS) KVCHAOS_MATRIX_CLEAN_TRIALS=$(MATRIX_CLEAN_TRIALS) \
 	  $(PY) -m pytest -m "cluster and not slow and not gpu" -p no:cacheprovider --kvchaos-seed $(SEED) $(PYTEST_ARGS) || rc=1; \
-	KVCHAOS_MACHINE_LOCK=$$lock $(PY) -m pytest $(TWO_HOSTS) -m "cluster and not slow and not gpu" -p no:cacheprovider \
-	  --kvchaos-seed $(SEED) --kvchaos-topology two-hosts --kvchaos-layouts mha-p1-fp32 $(PYTEST_ARGS) || rc=1; \
-	if [ -n "$$unit" ]; then wait $$unit || rc=1; unit=; echo "make test: the cluster-free tests ($$log):"; cat $$log; fi; \
+	if [ -n "$$bg" ]; then \
+	  echo "make test: the cluster session ended; waiting for the sessions beside it ($$log)"; \
+	  wait $$bg || rc=1; bg=; echo "make test: the sessions beside the cluster session ($$log):"; cat $$log; \
+	else \
+	  $(TWO_HOST_SESSION) || rc=1; \
+	fi; \
 	$(PY) -m mkdocs build --strict --quiet --site-dir site || rc=1; \
 	exit $$rc
 
