@@ -36,7 +36,7 @@ def _wait(cond, timeout=20.0):
 
 
 def _mine(h) -> list[str]:
-    return [x for x in netns.leftovers() if f"kvc{h.k}" in x]
+    return netns.of_subnet(h.k)
 
 
 def test_two_hosts_reach_each_other_only_at_their_addresses_and_hide_engine_files(tmp_path):
@@ -96,7 +96,7 @@ def test_a_sigkilled_owner_leaves_no_namespace_link_or_process(tmp_path):
         o.send_signal(signal.SIGKILL)
         o.wait(10)
         gone = _wait(lambda: not os.path.exists(f"/proc/{pid}") and
-                     not [x for x in netns.leftovers() if f"kvc{k}" in x], timeout=30)
+                     not netns.of_subnet(k), timeout=30)
         assert gone, (os.path.exists(f"/proc/{pid}"), netns.leftovers())
     finally:
         if o.poll() is None:
@@ -111,3 +111,13 @@ def test_reaper_refuses_to_delete_what_is_not_ours():
                 r.register_cleanup(kind, name)
     finally:
         r.close()
+
+
+def test_of_subnet_names_only_that_subnets_namespaces_and_links(monkeypatch):
+    """Two two-host clusters at once (make test's two-host session beside others): subnet 1's check must
+    not see subnet 12's bridge."""
+    monkeypatch.setattr(netns, "leftovers", lambda prefix="kvc": ["netns kvc1p", "netns kvc12p", "link kvc12br",
+                                                                   "link kvc1br", "link kvc1ph"])
+    assert netns.of_subnet(1) == ["netns kvc1p", "link kvc1br", "link kvc1ph"]
+    assert netns.of_subnet(12) == ["netns kvc12p", "link kvc12br"]
+    assert netns.of_subnet(2) == []

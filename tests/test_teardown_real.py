@@ -129,7 +129,6 @@ def _ports_of(pids) -> list[str]:
 # the worker that owns the cluster; "controller": its workers must notice and go (slow: same paths)
 @pytest.mark.parametrize("kill", ["group", pytest.param("controller", marks=pytest.mark.slow)])
 def test_sigkill_of_pytest_under_xdist_leaves_no_process_lock_file_port_or_namespace(tmp_path, kill):
-    spaces = set(leftovers())
     inner, (owner, other) = _inner_xdist(tmp_path, "inner_xdist_one_cluster.py", 420)
     try:
         lock = Path(owner["lock"])
@@ -154,7 +153,9 @@ def test_sigkill_of_pytest_under_xdist_leaves_no_process_lock_file_port_or_names
         assert related(set(owner["pgids"]), owner["token"]) == {}
         assert [str(p) for p in held if p.exists()] == [], "lock files / agent directory left"
         assert _ports_of(pytests) == [], "port reservations left"
-        assert set(leftovers()) == spaces, "a namespace or link left"
+        # the inner run's own (its cluster's topology: none on one host, its bridge, namespaces and veths on
+        # two). Not every kvc* of the machine: make test's two-host session creates and removes its own beside
+        assert set(owner["spaces"]) & set(leftovers()) == set(), "a namespace or link left"
     finally:
         if inner.poll() is None:
             os.killpg(inner.pid, signal.SIGKILL)

@@ -67,7 +67,7 @@ def test_agents_answer_over_tcp_while_their_files_are_out_of_sight(tmp_path, kvc
         f.heal()
         assert ctl.armed() == []
         k = c.hosts.k
-    assert [x for x in netns.leftovers() if f"kvc{k}" in x] == []
+    assert netns.of_subnet(k) == []
 
 
 @pytest.mark.slow  # a pytest of its own on a two-host cluster (minutes); the record: README "Beyond one host"

@@ -16,6 +16,7 @@ stop deletes it at once. Needs root (or CAP_NET_ADMIN + CAP_SYS_ADMIN) and ``ip`
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import tempfile
@@ -163,6 +164,11 @@ class TwoHosts:
     def describe(self) -> dict:
         return {"topology": "two-hosts", "bridge": self.bridge, "host_ip": self.host_ip,
                 "namespaces": {r: self.ns(r) for r in ROLES}, "addresses": {r: self.ip(r) for r in ROLES}}
+
+
+def of_subnet(k: int) -> list[str]:
+    """:func:`leftovers` of the cluster on subnet ``k`` only: ``kvc12p`` is subnet 12's, never 1's."""
+    return [x for x in leftovers() if (m := re.match(r"kvc(\d+)", x.split()[1])) and int(m.group(1)) == k]
 
 
 def leftovers(prefix: str = "kvc") -> list[str]:

@@ -21,7 +21,8 @@ def test_hold_the_machine_then_get_killed(request):
         c = Cluster(request.getfixturevalue("kvchaos_spec"), request.getfixturevalue("kvchaos_run_dir") / "held",
                     reaper=request.getfixturevalue("kvchaos_reaper")).start()
         info.update(token=c.token, pids=c.all_pids(), pgids=[p.pgid for p in c.procs.values()], ports=c.ports,
-                    router=c.endpoints.router, agent_dir=c.agent_dir)
+                    router=c.endpoints.router, agent_dir=c.agent_dir,
+                    spaces=[f"{kind} {name}" for kind, name in (c.hosts.created if c.hosts else [])])
     out = f"{os.environ['KVCHAOS_INNER_OUT']}.{worker}"
     with open(out + ".tmp", "w") as f:
         json.dump(info, f)
