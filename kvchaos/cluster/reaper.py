@@ -132,6 +132,9 @@ def kill_tree(roots: set[int], tokens, grace_s: float = 5.0, known: dict[int, in
     return sorted(t)
 
 
+SCAN_FRESH_S, FRESH_FOR_S, SCAN_SETTLED_S = 0.5, 60.0, 2.5
+
+
 def main(argv: list[str]) -> int:
     if not argv:
         sys.stderr.write("usage: python -m kvchaos.cluster.reaper TOKEN [GRACE_S [OWNER_PID]]\n")
@@ -149,8 +152,9 @@ def main(argv: list[str]) -> int:
     cleanup: list[tuple[str, str]] = []  # ("netns" | "link", name): deleted after the processes
     paths: list[str] = []  # kvchaos.cluster.tmpfiles entries: deleted last
     buf = b""
+    new_root_at, scanned_at = time.monotonic(), 0.0
     while True:
-        ready, _, _ = select.select([0], [], [], 0.5)
+        ready, _, _ = select.select([0], [], [], SCAN_FRESH_S)
         if ready:
             chunk = os.read(0, 4096)
             if not chunk:  # EOF: the owner is gone (or closed us on purpose)
@@ -168,14 +172,21 @@ def main(argv: list[str]) -> int:
                         paths.append(name)
                 elif len(parts) == 2 and parts[0] == "pgid" and parts[1].isdigit():
                     roots.add(int(parts[1]))
+                    new_root_at = time.monotonic()
                 elif len(parts) == 2 and parts[0] == "token":
                     tokens.add(parts[1])
                 elif len(parts) == 3 and parts[0] == "forget" and parts[1] in ("netns", "link"):
                     cleanup = [c for c in cleanup if c != (parts[1], parts[2])]
                 elif len(parts) == 2 and parts[0] in ("netns", "link") and _OURS.match(parts[1]):
                     cleanup.append((parts[0], parts[1]))
-        if roots:  # remember every descendant we have seen, in case it later escapes its group
+        # remember every descendant we have seen, in case it later escapes its group and its token (a
+        # scheduler that calls setsid and retitles itself): each scan reads all of /proc, so every
+        # SCAN_FRESH_S while a tree is new (it spawns then) and every SCAN_SETTLED_S after
+        now = time.monotonic()
+        every = SCAN_FRESH_S if now - new_root_at < FRESH_FOR_S else SCAN_SETTLED_S
+        if roots and now - scanned_at >= every:
             known.update(related(roots, tokens))
+            scanned_at = now
     left = kill_tree(roots, tokens, grace, known)
     if left:
         sys.stderr.write(f"kvchaos reaper: still alive after SIGKILL: {left}\n")
