@@ -103,6 +103,7 @@ test-layouts: setup  # every default suite on every KV layout, one cluster each 
 # (docs/reference/layouts-and-backends.md). About 40 min (Llama-shaped) and 100 min (DeepSeek-shaped) on 2 cores.
 LIKE_RUNS ?= like:llama-3.1-8b-p64-bf16=reject_admitted like:deepseek-v3-p64-bf16=early_free
 test-like: setup
+	$(PY) -m pytest tests/test_probe_like.py -m slow -k like_probes_recite -p no:cacheprovider $(PYTEST_ARGS)
 	@for run in $(LIKE_RUNS); do \
 	  KVCHAOS_MATRIX_TRIALS=1 KVCHAOS_MATRIX_CLEAN_TRIALS=1 $(PY) -m pytest -p no:cacheprovider -o testpaths= \
 	    suites/test_smoke.py suites/incidents/test_glm53_kv_leak.py suites/test_detection_matrix.py \

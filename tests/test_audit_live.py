@@ -69,7 +69,7 @@ def safe_cluster(kvchaos_spec, kvchaos_run_dir, kvchaos_reaper):
         yield c
 
 
-@pytest.mark.slow  # CI time (its own cluster); the unsafe-cluster audit runs by default
+@pytest.mark.slow  # CI time (its own cluster); the audit's checks are unit-tested in test_audit.py
 @pytest.mark.backends("mooncake_tcp")
 def test_audit_passes_the_safe_cluster(safe_cluster):
     e = safe_cluster.endpoints

@@ -243,6 +243,11 @@ def _stale_reply(model_dir, dtype, seed):
     return own, foreign, reply(True, order), reply(False, [own])
 
 
+# behind -m slow for CI's time: ~150 core-seconds of bf16 forward passes through the Llama- and
+# DeepSeek-shaped probes, whose layouts make test's cluster sessions never run. make test-like runs it
+# before its like: clusters, each of which its own planted-leak self-test gates (a probe that no longer
+# recites leaves that run UNKNOWN, never green)
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", [LLAMA, DEEPSEEK])
 def test_like_probes_recite_own_foreign_and_stale_canaries_in_transformers(kind, probes):
     from tests.test_probe_model import _hf_rates  # the hand-written probes' own check, teacher-forced
