@@ -41,8 +41,8 @@ def _die_with_parent(sig: int = signal.SIGINT) -> None:
         raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG)")
 
 
-def prepare() -> None:
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
+def prepare(on_sigint=signal.SIG_DFL) -> None:
+    signal.signal(signal.SIGINT, on_sigint)
     _die_with_parent()
     if os.getppid() == 1:  # the parent died before the prctl: nobody would signal us
         sys.exit("beside.py: the shell that started this is already gone")
@@ -89,11 +89,8 @@ def run_all(cmds: list[list[str]]) -> int:
             except ProcessLookupError:
                 pass
 
-    signal.signal(signal.SIGINT, forward)
     signal.signal(signal.SIGTERM, forward)
-    _die_with_parent()
-    if os.getppid() == 1:
-        sys.exit("beside.py: the shell that started this is already gone")
+    prepare(forward)
     first_bad = 0
     for i, cmd in enumerate(cmds, 1):
         if state["stopped"]:
