@@ -118,12 +118,11 @@ def table_file(deployment: str = "incident", base: Path | None = None) -> Path:
 
 
 def env_python(version: str) -> str:
-    """Where scripts/setup-engine.sh puts ``version``'s interpreter (its ``DEST``), built or not."""
-    main = Path(os.environ.get("KVCHAOS_VENV") or Path.home() / ".cache" / "kvchaos" / "venv")
+    """Where scripts/setup-engine.sh puts ``version``'s interpreter (its ``MAIN`` and ``DEST``), built or not."""
+    cache = Path.home() / ".cache" / "kvchaos"
     if version == MAIN_RELEASE:
-        return str(main / "bin" / "python")
-    dest = os.environ.get("KVCHAOS_ENGINE_VENV") or main.parent / f"venv-sglang-{version}"
-    return str(Path(dest) / "bin" / "python")
+        return str(Path(os.environ.get("KVCHAOS_VENV") or cache / "venv") / "bin" / "python")
+    return str(Path(os.environ.get("KVCHAOS_ENGINE_VENV") or cache / f"venv-sglang-{version}") / "bin" / "python")
 
 
 def engine_python(version: str, timeout_s: float = 900) -> str:

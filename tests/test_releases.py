@@ -217,10 +217,16 @@ def test_a_dry_run_names_the_release_interpreter_and_builds_nothing(monkeypatch,
 
     monkeypatch.setattr(R.subprocess, "run", no_build)
     monkeypatch.setenv("KVCHAOS_DRY", "1")
-    monkeypatch.setenv("KVCHAOS_VENV", str(tmp_path / "venv"))
-    monkeypatch.delenv("KVCHAOS_ENGINE_VENV", raising=False)
-    assert R.engine_python("0.5.21") == str(tmp_path / "venv-sglang-0.5.21" / "bin" / "python")
-    assert R.engine_python(R.MAIN_RELEASE) == str(tmp_path / "venv" / "bin" / "python")
+    monkeypatch.setenv("HOME", str(tmp_path))  # scripts/setup-engine.sh's defaults, under $HOME/.cache/kvchaos
+    for var in ("KVCHAOS_VENV", "KVCHAOS_ENGINE_VENV"):
+        monkeypatch.delenv(var, raising=False)
+    cache = tmp_path / ".cache" / "kvchaos"
+    assert R.engine_python("0.5.21") == str(cache / "venv-sglang-0.5.21" / "bin" / "python")
+    assert R.engine_python(R.MAIN_RELEASE) == str(cache / "venv" / "bin" / "python")
+    monkeypatch.setenv("KVCHAOS_VENV", str(tmp_path / "main"))  # the script's MAIN and DEST overrides
+    monkeypatch.setenv("KVCHAOS_ENGINE_VENV", str(tmp_path / "e"))
+    assert R.engine_python(R.MAIN_RELEASE) == str(tmp_path / "main" / "bin" / "python")
+    assert R.engine_python("0.5.19") == str(tmp_path / "e" / "bin" / "python")
     with pytest.raises(ValueError, match="not a release version"):
         R.engine_python("latest")
     monkeypatch.delenv("KVCHAOS_DRY")
