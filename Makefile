@@ -54,28 +54,41 @@ TWO_HOSTS ?= tests/test_two_hosts_live.py suites/test_smoke.py \
 # two threads per worker only spin against the engines on 2 cores.
 # BESIDE=0: one session after the other (the cluster-free tests first, on 3 workers), as before.
 BESIDE ?= 1
+# SPLIT=1 (with BESIDE=1; being measured, not the default): the cluster session's tests on SPLIT_LAYOUT (the
+# incident's MLA layout: its own cluster, reference server and the 0.5.19 cluster) in a session of their own
+# beside the rest, the two-host session after it; the cluster-free tests beside both. The two selections
+# (-k) are complementary, so the same 65 tests run.
+SPLIT ?= 0
+SPLIT_LAYOUT ?= mla-p64-bf16
+CLUSTER_SESSION = env KVCHAOS_MATRIX_TRIALS=$(MATRIX_TRIALS) KVCHAOS_MATRIX_CLEAN_TRIALS=$(MATRIX_CLEAN_TRIALS) \
+	$(PY) -m pytest -m "cluster and not slow and not gpu" -p no:cacheprovider --kvchaos-seed $(SEED) $(PYTEST_ARGS)
 UNIT_SESSION = env OMP_NUM_THREADS=1 $(PY) -m pytest -m "not cluster and not slow and not gpu" -p no:cacheprovider \
 	--kvchaos-seed $(SEED) $(PYTEST_ARGS)
 TWO_HOST_SESSION = $(PY) -m pytest $(TWO_HOSTS) -m "cluster and not slow and not gpu" -p no:cacheprovider \
 	--kvchaos-seed $(SEED) --kvchaos-topology two-hosts --kvchaos-layouts mha-p1-fp32 $(PYTEST_ARGS)
 test: setup
-	@rc=0; bg=; log=reports/beside.log; lock=$${TMPDIR:-/tmp}/kvchaos-xdist-$$(printf %x $$$$).lock; \
-	mkdir -p reports; echo $$$$ > $$lock; \
-	trap 'if [ -n "$$bg" ]; then kill -INT $$bg 2>/dev/null; wait $$bg; fi; rm -f $$lock $$lock.turnstile' EXIT; \
+	@rc=0; bg=; log=reports/beside.log; log2=reports/beside-$(SPLIT_LAYOUT).log; \
+	lock=$${TMPDIR:-/tmp}/kvchaos-xdist-$$(printf %x $$$$).lock; mkdir -p reports; echo $$$$ > $$lock; \
+	trap 'for p in $$bg; do kill -INT $$p 2>/dev/null; done; for p in $$bg; do wait $$p; done; rm -f $$lock $$lock.turnstile' EXIT; \
 	trap 'exit 130' INT TERM HUP; \
 	$(PY) scripts/lint_workflows.py || rc=1; \
-	export KVCHAOS_MACHINE_LOCK=$$lock; \
-	if [ "$(BESIDE)" = 1 ]; then \
+	export KVCHAOS_MACHINE_LOCK=$$lock; here=; \
+	if [ "$(BESIDE)" = 1 ] && [ "$(SPLIT)" = 1 ]; then \
+	  echo "make test: beside the cluster session, the cluster-free tests ($$log), and the $(SPLIT_LAYOUT) tests then the two-host session ($$log2)"; \
+	  $(PY) scripts/beside.py $(UNIT_SESSION) -n 2 > $$log 2>&1 & bg=$$!; \
+	  $(PY) scripts/beside.py $(CLUSTER_SESSION) -k "$(SPLIT_LAYOUT)" --then $(TWO_HOST_SESSION) > $$log2 2>&1 & bg="$$bg $$!"; \
+	  here="not $(SPLIT_LAYOUT)"; \
+	elif [ "$(BESIDE)" = 1 ]; then \
 	  echo "make test: beside the cluster session, the cluster-free tests and then the two-host session; their output is in $$log when they end"; \
 	  $(PY) scripts/beside.py $(UNIT_SESSION) -n 2 --then $(TWO_HOST_SESSION) > $$log 2>&1 & bg=$$!; \
 	else \
 	  $(UNIT_SESSION) -n 3 || rc=1; \
 	fi; \
-	KVCHAOS_MATRIX_TRIALS=$(MATRIX_TRIALS) KVCHAOS_MATRIX_CLEAN_TRIALS=$(MATRIX_CLEAN_TRIALS) \
-	  $(PY) -m pytest -m "cluster and not slow and not gpu" -p no:cacheprovider --kvchaos-seed $(SEED) $(PYTEST_ARGS) || rc=1; \
+	$(CLUSTER_SESSION) $${here:+-k "$$here"} || rc=1; \
 	if [ -n "$$bg" ]; then \
-	  echo "make test: the cluster session ended; waiting for the sessions beside it ($$log)"; \
-	  wait $$bg || rc=1; bg=; echo "make test: the sessions beside the cluster session ($$log):"; cat $$log; \
+	  echo "make test: the cluster session ended; waiting for the sessions beside it"; \
+	  for p in $$bg; do wait $$p || rc=1; done; bg=; \
+	  for f in $$log $$log2; do if [ -f $$f ] && [ $$f -nt $$lock ]; then echo "make test: beside the cluster session ($$f):"; cat $$f; fi; done; \
 	else \
 	  $(TWO_HOST_SESSION) || rc=1; \
 	fi; \
