@@ -54,10 +54,10 @@ TWO_HOSTS ?= tests/test_two_hosts_live.py suites/test_smoke.py \
 # two threads per worker only spin against the engines on 2 cores.
 # BESIDE=0: one session after the other (the cluster-free tests first, on 3 workers), as before.
 BESIDE ?= 1
-# SPLIT=1 (with BESIDE=1; being measured, not the default): the cluster session's tests on SPLIT_LAYOUT (the
-# incident's MLA layout: its own cluster, reference server and the 0.5.19 cluster) in a session of their own
-# beside the rest, the two-host session after it; the cluster-free tests beside both. The two selections
-# (-k) are complementary, so the same 65 tests run.
+# SPLIT=1 (with BESIDE=1; opt-in: its one fresh clone was red on a power-floor flake, bench/RESULTS.md):
+# the cluster session's tests on SPLIT_LAYOUT (the incident's MLA layout: its own cluster, reference server
+# and the 0.5.19 cluster) in a session of their own beside the rest, the two-host session after it; the
+# cluster-free tests beside both. The two selections (-k) are complementary, so the same 65 tests run.
 SPLIT ?= 0
 SPLIT_LAYOUT ?= mla-p64-bf16
 CLUSTER_SESSION = env KVCHAOS_MATRIX_TRIALS=$(MATRIX_TRIALS) KVCHAOS_MATRIX_CLEAN_TRIALS=$(MATRIX_CLEAN_TRIALS) \
