@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from kvchaos import cpucompat
+from kvchaos import cpucompat, releases
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -242,7 +242,7 @@ _SCRAMBLED = {
 
 
 def _engine_python(version: str) -> Path:
-    return Path.home() / ".cache" / "kvchaos" / f"venv-sglang-{version}" / "bin" / "python"
+    return Path(releases.env_python(version))  # where scripts/setup-engine.sh builds it; nothing built here
 
 
 def _paged(python, patch: str) -> tuple[subprocess.CompletedProcess, dict | None]:
