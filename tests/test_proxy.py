@@ -278,13 +278,13 @@ def test_disable_drops_connections_and_reset_restores(tp, echo):
     s.close()
     with pytest.raises(OSError):
         _connect(p.listen, timeout=1).close()
-    p.add_toxic(type="latency", attributes={"latency": 1000})
+    p.add_toxic(type="latency", attributes={"latency": 5000})
     assert tp.reset()
     p2 = tp.get_proxy("dn")
     assert p2.enabled and p2.toxics() == {}
     with _connect(p2.listen) as s2:
         got, dt = _roundtrip(s2, b"ok")
-    assert got == b"ok" and dt < 0.5
+    assert got == b"ok" and dt < 2.5, dt  # half the toxic's delay: a loaded machine is not a toxic
 
 
 def test_toxicity_is_per_connection(tp, echo):
