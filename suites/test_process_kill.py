@@ -47,11 +47,15 @@ def test_prefill_killed_while_a_write_is_in_flight(experiment, seeds, faults):
     plans = wl.mix(80, lengths=(150, 450))
     victim = plans[64]
     with experiment("kill_prefill", plans, [Isolation(), KVLifecycle(), Liveness(bound_s=BOUND_S)],
-                    seed=wl.seed, timeout_s=BOUND_S) as ex:
-        # the write is parked mid-transfer when prefill dies
+                    seed=wl.seed, timeout_s=BOUND_S, concurrency=14) as ex:
+        # the write is parked mid-transfer when prefill dies, 2 s after it was parked. The held write
+        # stops prefill's other transfers (one queue on this deployment), so the hold's class gets its
+        # evidence only from requests already decoding when it fired: concurrency 14, not 8 (killed
+        # 75 ms after the hold at 8, 14 of its 18 were broken and the class fell under its floor of
+        # 5 evidence requests: UNKNOWN on a fresh clone)
         sched = ex.nemesis([Op(at_s=0, injector="agent", role="prefill", kind="hold", target={"rid": victim.rid},
                                params={"max_hold_s": 60}),
-                            Op(at_s=0, injector="process", kind="kill", role="prefill", after=0)])
+                            Op(at_s=0, injector="process", kind="kill", role="prefill", after=0, delay_s=2.0)])
     assert sched.handles.get(1), "prefill was not killed"
     run = ex.run
     if run.statuses.get(victim.rid) == 200:  # a 200 must be a full retry, never built on the cut write
