@@ -43,22 +43,25 @@ TWO_HOSTS ?= tests/test_two_hosts_live.py suites/test_smoke.py \
 
 # the workflow lint (make lint-workflows, about a second), then the sessions: everything that drives a real
 # cluster, one test at a time (the engines want both cores), in the foreground; beside it
-# (scripts/beside.py), the harness's tests that need no cluster on 2 xdist workers, then the two-host
-# topology (prefill and decode in network namespaces, every agent fault over TCP); then the strict docs
-# build (a broken link or a page missing from the nav is red). All always run; the target fails if any
-# does; Ctrl-C stops them all. Each pytest session leaves its own reports/<run-id>/; the output of the two
-# beside the cluster session goes to reports/beside.log, printed when they end.
+# (scripts/beside.py), the harness's tests that need no cluster on 2 xdist workers, and (SPLIT=1, below)
+# the cluster tests of the MLA layout, then the two-host topology (prefill and decode in network
+# namespaces, every agent fault over TCP); then the strict docs build (a broken link or a page missing
+# from the nav is red). All always run; the target fails if any does; Ctrl-C stops them all. Each pytest
+# session leaves its own reports/<run-id>/; the output of those beside the cluster session goes to
+# reports/beside*.log, printed when they end.
 # Beside: they use the cores the cluster session leaves idle (72 % busy alone; bench/RESULTS.md). All hold
 # one machine lock (KVCHAOS_MACHINE_LOCK, kvchaos/plugin/xdist.py), so a test that measures time
 # (`exclusive`) has the machine to itself. The unit workers run torch on one thread each (OMP_NUM_THREADS=1):
 # two threads per worker only spin against the engines on 2 cores.
 # BESIDE=0: one session after the other (the cluster-free tests first, on 3 workers), as before.
 BESIDE ?= 1
-# SPLIT=1 (with BESIDE=1; opt-in: its one fresh clone was red on a power-floor flake, bench/RESULTS.md):
-# the cluster session's tests on SPLIT_LAYOUT (the incident's MLA layout: its own cluster, reference server
-# and the 0.5.19 cluster) in a session of their own beside the rest, the two-host session after it; the
-# cluster-free tests beside both. The two selections (-k) are complementary, so the same 65 tests run.
-SPLIT ?= 0
+# SPLIT=1 (with BESIDE=1; the default since its second fresh clone, green, once the prefill kill's power
+# floor was mended; bench/RESULTS.md): the cluster session's tests on SPLIT_LAYOUT (the incident's MLA
+# layout: its own cluster, reference server and the 0.5.19 cluster) in a session of their own beside the
+# rest, the two-host session after it; the cluster-free tests beside both. The two selections (-k) are
+# complementary, so the same 65 tests run. SPLIT=0: one cluster session, the two-host session after the
+# cluster-free tests.
+SPLIT ?= 1
 SPLIT_LAYOUT ?= mla-p64-bf16
 CLUSTER_SESSION = env KVCHAOS_MATRIX_TRIALS=$(MATRIX_TRIALS) KVCHAOS_MATRIX_CLEAN_TRIALS=$(MATRIX_CLEAN_TRIALS) \
 	$(PY) -m pytest -m "cluster and not slow and not gpu" -p no:cacheprovider --kvchaos-seed $(SEED) $(PYTEST_ARGS)

@@ -59,6 +59,15 @@ Patches (each is a no-op when its precondition is absent):
    already polls, so a request arriving wakes it at once; a transfer finishing is seen at the next
    poll, at most that late. A fully idle pass (already asleep in ``IdleSleeper``) and a scheduler
    without an idle sleeper are left as they are. Unset or 0: not applied.
+8. ``sglang.srt.distributed.device_communicators.mooncake_transfer_engine.MooncakeTransferEngine.
+   batch_transfer_sync`` — Mooncake's ``batchTransferSync`` (transfer_engine_py.cpp) submits the batch
+   and then loops on ``getBatchTransferStatus`` with no sleep or yield until the write completes: a
+   thread spinning on one of this machine's two cores while the TCP transport's own threads, and decode,
+   do the work it waits for (py-spy: 37 % of prefill's samples in ``make test``). With
+   ``KVCHAOS_TRANSFER_WAIT_NICE=<n>`` (the CPU profile sets it) each thread that calls it is set to nice
+   ``n`` before its first call (Linux niceness is per thread), so the spin gets the CPU others leave
+   idle. Mooncake's code, its transfer and its result are untouched; only the calling thread's
+   priority changes. Unset or 0: not applied.
 """
 
 from __future__ import annotations
@@ -68,6 +77,7 @@ import importlib.machinery
 import importlib.util
 import os
 import sys
+import threading
 import time
 import types
 
@@ -309,8 +319,46 @@ def _patch_scheduler(mod) -> None:
     APPLIED.append(f"scheduler-parked-poll-{ms}ms")
 
 
+def transfer_wait_nice() -> int:
+    """``KVCHAOS_TRANSFER_WAIT_NICE`` as a niceness in 0..19 (0: patch 8 not applied)."""
+    raw = os.environ.get("KVCHAOS_TRANSFER_WAIT_NICE", "").strip()
+    if not raw:
+        return 0
+    try:
+        n = int(raw)
+    except ValueError:
+        n = -1
+    if not 0 <= n <= 19:
+        raise CompatVersionError(f"KVCHAOS_TRANSFER_WAIT_NICE={raw!r} is not a niceness in 0..19")
+    return n
+
+
+def _patch_mooncake_engine(mod) -> None:
+    n = transfer_wait_nice()
+    cls = getattr(mod, "MooncakeTransferEngine", None)
+    orig = getattr(cls, "batch_transfer_sync", None)
+    if not n or orig is None or getattr(orig, "_kvchaos_nice", 0):
+        return
+    niced = threading.local()
+
+    def batch_transfer_sync(self, *args, **kwargs):
+        if not getattr(niced, "done", False):
+            niced.done = True
+            try:  # this thread only; a later call in it finds it done
+                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), n)
+            except OSError:
+                pass  # a priority refused changes timing, never the transfer
+        return orig(self, *args, **kwargs)
+
+    batch_transfer_sync.__wrapped__ = orig
+    batch_transfer_sync._kvchaos_nice = n
+    cls.batch_transfer_sync = batch_transfer_sync
+    APPLIED.append(f"mooncake-transfer-wait-nice-{n}")
+
+
 POST_IMPORT = {
     "sglang.srt.managers.scheduler": _patch_scheduler,
+    "sglang.srt.distributed.device_communicators.mooncake_transfer_engine": _patch_mooncake_engine,
     "sglang.srt.models.deepseek_common.attention_backend_handler": _patch_mla_handler,
     "sglang.srt.mem_cache.allocator.paged": _patch_paged_allocator,
     "sglang.srt.disaggregation.mooncake.conn": _patch_mooncake_conn,
@@ -366,6 +414,7 @@ def install(check: bool = True) -> None:
     if check:
         check_versions()
     parked_poll_ms()  # a bad value stops this process now, not at the scheduler's import
+    transfer_wait_nice()
     for name in list(REWRITE) + list(POST_IMPORT):
         if name in sys.modules:  # imported before us: apply post-import patches directly
             hook = POST_IMPORT.get(name)

@@ -4,6 +4,8 @@ import json
 import os
 import subprocess
 import sys
+import threading
+import types
 from pathlib import Path
 
 import pytest
@@ -69,9 +71,6 @@ def test_nixl_patch_maps_vram_to_dram_and_clears_strided_descs(monkeypatch):
     """The NIXL patch (measured: UCX rejects host memory labelled VRAM, and strided descriptor lists
     are not found for it): str "VRAM" arguments become "DRAM", arrays pass untouched, the per-block
     descriptor fallback is forced. Checked on stand-ins for nixl's agent and sglang's conn module."""
-    import sys
-    import types
-
     import numpy as np
 
     from kvchaos import cpucompat
@@ -349,8 +348,6 @@ def test_paged_allocation_on_the_releases_between(version, paged_reference):
 
 
 def _fake_scheduler_module():
-    import types
-
     mod = types.ModuleType("sglang.srt.managers.scheduler")
 
     class Poller:
@@ -412,16 +409,79 @@ def test_parked_poll_bad_value_is_refused_by_name(monkeypatch, value):
         cpucompat.parked_poll_ms()
 
 
-def test_parked_poll_wraps_the_real_scheduler(monkeypatch):
-    """On the installed SGLang: the scheduler module loads through the patch, and what it wraps is
-    there (on_idle, is_fully_idle, an IdleSleeper whose poller it waits on)."""
+def test_parked_poll_and_transfer_wait_wrap_the_real_engine(monkeypatch):
+    """On the installed SGLang (one interpreter for both: each import of sglang costs ~10 CPU-s):
+    patch 7 — the scheduler module loads through it, and what it wraps is there (on_idle,
+    is_fully_idle, an IdleSleeper whose poller it waits on); patch 8 — the transfer engine module loads
+    through it, and the method it wraps is the one conn.py's _transfer_data calls."""
     monkeypatch.setenv("KVCHAOS_PARKED_POLL_MS", "1")
-    code = ("import zmq\nfrom sglang.srt.managers import scheduler as m\n"
+    monkeypatch.setenv("KVCHAOS_TRANSFER_WAIT_NICE", "19")
+    code = ("import inspect\nimport zmq\nfrom sglang.srt.managers import scheduler as m\n"
             "from sglang.srt.managers.scheduler_components.idle_sleeper import IdleSleeper\n"
             "s = zmq.Context().socket(zmq.PULL)\n"
             "print('wrapped', getattr(m.Scheduler.on_idle, '_kvchaos_parked_poll', None),"
             " hasattr(m.Scheduler, 'is_fully_idle'), hasattr(IdleSleeper([s]), 'poller'))\n"
+            "from sglang.srt.distributed.device_communicators import mooncake_transfer_engine as te\n"
+            "from sglang.srt.disaggregation.mooncake import conn\n"
+            "print('niced', getattr(te.MooncakeTransferEngine.batch_transfer_sync, '_kvchaos_nice', None),"
+            " 'self.engine.batch_transfer_sync(' in inspect.getsource(conn.MooncakeKVManager._transfer_data))\n"
             "from kvchaos import cpucompat; print(cpucompat.APPLIED)\n")
     ok = _py(code, compat=True)
     assert ok.returncode == 0, ok.stderr[-2000:]
     assert "wrapped 1 True True" in ok.stdout and "scheduler-parked-poll-1ms" in ok.stdout
+    assert "niced 19 True" in ok.stdout and "mooncake-transfer-wait-nice-19" in ok.stdout
+
+
+def _fake_mooncake_engine_module(calls):
+    mod = types.ModuleType("fake_mooncake_transfer_engine")
+
+    class MooncakeTransferEngine:
+        def batch_transfer_sync(self, session_id, buffers, peer_buffer_addresses, lengths):
+            calls.append((session_id, threading.get_native_id(),
+                          os.getpriority(os.PRIO_PROCESS, threading.get_native_id())))
+            return -1 if session_id == "bad" else 0
+
+    mod.MooncakeTransferEngine = MooncakeTransferEngine
+    return mod
+
+
+def test_transfer_wait_runs_its_calling_thread_niced(monkeypatch):
+    """Patch 8: the thread that calls batch_transfer_sync runs at the configured niceness from its first
+    call on (the spin inside Mooncake waits at that priority); its arguments and result pass through; a
+    thread that never called it keeps its priority; applied once however often the module loads."""
+    monkeypatch.setattr(cpucompat, "APPLIED", [])
+    monkeypatch.setenv("KVCHAOS_TRANSFER_WAIT_NICE", "19")
+    calls = []
+    mod = _fake_mooncake_engine_module(calls)
+    cpucompat._patch_mooncake_engine(mod)
+    cpucompat._patch_mooncake_engine(mod)
+    out, main_prio = {}, os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+    def worker():
+        e = mod.MooncakeTransferEngine()
+        out["first"] = e.batch_transfer_sync("s", [1], [2], [3])
+        out["bad"] = e.batch_transfer_sync("bad", [1], [2], [3])
+
+    t = threading.Thread(target=worker)
+    t.start()
+    t.join(10)
+    assert out == {"first": 0, "bad": -1}
+    assert [c[0] for c in calls] == ["s", "bad"] and {c[2] for c in calls} == {19}
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == main_prio
+    assert cpucompat.APPLIED == ["mooncake-transfer-wait-nice-19"]
+
+
+@pytest.mark.parametrize("value", ["", "0"])
+def test_transfer_wait_nice_off_leaves_the_engine_alone(monkeypatch, value):
+    monkeypatch.setenv("KVCHAOS_TRANSFER_WAIT_NICE", value)
+    mod = _fake_mooncake_engine_module([])
+    orig = mod.MooncakeTransferEngine.batch_transfer_sync
+    cpucompat._patch_mooncake_engine(mod)
+    assert mod.MooncakeTransferEngine.batch_transfer_sync is orig
+
+
+@pytest.mark.parametrize("value", ["-5", "20", "low"])
+def test_transfer_wait_nice_bad_value_is_refused_by_name(monkeypatch, value):
+    monkeypatch.setenv("KVCHAOS_TRANSFER_WAIT_NICE", value)
+    with pytest.raises(cpucompat.CompatVersionError, match=f"KVCHAOS_TRANSFER_WAIT_NICE={value!r}"):
+        cpucompat.transfer_wait_nice()
