@@ -1,0 +1,38 @@
+"""bench/profile_knob.py sets one [cluster.env] knob in a copy of the CPU profile; bad input is named."""
+
+import importlib.util
+import tomllib
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _bench():
+    spec = importlib.util.spec_from_file_location("profile_knob_bench", REPO / "bench" / "profile_knob.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_a_knob_is_replaced_where_set_and_added_where_not():
+    b = _bench()
+    text = b.PROFILE.read_text()
+    env = tomllib.loads(text)["cluster"]["env"]
+    assert env["KVCHAOS_TRANSFER_WAIT_NICE"] == "19"
+    got = tomllib.loads(b.profile_with("KVCHAOS_TRANSFER_WAIT_NICE", "0", text))
+    assert got["cluster"]["env"]["KVCHAOS_TRANSFER_WAIT_NICE"] == "0"
+    assert {k: v for k, v in got["cluster"]["env"].items() if k != "KVCHAOS_TRANSFER_WAIT_NICE"} == \
+        {k: v for k, v in env.items() if k != "KVCHAOS_TRANSFER_WAIT_NICE"}
+    added = tomllib.loads(b.profile_with("KVCHAOS_NEW_KNOB", "3", text))
+    assert added["cluster"]["env"]["KVCHAOS_NEW_KNOB"] == "3"
+    assert added["policy"] == tomllib.loads(text)["policy"]  # the rest of the profile is the profile
+
+
+@pytest.mark.parametrize("argv, msg", [(["lower_case", "0", "1"], "is not an environment variable name"),
+                                       (["KNOB", "0", "1", "--pairs", "0"], "--pairs must be >= 1")])
+def test_bad_arguments_are_named(argv, msg, capsys):
+    with pytest.raises(SystemExit) as e:
+        _bench().main(argv)
+    assert e.value.code == 2 and msg in capsys.readouterr().err
