@@ -60,9 +60,11 @@ BESIDE ?= 1
 # layout: its own cluster, reference server and the 0.5.19 cluster) in a session of their own beside the
 # rest, the two-host session after it; the cluster-free tests beside both. The two selections (-k) are
 # complementary, so the same 65 tests run. SPLIT=0: one cluster session, the two-host session after the
-# cluster-free tests.
+# cluster-free tests. SPLIT_K: what goes beside — the layout's tests, and the cleanup tests that start
+# clusters of their own (test_teardown_real: ~75 s of the longer session; none uses the session's cluster).
 SPLIT ?= 1
 SPLIT_LAYOUT ?= mla-p64-bf16
+SPLIT_K ?= $(SPLIT_LAYOUT) or test_teardown_real
 CLUSTER_SESSION = env KVCHAOS_MATRIX_TRIALS=$(MATRIX_TRIALS) KVCHAOS_MATRIX_CLEAN_TRIALS=$(MATRIX_CLEAN_TRIALS) \
 	$(PY) -m pytest -m "cluster and not slow and not gpu" -p no:cacheprovider --kvchaos-seed $(SEED) $(PYTEST_ARGS)
 UNIT_SESSION = env OMP_NUM_THREADS=1 $(PY) -m pytest -m "not cluster and not slow and not gpu" -p no:cacheprovider \
@@ -77,10 +79,10 @@ test: setup
 	$(PY) scripts/lint_workflows.py || rc=1; \
 	export KVCHAOS_MACHINE_LOCK=$$lock; here=; \
 	if [ "$(BESIDE)" = 1 ] && [ "$(SPLIT)" = 1 ]; then \
-	  echo "make test: beside the cluster session, the cluster-free tests ($$log), and the $(SPLIT_LAYOUT) tests then the two-host session ($$log2)"; \
+	  echo "make test: beside the cluster session, the cluster-free tests ($$log), and the tests -k '$(SPLIT_K)' then the two-host session ($$log2)"; \
 	  $(PY) scripts/beside.py $(UNIT_SESSION) -n 2 > $$log 2>&1 & bg=$$!; \
-	  $(PY) scripts/beside.py $(CLUSTER_SESSION) -k "$(SPLIT_LAYOUT)" --then $(TWO_HOST_SESSION) > $$log2 2>&1 & bg="$$bg $$!"; \
-	  here="not $(SPLIT_LAYOUT)"; \
+	  $(PY) scripts/beside.py $(CLUSTER_SESSION) -k "$(SPLIT_K)" --then $(TWO_HOST_SESSION) > $$log2 2>&1 & bg="$$bg $$!"; \
+	  here="not ($(SPLIT_K))"; \
 	elif [ "$(BESIDE)" = 1 ]; then \
 	  echo "make test: beside the cluster session, the cluster-free tests and then the two-host session; their output is in $$log when they end"; \
 	  $(PY) scripts/beside.py $(UNIT_SESSION) -n 2 --then $(TWO_HOST_SESSION) > $$log 2>&1 & bg=$$!; \
