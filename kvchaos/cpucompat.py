@@ -64,7 +64,7 @@ Patches (each is a no-op when its precondition is absent):
    and then loops on ``getBatchTransferStatus`` with no sleep or yield until the write completes: a
    thread spinning on one of this machine's two cores while the TCP transport's own threads, and decode,
    do the work it waits for (py-spy: 37 % of prefill's samples in ``make test``). With
-   ``KVCHAOS_TRANSFER_WAIT_NICE=<n>`` (the CPU profile sets it) each thread that calls it is set to nice
+   ``KVCHAOS_TRANSFER_WAIT_NICE=<n>`` (opt-in; the CPU profile leaves it unset, see its comment) each thread that calls it is set to nice
    ``n`` before its first call (Linux niceness is per thread), so the spin gets the CPU others leave
    idle. Mooncake's code, its transfer and its result are untouched; only the calling thread's
    priority changes. Unset or 0: not applied.
