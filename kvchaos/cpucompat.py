@@ -279,18 +279,24 @@ def _patch_paged_allocator(mod) -> None:
     APPLIED.append("paged-alloc-torch")
 
 
-def parked_poll_ms() -> int:
-    """``KVCHAOS_PARKED_POLL_MS`` as a whole number of milliseconds (0: patch 7 not applied)."""
-    raw = os.environ.get("KVCHAOS_PARKED_POLL_MS", "").strip()
+def _env_int(name: str, lo: int, hi: int, what: str) -> int:
+    """Environment variable ``name`` as a whole number in lo..hi (unset or empty: 0); anything else stops
+    the process with a message naming the variable, its value and ``what`` it must be."""
+    raw = os.environ.get(name, "").strip()
     if not raw:
         return 0
     try:
-        ms = int(raw)
+        n = int(raw)
     except ValueError:
-        ms = -1
-    if not 0 <= ms <= 1000:
-        raise CompatVersionError(f"KVCHAOS_PARKED_POLL_MS={raw!r} is not a whole number of milliseconds in 0..1000")
-    return ms
+        n = lo - 1
+    if not lo <= n <= hi:
+        raise CompatVersionError(f"{name}={raw!r} is not {what} in {lo}..{hi}")
+    return n
+
+
+def parked_poll_ms() -> int:
+    """``KVCHAOS_PARKED_POLL_MS`` as a whole number of milliseconds (0: patch 7 not applied)."""
+    return _env_int("KVCHAOS_PARKED_POLL_MS", 0, 1000, "a whole number of milliseconds")
 
 
 def _patch_scheduler(mod) -> None:
@@ -321,16 +327,7 @@ def _patch_scheduler(mod) -> None:
 
 def transfer_wait_nice() -> int:
     """``KVCHAOS_TRANSFER_WAIT_NICE`` as a niceness in 0..19 (0: patch 8 not applied)."""
-    raw = os.environ.get("KVCHAOS_TRANSFER_WAIT_NICE", "").strip()
-    if not raw:
-        return 0
-    try:
-        n = int(raw)
-    except ValueError:
-        n = -1
-    if not 0 <= n <= 19:
-        raise CompatVersionError(f"KVCHAOS_TRANSFER_WAIT_NICE={raw!r} is not a niceness in 0..19")
-    return n
+    return _env_int("KVCHAOS_TRANSFER_WAIT_NICE", 0, 19, "a niceness")
 
 
 def _patch_mooncake_engine(mod) -> None:
