@@ -1,21 +1,19 @@
 """bench/ci_time.py leaves the shared venv's editable kvchaos where it found it: the fresh clone's
 ``make setup`` re-points it at the clone, which the bench deletes after the run."""
 
-import importlib.util
 import json
 import time
 from pathlib import Path
 
 import pytest
 
+from tests.util import load_file
+
 REPO = Path(__file__).resolve().parents[1]
 
 
 def _bench():
-    spec = importlib.util.spec_from_file_location("ci_time_bench", REPO / "bench" / "ci_time.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_file(REPO / "bench" / "ci_time.py", "ci_time_bench")
 
 
 @pytest.mark.parametrize("fails", [False, True])

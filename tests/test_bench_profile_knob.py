@@ -1,19 +1,17 @@
 """bench/profile_knob.py sets one [cluster.env] knob in a copy of the CPU profile; bad input is named."""
 
-import importlib.util
 import tomllib
 from pathlib import Path
 
 import pytest
 
+from tests.util import load_file
+
 REPO = Path(__file__).resolve().parents[1]
 
 
 def _bench():
-    spec = importlib.util.spec_from_file_location("profile_knob_bench", REPO / "bench" / "profile_knob.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_file(REPO / "bench" / "profile_knob.py", "profile_knob_bench")
 
 
 def test_a_knob_is_replaced_where_set_and_added_where_not():

@@ -1,20 +1,18 @@
 """bench/transfer_window.py pairs the engines' own events of each request: its writes, decode's
 pre-allocation, prefill's first transfer_start; bytes from the layout's probe geometry."""
 
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
 
+from tests.util import load_file
+
 REPO = Path(__file__).resolve().parents[1]
 
 
 def _bench():
-    spec = importlib.util.spec_from_file_location("transfer_window_bench", REPO / "bench" / "transfer_window.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_file(REPO / "bench" / "transfer_window.py", "transfer_window_bench")
 
 
 def _log(path, layout, rid="r1", pages=(2, 3), start=100.0, write_s=0.5):

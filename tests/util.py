@@ -1,5 +1,6 @@
 """Helpers shared by the harness's own tests."""
 
+import importlib.util
 import os
 
 
@@ -8,3 +9,11 @@ def child_env(**extra) -> dict:
     own variables (a child must pick its own run id, reports dir and xdist role)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_", "KVCHAOS_"))}
     return {**env, **extra}
+
+
+def load_file(path, name: str):
+    """The Python file at ``path`` (a bench or script outside any package) as a fresh module ``name``."""
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
