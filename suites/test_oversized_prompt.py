@@ -79,9 +79,10 @@ def _expect(n: int, e: dict) -> str:
     return "reject"
 
 
-def _sweep(experiment, name, lengths, e, seed, checks, at=8):
+def _sweep(experiment, name, lengths, e, seed, checks, at=8, bound_s=BOUND_S):
     """``at``: how many background requests go first (a prompt that hangs decode makes the router
-    answer 503 to what follows: the hang band goes late so the run keeps its echo evidence)."""
+    answer 503 to what follows: the hang band goes late so the run keeps its echo evidence).
+    ``bound_s``: the client's timeout, which must match the Liveness checker's bound in ``checks``."""
     wl = Workload(seed, n_tenants=9, prefix=name[:2])
     probe_tenant, others = wl.tenants[-1], wl.tenants[:-1]
     background = [wl.request(others[i % len(others)], "plain", n_tokens=others[i % len(others)].rng.randrange(100, 500))
@@ -97,7 +98,7 @@ def _sweep(experiment, name, lengths, e, seed, checks, at=8):
     for i in range(max(len(sized), len(rest))):
         plans += sized[i:i + 1] + rest[i:i + 1]
     assert len(plans) == len(background) + len(sized)
-    with experiment(name, plans, checks, seed=seed, concurrency=8, timeout_s=BOUND_S) as ex:
+    with experiment(name, plans, checks, seed=seed, concurrency=8, timeout_s=bound_s) as ex:
         pass
     run = ex.run
     table = [{"n_tokens": p.n_tokens, "expect": _expect(p.n_tokens, e), "status": run.statuses.get(p.rid),
@@ -148,7 +149,14 @@ def test_page_edges_answered_with_whole_pages(experiment, seeds, faults, cluster
     e["admit_edge"] = min(pool - e["reserve"], limit)
     last = (e["admit_edge"] - 1) // page * page  # the last page boundary below the admit edge
     lengths = sorted({page - 1, page, page + 1, 2 * page + 1, last - 1, last, last + 1, e["admit_edge"]})
-    ex, table = _sweep(experiment, "page_edges", lengths, e, seeds(604), [Isolation(), Liveness(bound_s=BOUND_S)])
+    # Each prompt longer than half of decode's admit edge needs the pool to itself, and decode's
+    # pre-allocation is first in, first out (its loop stops at the first reservation that does not
+    # fit): they run one at a time, the last waiting for the others (20-26 s on a quiet CPU run, over
+    # 30 s under make test's load). So the bound is BOUND_S per such prompt — still far below the
+    # 300 s a hang in this family takes (decode's waiting timeout).
+    bound = BOUND_S * max(1, sum(2 * n > e["admit_edge"] for n in lengths))
+    ex, table = _sweep(experiment, "page_edges", lengths, e, seeds(604), [Isolation(), Liveness(bound_s=bound)],
+                       bound_s=bound)
     sent, ps = kv_pages_written(ex.events), kv_page_size(ex.events)
     for row in table:
         meta = (ex.run.bodies.get(row["rid"]) or {}).get("meta") or {}
