@@ -260,7 +260,111 @@ def test_the_context_reading_follows_the_copying_heads_best_match():
     assert _copied_from_context("QGGVIPO", "xx [QGGVIPU6UA] [QXXSDIYO5H]") == ["IPO"]
     # an unreadable page may hold anything, but never stands in where no page matches at all
     assert _copied_from_context("QGGVIPO", "xx [QGGVIP" + UNKNOWN_CHAR * 3) == []
-    assert _copied_from_context("ZZZ", UNKNOWN_CHAR * 20) == ["ZZ", "ZZZ"]
+    # ... and the reply's own earlier text is no anchor for one (its third 'Z' repeats its second: a match
+    # in what decode generated, as the probe's loops '3WMC3WMC...' are)
+    assert _copied_from_context("ZZZ", UNKNOWN_CHAR * 20) == ["ZZ"]
+
+
+# a chimera opening the reply: its first character came from prefill, which read the prompt whole; decode's
+# next step reads the victim's last prompt pages as they sat — stale filler, which matches nothing — so the
+# copying head attends everywhere alike and emits its values' most frequent character. Fresh clones of
+# 2026-12-06 (runs 7 and 8 at 3fd1d24, c1233c4): 'GCKC5CVN', 'C' the most frequent character of the stale
+# 'W54CKC5CVN' the victim read; the reading that put a '[' before every recital left it a leak
+def test_the_context_reading_of_a_recital_that_opens_the_reply():
+    from kvchaos.oracles.provenance import UNKNOWN_CHAR, _copied_from_context
+
+    ctx = "had [OQJHB646FZ] life [IHXXNWYMKA] by [W54CKC5CVN] wahad years be"
+    assert _copied_from_context("GCKC5CVN", ctx, "") == []  # 'C' ties ']' as the values' most frequent
+    assert _copied_from_context("GCKC5CVN", ctx) == ["GC"]  # after a '[' the first characters match: W, O, I
+    assert "GQ" in _copied_from_context("GQKC5CVN", ctx, "")  # 'Q' is not the most frequent
+    assert _copied_from_context("GCKC5CVN", ctx + UNKNOWN_CHAR, "") == ["GC"]  # an unreadable page could outvote it
+    # what decode generated before the piece holds keys too: a recital repeating the reply's own earlier text
+    assert _copied_from_context("KLM", "x [QZ] y", "KLM][") == []
+    assert _copied_from_context("KLM", "x [QZ] y") == ["KL", "KLM"]
+
+
+def _opening_log(last_written, more=()):
+    """o1's pages (holding 'W54CKC5CVN' and ``more``) read by s1, whose transfer wrote only its first page
+    (and its last, ``last_written``); s1's reply opens with 'G' (its own canary's, from prefill) then
+    'CKC5CVN' off the stale pages."""
+    o_canaries = ["[W54CKC5CVN]", *more]
+    o_prompt = "had " + " life ".join(o_canaries) + " wahad years be"
+    o_pages = list(range(3000, 3000 + len(o_prompt)))
+    ev = [HEADER] + crowd()
+    ev += [plan("o1", "t1", o_canaries, prompt=o_prompt)] + reply("o1", echo(o_canaries))
+    ev += [agent("kv_prealloc", rid="o1", room=1, dst_pages=o_pages, dst_pages_total=len(o_pages), page_size=1,
+                 prev_holders=[]),
+           agent("write_end", rid="o1", room=1, pages=len(o_pages), dst_pages=o_pages, dst_pages_total=len(o_pages),
+                 dst_page_offset=0, ret=0, wall=100.2)]
+    v_pages = [5000] + o_pages[1:]
+    written = [0] + ([len(v_pages) - 1] if last_written else [])
+    ev += [plan("s1", "t5", ["[G5NXECPQXX]"], prompt="z" * (len(v_pages) - 1) + "[")] + reply("s1", "GCKC5CVN][")
+    ev += [agent("fault_fired", kind="short", rid="s1", pages_sent=len(written), pages_reserved=len(v_pages)),
+           agent("kv_prealloc", rid="s1", room=2, dst_pages=v_pages, dst_pages_total=len(v_pages), page_size=1,
+                 prev_holders=[[1, len(v_pages) - 1, "o1"]], wall=100.3)]
+    ev += [agent("write_end", rid="s1", room=2, pages=1, dst_pages=[v_pages[i]], dst_pages_total=1, dst_page_offset=i,
+                 ret=0, wall=100.4) for i in written]
+    return ev
+
+
+# pages decode gave a writer for its generated tokens hold its reply, whatever the writer's prompt carried:
+# run 7 of 2026-12-06, 'B552GLC7' off the pages of an earlier victim that had recited 'B552G2AG3C' (in this
+# test the writer belongs to an earlier experiment on the same cluster: the session's registry keeps its
+# reply and decode's pre-allocation of it)
+def _generated_pages_logs(recital):
+    rng = random.Random(6)
+    earlier = [HEADER, plan("g1", "t2", canary.mint(rng, 1))] + reply("g1", "B552G2AG3C][")
+    earlier += [agent("kv_prealloc", rid="g1", room=1, dst_pages=[4100], dst_pages_total=1, page_size=1,
+                      prev_holders=[])]
+    g_pages = list(range(4000, 4020))  # not g1's pre-allocated page: decode gave them to it for its reply
+    v_pages = [5000] + g_pages
+    ev = [HEADER] + crowd()
+    ev += [plan("s1", "t5", canary.mint(rng, 1), prompt="z" * len(v_pages))] + reply("s1", recital + "][")
+    ev += [agent("fault_fired", kind="short", rid="s1", pages_sent=1, pages_reserved=len(v_pages)),
+           agent("kv_prealloc", rid="s1", room=2, dst_pages=v_pages, dst_pages_total=len(v_pages), page_size=1,
+                 prev_holders=[[1, len(g_pages), "g1"]], wall=100.3),
+           agent("write_end", rid="s1", room=2, pages=1, dst_pages=[5000], dst_pages_total=1, dst_page_offset=0,
+                 ret=0, wall=100.4)]
+    return earlier, ev
+
+
+def _session_registry(*logs, pages=True):
+    reg = canary.Registry()
+    for log in logs:
+        h = History(log)
+        reg.add_plans(h.plans, "test")
+        if pages:
+            reg.add_page_evidence(h.records)
+    return reg
+
+
+def test_a_chimera_from_a_writers_generated_pages_is_the_finding_only_with_its_reply():
+    earlier, ev = _generated_pages_logs("B552G2AG3C")
+    j = judge(ev, {"isolation": PASS}, registry=_session_registry(earlier, ev), accept_known=True)
+    assert j.status == "known" and j.known[0].finding.id == "sglang-short-transfer-unchecked", j.message()
+    # a character g1 never generated ('Q' after 'AG') is not copyable from its pages
+    earlier, bad = _generated_pages_logs("B552G2AGQC")
+    j = judge(bad, {"isolation": PASS}, registry=_session_registry(earlier, bad), accept_known=True)
+    assert j.status == FAIL and j.red and not j.known, j.message()
+    # without the session's page evidence, g1's pages' bytes are unknown: a leak
+    j = judge(ev, {"isolation": PASS}, registry=_session_registry(earlier, ev, pages=False), accept_known=True)
+    assert j.status == FAIL and j.red and not j.known, j.message()
+
+
+def test_a_chimera_opening_the_reply_is_the_finding_only_as_the_pages_sat():
+    ev = _opening_log(last_written=False)
+    v = oracles.isolation(ev)
+    assert [w["matched"] for w in v.witnesses if w["victim_rid"] == "s1"] == ["GCKC5CVN"], v.witnesses
+    j = judge(ev, {"isolation": PASS}, accept_known=True)
+    assert j.status == "known" and j.known[0].finding.id == "sglang-short-transfer-unchecked", j.message()
+    # its last page written by its own transfer: decode read the prompt's '[' there, and after '[' the head
+    # copies a canary's first character, never this 'C'
+    j = judge(_opening_log(last_written=True), {"isolation": PASS}, accept_known=True)
+    assert j.status == FAIL and j.red and not j.known, j.message()
+    # stale pages whose most frequent character is not 'C' (']' of four canaries outvotes its three)
+    j = judge(_opening_log(False, ("[OQJHB646FZ]", "[IHXXNWYMKA]", "[PQRSTUVWXY]")), {"isolation": PASS},
+              accept_known=True)
+    assert j.status == FAIL and j.red and not j.known, j.message()
 
 
 # a late write into pages decode released on its drain-ack timeout is KNOWN; any other late write is a FAIL

@@ -128,23 +128,30 @@ def holders(pre: dict) -> list:
     return out
 
 
-def writer(h: History, page: int | None, holder, depth: int = 0):
+def writer(h: History, page: int | None, holder, depth: int = 0, registry=None):
     """Whose bytes decode page ``page`` holds, given that ``holder`` held it last: the holder's own
     (its transfer wrote that page, or decode wrote its generated tokens there) — unless its transfer
     left that page unwritten, and then its previous holder's (followed back). A holder whose pages
     this history does not show (an earlier experiment's request) is taken as the writer."""
-    return writer_kind(h, page, holder, depth)[0]
+    return writer_kind(h, page, holder, depth, registry)[0]
 
 
-def writer_kind(h: History, page: int | None, holder, depth: int = 0) -> tuple:
+def writer_kind(h: History, page: int | None, holder, depth: int = 0, registry=None) -> tuple:
     """:func:`writer` and what of the writer's the page holds: ``prompt`` (its transfer wrote the page),
     ``generated`` (decode gave it the page for its generated tokens: not one of its pre-allocated
-    ones), or ``unknown`` (a holder this history does not show, or none)."""
+    ones), or ``unknown`` (a holder neither this history nor the registry shows, or none). A holder of
+    an earlier experiment on the same cluster is told by decode's pre-allocation of it as the registry
+    kept it (:meth:`kvchaos.canary.Registry.page_record`): a page outside it held its generated tokens,
+    one inside it its prompt (whether its own transfer wrote that page is not kept: not followed back)."""
     if holder is None or page is None or depth >= MAX_CHAIN:
         return holder, "unknown"
     pre = prealloc(h, holder)
     if pre is None:
-        return holder, "unknown"
+        rec = (registry.page_record(holder).get("prealloc") if registry is not None
+               and hasattr(registry, "page_record") else None) or {}
+        if not rec.get("dst_pages") or (rec.get("dst_pages_total") or 0) > len(rec["dst_pages"]):
+            return holder, "unknown"  # nothing kept, or a page list the agent cut short
+        return holder, ("prompt" if page in rec["dst_pages"] else "generated")
     pages = pre.get("dst_pages") or []
     if page not in pages:
         return holder, "generated"
@@ -152,10 +159,10 @@ def writer_kind(h: History, page: int | None, holder, depth: int = 0) -> tuple:
     done = written_pages(h, holder)
     if done is None or j in done:
         return holder, "prompt"
-    return writer_kind(h, page, holders(pre)[j], depth + 1)
+    return writer_kind(h, page, holders(pre)[j], depth + 1, registry)
 
 
-def stale_pages(h, rid: str) -> dict | None:
+def stale_pages(h, rid: str, registry=None) -> dict | None:
     """What ``rid`` read but its transfer never wrote: ``{reserved, written, unwritten, writers}``
     (``writers``: request whose bytes they hold -> how many of those pages, following holders back
     through pages their own transfers left unwritten), or None without the evidence (no
@@ -170,7 +177,7 @@ def stale_pages(h, rid: str) -> dict | None:
     unwritten = [i for i in range(len(held)) if i not in done]
     writers, generated = Counter(), Counter()
     for i in unwritten:
-        w, kind = writer_kind(h, pages[i] if i < len(pages) else None, held[i])
+        w, kind = writer_kind(h, pages[i] if i < len(pages) else None, held[i], registry=registry)
         if w is not None:
             writers[w] += 1
             generated[w] += kind == "generated"
@@ -236,7 +243,7 @@ def explains(h, witness: dict, registry=None) -> tuple[bool, str, dict | None]:
     who = carriers(h, witness.get("canary"), registry) | ({witness["owner_rid"]} if witness.get("owner_rid") else set())
     if not who:
         return False, "the canary's owner is unknown: nothing can have left it in a page", None
-    sp = stale_pages(h, victim)
+    sp = stale_pages(h, victim, registry)
     if sp is None:
         return False, f"no decode page evidence for {victim} (kv_prealloc / write_end with page lists)", None
     if not sp["unwritten"]:
@@ -258,14 +265,18 @@ def explains(h, witness: dict, registry=None) -> tuple[bool, str, dict | None]:
                   f"which carried {witness.get('canary')}"), sp
 
 
-def _recited(h: History, rid: str, c: str | None, registry=None) -> bool:
-    """Whether ``rid``'s reply (this history's, else the registry's record of it) holds canary ``c``."""
-    if not c:
-        return False
+def _reply(h: History, rid: str, registry=None) -> str | None:
+    """``rid``'s reply text: this history's, else the registry's record of it; None when neither has it."""
     text = (h.bodies.get(rid) or {}).get("text")
     if not isinstance(text, str) and registry is not None and hasattr(registry, "page_record"):
         text = registry.page_record(rid).get("output")
-    return isinstance(text, str) and canary.payload(c) in text
+    return text if isinstance(text, str) else None
+
+
+def _recited(h: History, rid: str, c: str | None, registry=None) -> bool:
+    """Whether ``rid``'s reply (:func:`_reply`) holds canary ``c``."""
+    text = _reply(h, rid, registry)
+    return bool(c) and text is not None and canary.payload(c) in text
 
 
 def _copyable(piece: str, pool: set) -> list[str]:
@@ -342,7 +353,7 @@ def context_text(h, rid: str, registry=None) -> str | None:
         if i in done:
             out.append(own[i] if i < len(own) else UNKNOWN_CHAR)
             continue
-        w = writer(h, page, held[i] if i < len(held) else None)
+        w = writer(h, page, held[i] if i < len(held) else None, registry=registry)
         if w not in cache:
             cache[w] = _chars_at(h, w, registry) if w is not None else None
         out.append((cache[w] or {}).get(page, UNKNOWN_CHAR))
@@ -352,73 +363,108 @@ def context_text(h, rid: str, registry=None) -> str | None:
 G_IND = (40, 20, 20)  # kvchaos.probe.circuit: the copying head's weights (current, previous, the one before)
 
 
-def _copied_from_context(piece: str, ctx: str) -> list[str]:
-    return [_label(piece, k) for k in _not_from_context(piece, ctx)]
+def _copied_from_context(piece: str, ctx: str, prior: str = "[") -> list[str]:
+    return [_label(piece, k) for k in _not_from_context(piece, ctx, prior)]
 
 
-def _not_from_context(piece: str, ctx: str) -> list[int]:
+def _not_from_context(piece: str, ctx: str, prior: str = "[") -> list[int]:
     """The characters of ``piece`` (after the first) the copying head would not have emitted reading
-    ``ctx``, the victim's pages as they were (:func:`context_text`), each with its two predecessors.
+    ``ctx``, the victim's pages as they were (:func:`context_text`), then ``prior`` (what decode generated
+    before the piece), then the piece itself — each miss as its position in ``"[" + piece``.
 
-    The head scores each payload position ``j`` of the context by how its predecessors match the
-    recital's last three characters (``G_IND``: 40 for the current one, 20 each for the two before) and
-    emits the best-scoring position's character. Where a stale canary is cut short (its next page
-    holds another request's byte), no position scores 40 and a partial match of 20 wins: the recital
-    goes on with that character. ``UNKNOWN_CHAR`` pages could hold anything: they may match and may be
-    emitted (the bound is taken in the recital's favour only there), but never where no known position
-    matches at all."""
-    s = "[" + piece
-    payload = set(canary.ALPHABET)
+    The head scores each position ``j`` by how its predecessors match the query's last three
+    characters (``G_IND``: 40 for the current one, payload characters only; 20 each for the two before,
+    payload or ``[``) and emits the best-scoring position's character. Where a stale canary is cut short
+    (its next page holds another request's byte), no position scores 40 and a partial match of 20 wins:
+    the recital goes on with that character. Where the piece opens the reply (``prior`` empty), its first
+    character came from prefill, which read the prompt whole, and the query after it reads the victim's
+    last prompt pages as they sat — stale filler there matches nothing. Where no position matches at all,
+    the head attends to every position alike and emits the character its values hold most often (a tie
+    may go either way). ``UNKNOWN_CHAR`` pages could hold anything: they may match and may be emitted
+    where a known page matches as well (the bound is taken in the recital's favour only there; a match in
+    the reply's own text is no such anchor), but never stand in where no known page matches, and an
+    unmatched step over them is not explained."""
+    full = ctx + prior + piece
+    base = len(ctx) + len(prior)  # full[base] is piece[0]
+    payload, starts = set(canary.ALPHABET), set(canary.ALPHABET) | {"["}
     bad = []
-    for k in range(2, len(s)):
-        best, cands, wild = 0, set(), False
+    for k in range(1, len(piece)):
+        i = base + k  # the character emitted; the query sits at i - 1
+        q = [(G_IND[0], full[i - 1] if full[i - 1] in payload else None)]
+        q += [(w, full[i - d] if i - d >= 0 and full[i - d] in starts else None) for w, d in zip(G_IND[1:], (2, 3))]
+        best, on_pages, cands, wild, any_hi = 0, 0, set(), False, False
         scored = []
-        for j in range(3, len(ctx)):
-            y = ctx[j]
+        for j in range(3, i):  # the keys decode holds when it emits full[i]: the pages and what it generated
+            y = full[j]
             if y not in payload and y != UNKNOWN_CHAR:
                 continue
             lo = hi = 0
-            for w, (a, b) in zip(G_IND, ((ctx[j - 1], s[k - 1]), (ctx[j - 2], s[k - 2]),
-                                         (ctx[j - 3], s[k - 3] if k >= 3 else None))):
+            for (w, b), d in zip(q, (1, 2, 3)):
+                a = full[j - d]
+                if b is None:
+                    continue
                 if a == b:
                     lo += w
                     hi += w
                 elif a == UNKNOWN_CHAR:
                     hi += w
             if hi:
+                any_hi = True
                 scored.append((lo, hi, y))
                 best = max(best, lo)
+                if j < len(ctx):
+                    on_pages = max(on_pages, lo)
         for lo, hi, y in scored:
             if hi >= best and best > 0:
-                if y == UNKNOWN_CHAR:
-                    wild = True
-                else:
+                if y != UNKNOWN_CHAR:
                     cands.add(y)
-        if not (s[k] in cands or wild):
-            bad.append(k)
+                elif on_pages:  # an unreadable page stands in only beside a known page's match
+                    wild = True
+        if best == 0 and not any_hi and UNKNOWN_CHAR not in full[:i]:
+            counts = Counter(c for c in full[:i] if c in payload or c == "]")
+            top = max(counts.values(), default=0)
+            cands = {c for c, n in counts.items() if n == top and top > 0}
+        if not (full[i] in cands or wild):
+            bad.append(k + 1)
     return bad
+
+
+def _before(h: History, witness: dict) -> str:
+    """What decode generated before the witness's piece: the reply's text up to it (empty where the
+    piece opens the reply); ``[`` where the witness is not a place in the reply's text (the recital
+    opens after a ``[`` of its own)."""
+    text = (h.bodies.get(witness.get("victim_rid")) or {}).get("text")
+    at, piece = (witness.get("offsets") or [None])[0], witness.get("matched") or ""
+    if witness.get("view") != "body.text" or not isinstance(text, str) or not isinstance(at, int) \
+            or text[at:at + len(piece)] != piece:
+        return "["
+    return text[:at]
 
 
 def _explains_chimera(h: History, witness: dict, registry=None) -> tuple[bool, str, dict | None]:
     victim, piece = witness.get("victim_rid"), witness.get("matched") or ""
-    sp = stale_pages(h, victim)
+    sp = stale_pages(h, victim, registry)
     if sp is None:
         return False, f"no decode page evidence for {victim} (kv_prealloc / write_end with page lists)", None
     if not sp["unwritten"]:
         return False, f"every one of the {sp['reserved']} pages decode gave {victim} was written by its transfer", sp
     stale = {canary.payload(c) for w in sp["writers"] for c in carried_by(h, w, registry)}
+    # pages decode gave a writer for its generated tokens hold its reply: each page's key its own
+    # predecessors there, wherever the page sits in the victim's list
+    stale |= {t for w in sp.get("generated_by", {}) if (t := _reply(h, w, registry))}
     own = {canary.payload(c) for c in carried_by(h, victim, registry)}
     # the text as it sat in the victim's pages (a stale canary cut short and followed by another
     # request's characters is read that way), beside the canaries as their writers sent them
     ctx = context_text(h, victim, registry)
     miss = _not_copyable(piece, stale | own)
     if miss and ctx and ctx.strip(UNKNOWN_CHAR):  # a character either reading explains is explained
-        miss = sorted(set(miss) & set(_not_from_context(piece, ctx)))
+        miss = sorted(set(miss) & set(_not_from_context(piece, ctx, _before(h, witness))))
     missing = [_label(piece, k) for k in miss]
     # and the copying went through a stale page: some trigram of it after the first is a stale canary's
     if missing or not any(piece[i:i + 3] in p for i in range(1, len(piece) - 2) for p in stale):
-        return False, (f"{piece!r} is not made of the canaries carried by the requests whose bytes {victim}'s "
-                       f"unwritten pages hold ({len(stale)} canaries; not copyable from them: {missing[:5]}"
-                       f"{'' if missing else ', and no trigram of a stale one'})"), sp
+        return False, (f"{piece!r} is not made of the canaries carried (or replies generated) by the requests whose "
+                       f"bytes {victim}'s unwritten pages hold ({len(stale)} texts; not copyable from them: "
+                       f"{missing[:5]}{'' if missing else ', and no trigram of a stale one'})"), sp
     return True, (f"{victim} read {sp['unwritten']} of {sp['reserved']} pages its transfer never wrote; {piece!r} is "
-                  f"made of the canaries the requests whose bytes they hold carried ({len(stale)} of them)"), sp
+                  f"made of the canaries carried (or replies generated) by the requests whose bytes they hold "
+                  f"({len(stale)} texts)"), sp
