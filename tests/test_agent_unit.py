@@ -121,6 +121,43 @@ def test_fail_short_and_tenant_targets(agent, mgr):
     assert ev["pages_sent"] == 2 and ev["pages_reserved"] == 8
 
 
+def _blacklisting(mgr):
+    """What mooncake/conn.py's transfer_worker does on a failed send: blacklist the session at once."""
+    mgr.failed_sessions, mgr.session_failures, mgr.failed_session_probes = set(), {}, {}
+    mgr.session_lock = threading.Lock()
+
+    def unbl(sess):
+        mgr.failed_sessions.discard(sess)
+        mgr.session_failures.pop(sess, None)
+    mgr._unblacklist_session = unbl
+
+    def send(room, rid):
+        ret = send_chunk(mgr, room, rid)
+        if ret != 0:
+            with mgr.session_lock:
+                mgr.failed_sessions.add("sess")
+        return ret
+    return send
+
+
+def test_fail_takes_the_blacklist_off_itself_only_when_asked(agent, mgr):
+    """SGLang blacklists the decode session on a failed send, failing every request sent to that decode
+    until a probe or the heal clears it; ``unblacklist_after_ms`` clears it in the engine instead."""
+    ctl = AgentClient(agent.dir)
+    send = _blacklisting(mgr)
+    f = ctl.arm("prefill", "fail", target={"rid": "r-a"}, params={"unblacklist_after_ms": 50}, hooks=())
+    assert send(1, "r-a") == -1 and mgr.failed_sessions == {"sess"}
+    ev = ctl.wait_event("prefill", "session_unblacklisted", fault=f.id, timeout=5)
+    assert ev["by"] == "fault" and ev["was_blacklisted"] is True and not mgr.failed_sessions
+    # without it, the blacklist stays until the heal takes it off
+    g = ctl.arm("prefill", "fail", target={"rid": "r-b"}, hooks=())
+    assert send(2, "r-b") == -1
+    time.sleep(0.3)
+    assert mgr.failed_sessions == {"sess"}
+    g.heal()
+    assert not mgr.failed_sessions
+
+
 def test_hold_blocks_until_release_then_lands_late(agent, mgr):
     ctl = AgentClient(agent.dir)
     h = ctl.arm("prefill", "hold", target={"rid": "late"}, params={"max_hold_s": 10}, hooks=())

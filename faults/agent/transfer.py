@@ -21,7 +21,9 @@ With them the stale pages a ``short`` leaves behind can be traced to the request
 
 from __future__ import annotations
 
+import contextlib
 import os
+import threading
 import time
 import weakref
 
@@ -41,6 +43,26 @@ def _fail_off(agent, f: dict):
         if mgr is not None and hasattr(mgr, "_unblacklist_session"):
             mgr._unblacklist_session(sess)
             agent.emit("session_unblacklisted", fault=f["id"], session=str(sess))
+
+
+def _unblacklist_soon(agent, f: dict, mgr, sess, after_s: float, bound_s: float = 5.0) -> None:
+    """The ``fail`` fault's ``unblacklist_after_ms``: once SGLang has blacklisted the session the failed
+    send came from (it does so as the send returns, ``mooncake/conn.py`` ``transfer_worker``:
+    ``failed_sessions.add``), wait ``after_s`` and take it off again, in the engine (a heal sent from the
+    harness arrives after its round trip, and on a loaded machine the blacklist failed every request
+    sent to decode meanwhile). Bounded: gives up after ``bound_s`` if the session is never blacklisted."""
+    def run():
+        deadline = time.monotonic() + bound_s
+        while sess not in getattr(mgr, "failed_sessions", ()) and time.monotonic() < deadline:
+            time.sleep(0.005)
+        time.sleep(after_s)
+        lock = getattr(mgr, "session_lock", None)
+        with lock if lock is not None else contextlib.nullcontext():
+            was = sess in getattr(mgr, "failed_sessions", ())
+            mgr._unblacklist_session(sess)
+        agent.emit("session_unblacklisted", fault=f["id"], session=str(sess), by="fault", was_blacklisted=was)
+
+    threading.Thread(target=run, name="kvchaos-unblacklist", daemon=True).start()
 
 
 register_fault("delay", unlimited=True)
@@ -165,6 +187,9 @@ def _guarded_write(mgr, backend: str, session_id, src, dst, write, path: str = "
         f.setdefault("_sessions", []).append((weakref.ref(mgr), session_id))
         AGENT.emit("fault_fired", fault=f["id"], kind="fail", room=room, rid=rid, pages=pages,
                    ret=-1, session=str(session_id), note="no byte written; transfer reported failed")
+        after_ms = f["params"].get("unblacklist_after_ms")
+        if after_ms is not None and backend != "nixl" and hasattr(mgr, "_unblacklist_session"):
+            _unblacklist_soon(AGENT, f, mgr, session_id, max(0.0, float(after_ms)) / 1000.0)
         if backend == "nixl":  # NIXL returns transfer handles, not a status: fail by raising
             raise RuntimeError("kvchaos injected KV transfer failure")
         return -1
