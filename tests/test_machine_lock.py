@@ -61,8 +61,10 @@ def test_runs_sharing_a_machine_lock_keep_each_exclusive_test_alone_across_both(
         runs[name] = subprocess.Popen(
             [sys.executable, "-m", "pytest", str(REPO / "tests/data/inner_exclusive_suite.py"), "-q",
              "-p", "no:cacheprovider", *extra, "--kvchaos-reports", str(tmp_path / f"reports-{name}"), "-o", "testpaths="],
+            # the serial run's tests last 5 s each: 30 s for the xdist run to start beside its last six (a
+            # CI run under three sessions took longer than the 12 s that 2 s tests left)
             cwd=REPO, env=child_env(KVCHAOS_INNER_OUT=str(tmp_path / name), KVCHAOS_MACHINE_LOCK=str(lock),
-                                    KVCHAOS_INNER_SLEEP_S="2.0"),
+                                    KVCHAOS_INNER_SLEEP_S="5.0" if name == "serial" else "2.0"),
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         deadline = time.monotonic() + 120
         while name == "serial" and not (tmp_path / "serial.main").exists() and time.monotonic() < deadline:
