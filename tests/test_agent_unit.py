@@ -149,6 +149,8 @@ def test_fail_takes_the_blacklist_off_itself_only_when_asked(agent, mgr):
     assert send(1, "r-a") == -1 and mgr.failed_sessions == {"sess"}
     ev = ctl.wait_event("prefill", "session_unblacklisted", fault=f.id, timeout=5)
     assert ev["by"] == "fault" and ev["was_blacklisted"] is True and not mgr.failed_sessions
+    with pytest.raises(AgentError, match="unblacklist_after_ms must be a number of ms in 0..60000, got 'soon'"):
+        ctl.arm("prefill", "fail", target={"rid": "r-c"}, params={"unblacklist_after_ms": "soon"}, hooks=())
     # without it, the blacklist stays until the heal takes it off
     g = ctl.arm("prefill", "fail", target={"rid": "r-b"}, hooks=())
     assert send(2, "r-b") == -1
