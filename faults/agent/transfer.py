@@ -41,8 +41,17 @@ def _fail_off(agent, f: dict):
     for ref, sess in f.pop("_sessions", []):
         mgr = ref()
         if mgr is not None and hasattr(mgr, "_unblacklist_session"):
-            mgr._unblacklist_session(sess)
+            _unblacklist(mgr, sess)
             agent.emit("session_unblacklisted", fault=f["id"], session=str(sess))
+
+
+def _unblacklist(mgr, sess) -> bool:
+    """Take ``sess`` off the manager's blacklist under its ``session_lock`` (SGLang's
+    ``_unblacklist_session`` expects the caller to hold it); whether it was on it."""
+    with getattr(mgr, "session_lock", None) or contextlib.nullcontext():
+        was = sess in getattr(mgr, "failed_sessions", ())
+        mgr._unblacklist_session(sess)
+    return was
 
 
 def _unblacklist_soon(agent, f: dict, mgr, sess, after_s: float, bound_s: float = 5.0) -> None:
@@ -56,10 +65,7 @@ def _unblacklist_soon(agent, f: dict, mgr, sess, after_s: float, bound_s: float 
         while sess not in getattr(mgr, "failed_sessions", ()) and time.monotonic() < deadline:
             time.sleep(0.005)
         time.sleep(after_s)
-        lock = getattr(mgr, "session_lock", None)
-        with lock if lock is not None else contextlib.nullcontext():
-            was = sess in getattr(mgr, "failed_sessions", ())
-            mgr._unblacklist_session(sess)
+        was = _unblacklist(mgr, sess)
         agent.emit("session_unblacklisted", fault=f["id"], session=str(sess), by="fault", was_blacklisted=was)
 
     threading.Thread(target=run, name="kvchaos-unblacklist", daemon=True).start()

@@ -392,7 +392,7 @@ def _not_from_context(piece: str, ctx: str, prior: str = "[") -> list[int]:
         i = base + k  # the character emitted; the query sits at i - 1
         q = [(G_IND[0], full[i - 1] if full[i - 1] in payload else None)]
         q += [(w, full[i - d] if i - d >= 0 and full[i - d] in starts else None) for w, d in zip(G_IND[1:], (2, 3))]
-        best, on_pages, cands, wild, any_hi = 0, 0, set(), False, False
+        best, on_pages, cands, wild = 0, 0, set(), False
         scored = []
         for j in range(3, i):  # the keys decode holds when it emits full[i]: the pages and what it generated
             y = full[j]
@@ -409,7 +409,6 @@ def _not_from_context(piece: str, ctx: str, prior: str = "[") -> list[int]:
                 elif a == UNKNOWN_CHAR:
                     hi += w
             if hi:
-                any_hi = True
                 scored.append((lo, hi, y))
                 best = max(best, lo)
                 if j < len(ctx):
@@ -420,7 +419,7 @@ def _not_from_context(piece: str, ctx: str, prior: str = "[") -> list[int]:
                     cands.add(y)
                 elif on_pages:  # an unreadable page stands in only beside a known page's match
                     wild = True
-        if best == 0 and not any_hi and UNKNOWN_CHAR not in full[:i]:
+        if not scored and UNKNOWN_CHAR not in full[:i]:  # no position matches at all
             counts = Counter(c for c in full[:i] if c in payload or c == "]")
             top = max(counts.values(), default=0)
             cands = {c for c, n in counts.items() if n == top and top > 0}
@@ -433,9 +432,9 @@ def _before(h: History, witness: dict) -> str:
     """What decode generated before the witness's piece: the reply's text up to it (empty where the
     piece opens the reply); ``[`` where the witness is not a place in the reply's text (the recital
     opens after a ``[`` of its own)."""
-    text = (h.bodies.get(witness.get("victim_rid")) or {}).get("text")
+    text = _reply(h, witness.get("victim_rid"))
     at, piece = (witness.get("offsets") or [None])[0], witness.get("matched") or ""
-    if witness.get("view") != "body.text" or not isinstance(text, str) or not isinstance(at, int) \
+    if witness.get("view") != "body.text" or text is None or not isinstance(at, int) \
             or text[at:at + len(piece)] != piece:
         return "["
     return text[:at]
