@@ -7,6 +7,7 @@ against the real SGLang cluster is checked in tests/test_teardown_real.py.
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -120,3 +121,33 @@ def test_process_that_dies_at_start_reports_its_log_tail(tmp_path):
     p.popen.wait(10)
     err = p.died_error("died during startup")
     assert "code 7" in str(err) and "boom: no such model" in str(err) and str(tmp_path / "bad.log") in str(err)
+
+
+def test_a_start_that_times_out_says_how_long_and_how_starved_the_machine_was(tmp_path, monkeypatch):
+    """A bound hit by a process that never answers names the wait, and how much of it the machine's CPUs
+    were oversubscribed (PSI): what tells a starved start from a hung one (CI once read only an empty log)."""
+    import kvchaos.cluster.api as api
+    p = ManagedProcess("quiet", [sys.executable, "-c", "import time; print('loading'); time.sleep(30)"],
+                       dict(os.environ), tmp_path / "quiet.log", None, "kvc-test-quiet")
+    psi = iter([10_000_000, 10_000_000 + 900_000])  # 0.9 s of CPU wait by the time it gives up
+    monkeypatch.setattr(api, "cpu_pressure_us", lambda: next(psi))
+    monkeypatch.setattr(api, "_http_ok", lambda url: None)
+    try:
+        with pytest.raises(api.ClusterStartError) as e:
+            api.wait_healthy({"quiet": p}, {"quiet": "http://127.0.0.1:9/health"}, time.monotonic() + 1.0)
+    finally:
+        p.popen.kill()
+        p.popen.wait(10)
+    msg = str(e.value)
+    assert "timed out waiting for ['quiet'] to become healthy: waited " in msg, msg
+    share = re.search(r"waited for a CPU (\d+)% of those (\d+) s", msg)
+    assert share and 40 <= int(share[1]) <= 90, msg  # 0.9 s of the 1-2 s it waited
+    assert "quiet.log" in msg and "loading" in msg, msg  # the log's tail, as before
+
+
+def test_without_pressure_figures_the_timeout_says_only_the_wait(monkeypatch):
+    import kvchaos.cluster.api as api
+    monkeypatch.setattr(api, "cpu_pressure_us", lambda: None)
+    assert api.starved_share(time.monotonic() - 5, None) == ""
+    monkeypatch.setattr(api, "cpu_pressure_us", lambda: 5_000_000)
+    assert "100%" in api.starved_share(time.monotonic() - 2, 0)  # capped: PSI counts any task's wait

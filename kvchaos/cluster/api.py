@@ -33,12 +33,37 @@ def _http_ok(url: str, timeout: float = 2.0) -> httpx.Response | None:
     return r if r.status_code == 200 else None
 
 
+def cpu_pressure_us() -> int | None:
+    """Linux PSI: microseconds so far in which some runnable task waited for a CPU (None where the
+    kernel does not say)."""
+    try:
+        with open("/proc/pressure/cpu") as f:
+            some = f.readline().split()
+        return int(some[-1].split("=", 1)[1])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def starved_share(since_s: float, pressure_at_since: int | None) -> str:
+    """'; the machine's CPUs were oversubscribed N% of those N s (...)' or '' where unknown — what tells
+    a start starved by other work on the machine from one that hung."""
+    now = cpu_pressure_us()
+    waited = time.monotonic() - since_s
+    if now is None or pressure_at_since is None or waited <= 0:
+        return ""
+    share = min(1.0, (now - pressure_at_since) / 1e6 / waited)
+    return (f"; some runnable task waited for a CPU {share:.0%} of those {waited:.0f} s "
+            "(Linux PSI /proc/pressure/cpu: near 100% is a machine shared with other work, not a hang)")
+
+
 def wait_healthy(procs: dict[str, ManagedProcess], urls: dict[str, str], deadline: float,
                  check=None) -> None:
     """Wait until every url in ``urls`` answers; raise ProcessDied / ClusterStartError otherwise.
 
-    ``check(role, response) -> bool`` can require more than HTTP 200.
+    ``check(role, response) -> bool`` can require more than HTTP 200. The timeout's message says how long
+    it waited and how much of that the machine's CPUs were oversubscribed.
     """
+    t0, pressure0 = time.monotonic(), cpu_pressure_us()
     pending = dict(urls)
     while pending:
         for role in list(pending):
@@ -52,7 +77,8 @@ def wait_healthy(procs: dict[str, ManagedProcess], urls: dict[str, str], deadlin
             return
         if time.monotonic() > deadline:
             tails = "\n".join(f"--- {r} ({procs[r].log_path}) ---\n{procs[r].tail(25)}" for r in pending)
-            raise ClusterStartError(f"timed out waiting for {sorted(pending)} to become healthy\n{tails}")
+            raise ClusterStartError(f"timed out waiting for {sorted(pending)} to become healthy: waited "
+                                    f"{time.monotonic() - t0:.0f} s{starved_share(t0, pressure0)}\n{tails}")
         time.sleep(0.5)
 
 

@@ -171,8 +171,14 @@ class Cluster(ClusterAPI):
         self.procs["router"] = ManagedProcess(
             "router", router_argv(spec, r_pre, boot_port, r_dec, r_port, m_port), env,
             logs / "router.log", self.reaper, self.token)
-        self._wait_router(deadline)
-        self._first_round_trip(deadline)
+        t_router = time.monotonic()
+        try:
+            self._wait_router(deadline)
+            self._first_round_trip(deadline)
+        except ClusterStartError as e:
+            raise type(e)(f"{e}\n(the servers were healthy {t_router - t0:.0f} s into the start: the router was "
+                          f"launched with {deadline - t_router:.0f} s of startup_timeout_s = "
+                          f"{spec.startup_timeout_s:.0f} s left)") from e
         self.timings["router_ready_s"] = time.monotonic() - t0
 
     def _wait_router(self, deadline: float) -> None:
