@@ -36,18 +36,19 @@ def test_discovery_and_bad_input_named(agent):
         _call(sock, {"cmd": "explode"})
 
 
-@pytest.mark.exclusive  # times a few hundred ms: the machine to itself (make test runs clusters beside)
+# Timed with margins a loaded machine keeps (make test runs clusters beside): a 1.5 s delay against an
+# untargeted send under half of it, so no other test has to stop for this one.
 def test_delay_fires_only_on_target_and_is_logged(agent, mgr, tmp_path):
     ctl = AgentClient(agent.dir)
-    f = ctl.arm("prefill", "delay", target={"rid": "r-a"}, params={"ms": 150}, hooks=())
+    f = ctl.arm("prefill", "delay", target={"rid": "r-a"}, params={"ms": 1500}, hooks=())
     t = time.monotonic()
     assert send_chunk(mgr, 1, "r-b") == 0
-    assert time.monotonic() - t < 0.1
+    assert time.monotonic() - t < 0.75
     with pytest.raises(FaultDidNotFire):
         f.verify()
     t = time.monotonic()
     assert send_chunk(mgr, 2, "r-a") == 0
-    assert time.monotonic() - t >= 0.15
+    assert time.monotonic() - t >= 1.5
     ev = f.verify()
     assert ev[0]["rid"] == "r-a" and ev[0]["room"] == 2
     starts = [e for e in ctl.events("prefill") if e["ev"] == "transfer_start"]
@@ -60,7 +61,7 @@ def _teardown_check(mgr, room):
     return room not in mgr.request_status or mgr.check_status(room) == 4
 
 
-@pytest.mark.exclusive  # times a few hundred ms: the machine to itself (make test runs clusters beside)
+# Margins a loaded machine keeps: a 2 s stall against unstalled reads under 1 s in all.
 def test_stall_status_read_widens_the_transfer_workers_check_then_read(agent, monkeypatch):
     """Only the transfer worker's re-read of its own chunk's concluded room stalls; a clear() on
     another thread inside the stall turns SGLang's own read into the KeyError that kills the worker."""
@@ -69,17 +70,17 @@ def test_stall_status_read_widens_the_transfer_workers_check_then_read(agent, mo
     mgr = cls()
     ctl = AgentClient(agent.dir)
     assert "check_status" not in cls.__dict__  # SGLang's own read until a stall is armed
-    f = ctl.arm("prefill", "stall_status_read", target={"rid": "r-a"}, params={"ms": 200}, hooks=())
+    f = ctl.arm("prefill", "stall_status_read", target={"rid": "r-a"}, params={"ms": 2000}, hooks=())
     assert "check_status" in cls.__dict__
     mgr.request_status = {1: 3, 2: 4}
     with agent_mod.AGENT.lock:
         agent_mod.AGENT.room_rid.update({1: "r-a", 2: "r-a"})
     agent_mod.AGENT.tls.chunk = None  # the scheduler's polls: never stalled
     t = time.monotonic()
-    assert mgr.check_status(2) == 4 and time.monotonic() - t < 0.1
+    assert mgr.check_status(2) == 4 and time.monotonic() - t < 1.0
     agent_mod.AGENT.tls.chunk = types.SimpleNamespace(room=1, index_slice=slice(0, 1))
-    assert mgr.check_status(1) == 3 and time.monotonic() - t < 0.1  # not concluded: not stalled
-    assert mgr.check_status(2) == 4 and time.monotonic() - t < 0.1  # another room than the chunk's
+    assert mgr.check_status(1) == 3 and time.monotonic() - t < 1.0  # not concluded: not stalled
+    assert mgr.check_status(2) == 4 and time.monotonic() - t < 1.0  # another room than the chunk's
     with pytest.raises(FaultDidNotFire):
         f.verify()
     agent_mod.AGENT.tls.chunk = types.SimpleNamespace(room=2, index_slice=slice(0, 1))
@@ -92,7 +93,7 @@ def test_stall_status_read_widens_the_transfer_workers_check_then_read(agent, mo
     assert len(ev) == 1 and ev[0]["room"] == 2 and ev[0]["cleared_during_stall"] is True
     mgr.request_status[2] = 4  # count 1: spent, no second stall
     t = time.monotonic()
-    assert _teardown_check(mgr, 2) and time.monotonic() - t < 0.1
+    assert _teardown_check(mgr, 2) and time.monotonic() - t < 1.0
     f.heal()  # the wrapper goes with the fault: the class inherits SGLang's check_status again
     assert "check_status" not in cls.__dict__ and cls.check_status is FakeManager.check_status
     assert not any(h.endswith("FakeManager.check_status") for h in agent_mod.AGENT.hooks)

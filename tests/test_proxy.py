@@ -124,20 +124,20 @@ def test_bad_input_named(tp, echo, srv):
     assert r.status_code == 400 and "bad json" in r.json()["error"]
 
 
-@pytest.mark.exclusive  # times a few hundred ms: the machine to itself (make test runs clusters beside)
+# Margins a loaded machine keeps (make test runs clusters beside): 1 s of latency, under half of it once healed.
 def test_latency_applies_and_heals(tp, echo):
     p = tp.create(upstream=f"127.0.0.1:{echo.port}", name="lat")
     with _connect(p.listen) as s:
         base = min(_roundtrip(s, b"x" * 100)[1] for _ in range(5))
-        p.add_toxic(type="latency", stream="downstream", attributes={"latency": 150, "jitter": 0})
+        p.add_toxic(type="latency", stream="downstream", attributes={"latency": 1000, "jitter": 0})
         got, dt = _roundtrip(s, b"y" * 100)  # the already-open connection is affected too
         assert got == b"y" * 100
-        assert dt >= 0.15, f"latency toxic did not delay: {dt * 1000:.1f} ms"
+        assert dt >= 1.0, f"latency toxic did not delay: {dt * 1000:.1f} ms"
         fired = p.get_toxic("latency_downstream")
         assert fired is not None
         p.destroy_toxic("latency_downstream")
         _, dt2 = _roundtrip(s, b"z" * 100)
-        assert dt2 < 0.1, f"still slow after heal: {dt2 * 1000:.1f} ms (baseline {base * 1000:.1f} ms)"
+        assert dt2 < 0.5, f"still slow after heal: {dt2 * 1000:.1f} ms (baseline {base * 1000:.1f} ms)"
 
 
 def test_fired_counters_prove_the_toxic_touched_traffic(srv, tp, echo):

@@ -687,36 +687,36 @@ def test_ops_that_wait_do_so_each_on_its_own_in_the_engines_order():
     assert s.heal() == []
 
 
-@pytest.mark.exclusive  # times a few hundred ms: the machine to itself (make test runs clusters beside)
 def test_a_held_victim_is_let_go_once_its_roles_scheduler_acted_on_the_abort_not_a_fixed_time_after_it():
     """abort_at_stage_ops: /abort_request answering only queues the abort; the release waits for the holding
-    role's ``abort_ingested`` (here 0.6 s after the park, as a busy scheduler reads it), then settles. Another
-    request's abort, or the other role's, does not let it go."""
+    role's ``abort_ingested`` (here 2 s after the park, as a busy scheduler reads it), then settles. Another
+    request's abort, or the other role's, does not let it go. Seconds apart, so a loaded machine keeps the
+    order (make test runs clusters beside) and no other test has to stop for this one."""
     from kvchaos.suite import abort_at_stage_ops
 
     plans = _plans()
     a, b = plans[0].rid, plans[1].rid
-    ops = abort_at_stage_ops("decode_waiting", a, settle_s=0.1) + abort_at_stage_ops("decode_waiting", b, first=3,
-                                                                                       settle_s=0.1)
+    ops = abort_at_stage_ops("decode_waiting", a, settle_s=0.4) + abort_at_stage_ops("decode_waiting", b, first=3,
+                                                                                       settle_s=0.4)
     assert ops[2].on == {"role": "decode", "ev": "abort_ingested", "rid": a} and ops[2].after == 0
     kit = _Kit()
-    kit.agent = _EventAgent(kit.log, parks={a: 0.1, b: 0.1},
-                            events=[{"role": "decode", "ev": "abort_ingested", "rid": a, "after_s": 0.6},
-                                    {"role": "prefill", "ev": "abort_ingested", "rid": b, "after_s": 0.3},
-                                    {"role": "decode", "ev": "abort_ingested", "rid": "other", "after_s": 0.2}])
+    kit.agent = _EventAgent(kit.log, parks={a: 0.4, b: 0.4},
+                            events=[{"role": "decode", "ev": "abort_ingested", "rid": a, "after_s": 2.4},
+                                    {"role": "prefill", "ev": "abort_ingested", "rid": b, "after_s": 1.2},
+                                    {"role": "decode", "ev": "abort_ingested", "rid": "other", "after_s": 0.8}])
     aborted = {}
-    s = Schedule(ops, kit, cluster="c", wait_s=2.0, abort=lambda c, rid: aborted.setdefault(rid, time.time()) and 200)
+    s = Schedule(ops, kit, cluster="c", wait_s=8.0, abort=lambda c, rid: aborted.setdefault(rid, time.time()) and 200)
     th = threading.Thread(target=s.run)
     th.start()
-    time.sleep(1.5)
+    time.sleep(5.0)
     s.stop.set()
     th.join(5)
     t0 = kit.agent.t0
     released = [(h, t) for what, h, t in kit.log if what == "release"]
-    assert aborted[a] - t0 < 0.5 and aborted[b] - t0 < 0.5  # each abort once its request parked
+    assert aborted[a] - t0 < 2.0 and aborted[b] - t0 < 2.0  # each abort once its request parked
     (h, t), = released  # a's alone: b's abort was read by prefill only, which does not hold it
     assert h == s.handles[0].id
-    assert 0.7 <= time.time() - (time.monotonic() - t) - t0 < 1.2  # 0.6 s (ingested) + 0.1 s (settle)
+    assert 2.8 <= time.time() - (time.monotonic() - t) - t0 < 4.4  # 2.4 s (ingested) + 0.4 s (settle)
     assert s.heal() == []
 
 
@@ -879,25 +879,25 @@ def test_dropping_an_op_drops_what_waits_on_it_and_the_gates_on_it():
     sc.validate()
 
 
-@pytest.mark.exclusive  # times a few hundred ms: the machine to itself (make test runs clusters beside)
 def test_a_gated_plan_waits_for_the_park_or_the_action_it_names():
+    """Windows seconds wide, which a loaded machine keeps (make test runs clusters beside)."""
     plans = _plans()
     a, b, c = plans[0].rid, plans[1].rid, plans[2].rid
     ops = [Op(at_s=0, injector="agent", role="prefill", kind="hold", target={"rid": a}),
-           Op(at_s=0, injector="action", kind="release", after=0, delay_s=0.3)]
+           Op(at_s=0, injector="action", kind="release", after=0, delay_s=1.2)]
     kit = _Kit()
-    kit.agent = _EventAgent(kit.log, parks={a: 0.2})
-    s = Schedule(ops, kit, cluster="c", wait_s=2.0, gates={b: 0, c: 1})
+    kit.agent = _EventAgent(kit.log, parks={a: 0.8})
+    s = Schedule(ops, kit, cluster="c", wait_s=8.0, gates={b: 0, c: 1})
     th = threading.Thread(target=s.run)
     th.start()
     t0 = kit.agent.t0
     s.gate(plans[3].rid)  # not gated: at once
-    assert time.time() - t0 < 0.15
+    assert time.time() - t0 < 0.6
     s.gate(b)
-    assert 0.2 <= time.time() - t0 < 0.4  # once A's write parked
+    assert 0.8 <= time.time() - t0 < 1.6  # once A's write parked
     s.gate(c)
-    assert 0.5 <= time.time() - t0 < 0.8  # once the release was carried out
-    th.join(2)
+    assert 2.0 <= time.time() - t0 < 3.2  # once the release was carried out
+    th.join(8)
     assert s.heal() == []
     with pytest.raises(NemesisError, match="plan x waits for op 5: there are 2 ops"):
         Schedule(ops, kit, gates={"x": 5})
