@@ -42,7 +42,9 @@ OWNER = textwrap.dedent("""
     r = Reaper(token, grace_s=1.0)
     p = ManagedProcess("tree", [sys.executable, "-c", sys.argv[3]], dict(os.environ), out.parent / "tree.log", r, token)
     time.sleep(1.0)
-    out.write_text(json.dumps({"owner": os.getpid(), "leader": p.pid}))
+    tmp = out.with_name(out.name + ".tmp")  # whole or absent: the test reads it the moment it exists
+    tmp.write_text(json.dumps({"owner": os.getpid(), "leader": p.pid}))
+    tmp.rename(out)
     if sys.argv[4] == "crash":
         raise SystemExit(3)
     time.sleep(600)

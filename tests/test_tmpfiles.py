@@ -98,7 +98,9 @@ OWNER = textwrap.dedent("""
         r.register_cleanup("path", p)
     got = ports.reserve_ports(3)
     time.sleep(0.5)
-    out.write_text(json.dumps({"agent": agent, "lock": str(lock), "ports": got, "pid": os.getpid()}))
+    tmp = out.with_name(out.name + ".tmp")  # whole or absent: the test reads it the moment it exists
+    tmp.write_text(json.dumps({"agent": agent, "lock": str(lock), "ports": got, "pid": os.getpid()}))
+    tmp.rename(out)
     time.sleep(600)
 """)
 
