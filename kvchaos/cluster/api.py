@@ -45,8 +45,8 @@ def cpu_pressure_us() -> int | None:
 
 
 def starved_share(since_s: float, pressure_at_since: int | None) -> str:
-    """'; the machine's CPUs were oversubscribed N% of those N s (...)' or '' where unknown — what tells
-    a start starved by other work on the machine from one that hung."""
+    """'; some runnable task waited for a CPU N% of those N s (...)', or '' where the kernel does not
+    say: what tells a start starved by other work on the machine from one that hung."""
     now = cpu_pressure_us()
     waited = time.monotonic() - since_s
     if now is None or pressure_at_since is None or waited <= 0:
@@ -61,7 +61,7 @@ def wait_healthy(procs: dict[str, ManagedProcess], urls: dict[str, str], deadlin
     """Wait until every url in ``urls`` answers; raise ProcessDied / ClusterStartError otherwise.
 
     ``check(role, response) -> bool`` can require more than HTTP 200. The timeout's message says how long
-    it waited and how much of that the machine's CPUs were oversubscribed.
+    it waited and for how much of that some task was kept from a CPU.
     """
     t0, pressure0 = time.monotonic(), cpu_pressure_us()
     pending = dict(urls)
