@@ -71,13 +71,13 @@ def _unblacklist_soon(agent, f: dict, mgr, sess, after_s: float, bound_s: float 
     threading.Thread(target=run, name="kvchaos-unblacklist", daemon=True).start()
 
 
-register_fault("delay", unlimited=True)
 def _fail_check(params: dict) -> None:
     ms = params.get("unblacklist_after_ms")
     if ms is not None and (isinstance(ms, bool) or not isinstance(ms, (int, float)) or not 0 <= ms <= 60_000):
         raise ValueError(f"fail: unblacklist_after_ms must be a number of ms in 0..60000, got {ms!r}")
 
 
+register_fault("delay", unlimited=True)
 register_fault("fail", off=_fail_off, check=_fail_check)
 register_fault("short")
 register_fault("hold", held=True)
