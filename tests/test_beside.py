@@ -9,6 +9,8 @@ import sys
 import time
 from pathlib import Path
 
+from tests.util import written
+
 BESIDE = Path(__file__).resolve().parents[1] / "scripts" / "beside.py"
 REPORT = ("import os, signal; h = signal.getsignal(signal.SIGINT); "
           "print(os.nice(0), 'default' if h is signal.default_int_handler else 'ignored' if h == signal.SIG_IGN else h)")
@@ -36,13 +38,13 @@ def test_the_command_gets_sigint_when_the_shell_that_started_it_is_killed(tmp_pa
     shell = subprocess.Popen(["bash", "-c", f"{sys.executable} {BESIDE} {sys.executable} -c \"$0\" & wait", child])
     try:
         deadline = time.monotonic() + 30
-        while not _written(pidfile) and time.monotonic() < deadline:
+        while not written(pidfile) and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert _written(pidfile), "the command never started"
+        assert written(pidfile), "the command never started"
         shell.kill()
         shell.wait(10)
         deadline = time.monotonic() + 20
-        while not _written(got) and time.monotonic() < deadline:
+        while not written(got) and time.monotonic() < deadline:
             time.sleep(0.1)
         assert got.read_text() == "SIGINT"
     finally:
@@ -72,20 +74,11 @@ def _script(tmp_path, name, body):
     return [sys.executable, str(f)]
 
 
-def _written(path) -> bool:
-    """The file is there with its text: a child's write_text creates it empty first, and a reader that
-    looked in between read '' (make test runs these beside two cluster sessions)."""
-    try:
-        return bool(path.read_text())
-    except FileNotFoundError:
-        return False
-
-
 def _wait_for(path, bound_s=30.0):
     deadline = time.monotonic() + bound_s
-    while not _written(path) and time.monotonic() < deadline:
+    while not written(path) and time.monotonic() < deadline:
         time.sleep(0.05)
-    return _written(path)
+    return written(path)
 
 
 def test_then_runs_every_command_in_order_and_exits_with_the_first_failure(tmp_path):

@@ -14,7 +14,7 @@ import pytest
 
 from kvchaos.cli import UsageError, load_config
 from tests.test_report import make_run
-from tests.util import child_env
+from tests.util import child_env, written
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -97,7 +97,7 @@ def test_stopping_kvchaos_run_stops_pytest_and_its_children(tmp_path, how):
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         t0 = time.monotonic()
-        while not pidfile.exists() or not pidfile.read_text():
+        while not written(pidfile):
             assert proc.poll() is None and time.monotonic() - t0 < 60, "the test never started"
             time.sleep(0.2)
         kvc = psutil.Process(proc.pid)

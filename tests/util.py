@@ -17,3 +17,12 @@ def load_file(path, name: str):
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
+
+
+def written(path) -> bool:
+    """The file is there with its text: a child's ``write_text`` creates it empty first, and a reader
+    that looks in between reads '' (make test runs these tests beside two cluster sessions)."""
+    try:
+        return bool(path.read_text())
+    except FileNotFoundError:
+        return False
