@@ -19,26 +19,53 @@ from __future__ import annotations
 import math
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 
 from kvchaos import oracles
 from kvchaos.cluster.layouts import pace_of
+from kvchaos.cluster.metrics import Metrics
 from kvchaos.workload.scenario import CHECKS, MAX_DELAY_S, Op, Scenario, ScenarioError
 
 
-def single_server_reference(server, plans, timeout_s: float = 120.0):
-    """``Differential``'s reference: each plan's prompt served alone, greedy, with its own
-    ``max_new_tokens``, by ``server`` (a clean single server), when the checker runs (after the run)."""
+RETRACTED = "sglang:num_retracted_requests_total"
+
+
+def single_server_reference(server, plans, timeout_s: float = 120.0, concurrency: int = 1):
+    """``Differential``'s reference: each plan's prompt served greedy, with its own ``max_new_tokens``,
+    by ``server`` (a clean single server), when the checker runs (after the run).
+
+    ``concurrency`` > 1 sends that many at a time (a reference of 32 long replies one by one is thousands
+    of engine steps): the caller keeps them inside the server's pool, so none is retracted. That is
+    checked, not assumed: when the server's ``sglang:num_retracted_requests_total`` moved, or it has no
+    metrics to tell, every prompt is served again one at a time."""
+    if concurrency < 1:
+        raise ValueError(f"concurrency must be >= 1, got {concurrency}")
+
+    def one(p):
+        r = httpx.post(server.endpoints.router + "/generate", timeout=timeout_s,
+                       json={"text": p.prompt, "sampling_params": {"max_new_tokens": p.max_new_tokens,
+                                                                   "temperature": 0}})
+        r.raise_for_status()
+        return p.rid, r.json()
+
+    def retracted():
+        try:
+            m = Metrics.fetch(server.endpoints.router)
+        except (httpx.HTTPError, ValueError):
+            return None
+        return m.value(RETRACTED) if m.declares(RETRACTED) else None
+
     def ref(_events):
-        out = {}
-        for p in plans:
-            r = httpx.post(server.endpoints.router + "/generate", timeout=timeout_s,
-                           json={"text": p.prompt, "sampling_params": {"max_new_tokens": p.max_new_tokens,
-                                                                       "temperature": 0}})
-            r.raise_for_status()
-            out[p.rid] = r.json()
-        return out
+        if concurrency > 1 and len(plans) > 1:
+            before = retracted()
+            if before is not None:
+                with ThreadPoolExecutor(min(concurrency, len(plans))) as pool:
+                    out = dict(pool.map(one, plans))
+                if retracted() == before:
+                    return out
+        return dict(one(p) for p in plans)
     ref.rids = [p.rid for p in plans]  # what a scenario records of it (check_spec, below)
     return ref
 
