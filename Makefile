@@ -134,7 +134,7 @@ soak: setup  # the default suites K times, each with a fresh seed: outcome count
 	$(PY) -m kvchaos soak --times $(K)
 
 # the search (kvchaos fuzz): guided, then random with the same budget and seed, printed side by side;
-# its 2-minute smoke, suites/test_fuzz_smoke.py, runs in make test. FUZZ_ARGS="--engine-version 0.5.19" etc.
+# its 1-minute smoke, suites/test_fuzz_smoke.py, runs in make test. FUZZ_ARGS="--engine-version 0.5.19" etc.
 FUZZ_BUDGET ?= 30m
 FUZZ_SEED ?= 1
 fuzz: setup
