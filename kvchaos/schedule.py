@@ -25,11 +25,7 @@ import httpx
 
 from kvchaos import oracles
 from kvchaos.cluster.layouts import pace_of
-from kvchaos.cluster.metrics import Metrics
 from kvchaos.workload.scenario import CHECKS, MAX_DELAY_S, Op, Scenario, ScenarioError
-
-
-RETRACTED = "sglang:num_retracted_requests_total"
 
 
 def single_server_reference(server, plans, timeout_s: float = 120.0, concurrency: int = 1):
@@ -38,8 +34,8 @@ def single_server_reference(server, plans, timeout_s: float = 120.0, concurrency
 
     ``concurrency`` > 1 sends that many at a time (a reference of 32 long replies one by one is thousands
     of engine steps): the caller keeps them inside the server's pool, so none is retracted. That is
-    checked, not assumed: when the server's ``sglang:num_retracted_requests_total`` moved, or it has no
-    metrics to tell, every prompt is served again one at a time."""
+    checked, not assumed: a reply whose ``meta_info.num_retractions`` (the engine's own count) is not 0,
+    or is missing, is served again alone."""
     if concurrency < 1:
         raise ValueError(f"concurrency must be >= 1, got {concurrency}")
 
@@ -50,22 +46,15 @@ def single_server_reference(server, plans, timeout_s: float = 120.0, concurrency
         r.raise_for_status()
         return p.rid, r.json()
 
-    def retracted():
-        try:
-            m = Metrics.fetch(server.endpoints.router)
-        except (httpx.HTTPError, ValueError):
-            return None
-        return m.value(RETRACTED) if m.declares(RETRACTED) else None
-
     def ref(_events):
-        if concurrency > 1 and len(plans) > 1:
-            before = retracted()
-            if before is not None:
-                with ThreadPoolExecutor(min(concurrency, len(plans))) as pool:
-                    out = dict(pool.map(one, plans))
-                if retracted() == before:
-                    return out
-        return dict(one(p) for p in plans)
+        if concurrency == 1 or len(plans) < 2:
+            return dict(one(p) for p in plans)
+        with ThreadPoolExecutor(min(concurrency, len(plans))) as pool:
+            out = dict(pool.map(one, plans))
+        for p in plans:
+            if ((out[p.rid] or {}).get("meta_info") or {}).get("num_retractions") != 0:
+                out[p.rid] = one(p)[1]
+        return out
     ref.rids = [p.rid for p in plans]  # what a scenario records of it (check_spec, below)
     return ref
 

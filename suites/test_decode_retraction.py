@@ -40,7 +40,7 @@ pytestmark = pytest.mark.cluster
 BOUND_S = 60
 RETRACTED = "sglang:num_retracted_requests_total"
 # the reference serves 3 prompts at a time: 3 x (<= 450 prompt + <= 218 reply tokens) fits the single server's
-# 2048-token pool, so none is retracted there (single_server_reference checks its counter, else serves each alone);
+# 2048-token pool, so none is retracted there (single_server_reference checks each reply's own count, else serves it alone);
 # one at a time it was ~5,400 engine steps of the suite's own time
 REF_CONCURRENCY = 3
 
