@@ -9,6 +9,7 @@ factory was given: per cluster (``proxy_factory=``), or per process
 
 from __future__ import annotations
 
+import re
 import stat
 import sys
 import textwrap
@@ -17,18 +18,19 @@ import pytest
 
 import faults
 from faults.netfault import NetworkFaults
-from kvchaos.cluster import (AgentMissing, Cluster, ClusterSpec, ProxyFactoryMissing, default_proxy_factory, engine_agent,
+from kvchaos.cluster import (AgentMissing, Cluster, ClusterSpec, ClusterStartError, ProxyFactoryMissing, default_proxy_factory, engine_agent,
                              set_default_proxy_factory, set_engine_agent)
 
 STUB = textwrap.dedent('''
     """Stand-in for ``python -m sglang.launch_server`` / ``python -m sglang_router.launch_router``."""
-    import json, sys, urllib.request
+    import json, os, sys, urllib.request
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
     argv = sys.argv[1:]
     module = argv[argv.index("-m") + 1]
     port = int(argv[argv.index("--port") + 1])
     router = module.startswith("sglang_router")
+    never_ready = router and os.environ.get("STUB_ROUTER_NEVER_READY") == "1"  # a router that never sees its workers
     up = [argv[argv.index("--prefill") + 1], argv[argv.index("--decode") + 1]] if router else []
 
     def post(url, body):
@@ -49,7 +51,7 @@ STUB = textwrap.dedent('''
             self.wfile.write(data)
 
         def do_GET(self):
-            self._json({"healthy_workers": 2} if self.path == "/readiness" else {"ok": True})
+            self._json({"healthy_workers": 0 if never_ready else 2} if self.path == "/readiness" else {"ok": True})
 
         def do_POST(self):
             body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
@@ -139,6 +141,24 @@ def test_the_factory_given_places_every_proxy(spec, tmp_path, no_default):
     assert c.proxy is None
     with pytest.raises(Exception):
         made[0].tp.get_proxy(made[0].full("client")).toxics()  # the embedded proxy server is gone
+
+
+def test_a_router_that_runs_out_of_the_start_says_how_much_the_servers_left_it(spec, tmp_path, no_default):
+    """The start has one budget (startup_timeout_s) for the servers, then the router: a router that times
+    out says when the servers were healthy and how much of the budget it was launched with (CI once read
+    only the router's empty log after the servers, starved beside other sessions, had used it up)."""
+    spec.network_proxy = ""
+    spec.startup_timeout_s = 6.0
+    spec.env = {**spec.env, "STUB_ROUTER_NEVER_READY": "1"}
+    c = Cluster(spec, tmp_path)
+    with pytest.raises(ClusterStartError) as e:
+        c.start()
+    msg = str(e.value)
+    assert "timed out waiting for ['router'] to become healthy" in msg, msg
+    m = re.search(r"the servers were healthy (\d+) s into the start: the router was launched with (\d+) s of "
+                  r"startup_timeout_s = 6 s left", msg)
+    assert m and int(m[1]) + int(m[2]) in (5, 6, 7), msg  # the two parts add up to the budget (rounded)
+    assert c.procs == {} or all(not p.alive() for p in c.procs.values())  # the failed start left nothing running
 
 
 def test_the_process_default_serves_every_cluster_built_without_one(spec, tmp_path, no_default):
