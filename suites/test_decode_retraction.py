@@ -17,8 +17,9 @@ path retracts. Judged by:
 - ``retraction`` — decode's own evidence: every retracted request got its KV back bit-exact (the pool
   read back at the new slots equals the host copy), none was answered without being resumed; UNKNOWN
   when nothing was retracted;
-- ``differential`` — every reply token-identical to the same prompt served alone by a clean single
-  server (a splice changes tokens even when no foreign canary is recited);
+- ``differential`` — every reply token-identical to the same prompt served by a clean single server,
+  three at a time and none of them retracted there (a splice changes tokens even when no foreign canary
+  is recited);
 - ``isolation`` (no foreign canary in any reply) and ``liveness``.
 
 Each test also checks that the path was exercised as often as the engine says: the agent's
@@ -40,8 +41,8 @@ pytestmark = pytest.mark.cluster
 BOUND_S = 60
 RETRACTED = "sglang:num_retracted_requests_total"
 # the reference serves 3 prompts at a time: 3 x (<= 450 prompt + <= 218 reply tokens) fits the single server's
-# 2048-token pool, so none is retracted there (single_server_reference checks each reply's own count, else serves it alone);
-# one at a time it was ~5,400 engine steps of the suite's own time
+# 2048-token pool, so none is retracted there (single_server_reference reads each reply's own count and serves a
+# retracted one again, alone); one at a time it was ~5,400 engine steps of the suite's own time
 REF_CONCURRENCY = 3
 
 
