@@ -37,15 +37,10 @@ def test_the_command_gets_sigint_when_the_shell_that_started_it_is_killed(tmp_pa
              "time.sleep(60)\n")
     shell = subprocess.Popen(["bash", "-c", f"{sys.executable} {BESIDE} {sys.executable} -c \"$0\" & wait", child])
     try:
-        deadline = time.monotonic() + 30
-        while not written(pidfile) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert written(pidfile), "the command never started"
+        assert _wait_for(pidfile, 30), "the command never started"
         shell.kill()
         shell.wait(10)
-        deadline = time.monotonic() + 20
-        while not written(got) and time.monotonic() < deadline:
-            time.sleep(0.1)
+        _wait_for(got, 20)
         assert got.read_text() == "SIGINT"
     finally:
         shell.kill()

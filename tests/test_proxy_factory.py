@@ -18,8 +18,8 @@ import pytest
 
 import faults
 from faults.netfault import NetworkFaults
-from kvchaos.cluster import (AgentMissing, Cluster, ClusterSpec, ClusterStartError, ProxyFactoryMissing, default_proxy_factory, engine_agent,
-                             set_default_proxy_factory, set_engine_agent)
+from kvchaos.cluster import (AgentMissing, Cluster, ClusterSpec, ClusterStartError, ProxyFactoryMissing,
+                             default_proxy_factory, engine_agent, set_default_proxy_factory, set_engine_agent)
 
 STUB = textwrap.dedent('''
     """Stand-in for ``python -m sglang.launch_server`` / ``python -m sglang_router.launch_router``."""
