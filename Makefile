@@ -149,6 +149,7 @@ bench: setup  # each prints its ratios; figures and commands are kept in bench/R
 	$(PY) bench/driver_throughput.py
 	$(PY) bench/canary_scan.py
 	$(PY) bench/proxy_overhead.py
+	$(PY) bench/http_calls.py
 	$(PY) bench/repro_cold.py
 
 clean-reports:

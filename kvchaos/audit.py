@@ -45,6 +45,7 @@ from urllib.parse import urlparse
 
 import httpx
 
+from kvchaos import httpclient
 from kvchaos import releases as R
 from kvchaos.cluster.metrics import Metrics
 from kvchaos.workload.snapshots import server_field
@@ -348,7 +349,7 @@ def lb_trial(router: str, prefill: str, decode: str, mode: str = "stream", *, pr
 def fetch_info(url: str, timeout: float = 15.0) -> dict:
     for path in ("/server_info", "/get_server_info"):
         try:
-            r = httpx.get(url.rstrip("/") + path, timeout=timeout)
+            r = httpclient.get(url.rstrip("/") + path, timeout=timeout)
         except httpx.HTTPError as e:
             raise AuditError(f"{url}: not reachable ({e!r})") from None
         if r.status_code == 200:
@@ -426,7 +427,7 @@ def audit(prefill: str, decode: str, router: str | None = None, timeout: float =
     checks.append(check_integrity(infos))
     if router:
         try:
-            r = httpx.get(router.rstrip("/") + "/workers", timeout=timeout)
+            r = httpclient.get(router.rstrip("/") + "/workers", timeout=timeout)
             ws = r.json().get("workers") if r.status_code == 200 else None
             checks.append(check_router(ws, prefill, decode, None if ws is not None else f"GET /workers: HTTP {r.status_code}"))
         except (httpx.HTTPError, ValueError) as e:

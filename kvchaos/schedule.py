@@ -23,7 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 
-from kvchaos import oracles
+from kvchaos import httpclient, oracles
 from kvchaos.cluster.layouts import pace_of
 from kvchaos.workload.scenario import CHECKS, MAX_DELAY_S, Op, Scenario, ScenarioError
 
@@ -40,7 +40,7 @@ def single_server_reference(server, plans, timeout_s: float = 120.0, concurrency
         raise ValueError(f"concurrency must be >= 1, got {concurrency}")
 
     def one(p):
-        r = httpx.post(server.endpoints.router + "/generate", timeout=timeout_s,
+        r = httpclient.post(server.endpoints.router + "/generate", timeout=timeout_s,
                        json={"text": p.prompt, "sampling_params": {"max_new_tokens": p.max_new_tokens,
                                                                    "temperature": 0}})
         r.raise_for_status()
@@ -65,7 +65,7 @@ def abort_on_both(cluster, rid: str) -> dict:
     out = {}
     for role in ("prefill", "decode"):
         try:
-            out[role] = httpx.post(f"{getattr(cluster.endpoints, role)}/abort_request", json={"rid": rid},
+            out[role] = httpclient.post(f"{getattr(cluster.endpoints, role)}/abort_request", json={"rid": rid},
                                    timeout=10).status_code
         except httpx.HTTPError as e:
             out[role] = repr(e)

@@ -6,9 +6,9 @@ import functools
 import json
 import time
 
-import httpx
 import pytest
 
+from kvchaos import httpclient
 from kvchaos.cluster.spec import ClusterSpec
 from kvchaos.experiment import Experiment, VerdictsNotMet, run_scenario
 from kvchaos.oracles import PASS, Isolation, Liveness
@@ -26,7 +26,7 @@ class StandIn:
         return {"version": "0.5.23"}
 
     def generate(self, text=None, max_new_tokens=1, timeout=30, **kw):
-        return httpx.post(self.endpoints.router + "/generate", json={"text": text}, timeout=timeout)
+        return httpclient.post(self.endpoints.router + "/generate", json={"text": text}, timeout=timeout)
 
 
 class Kit:

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
+from kvchaos import httpclient
 from kvchaos.canary import Registry
 
 from .procs import ManagedProcess
@@ -27,7 +28,7 @@ class AgentMissing(ClusterStartError):
 
 def _http_ok(url: str, timeout: float = 2.0) -> httpx.Response | None:
     try:
-        r = httpx.get(url, timeout=timeout)
+        r = httpclient.get(url, timeout=timeout)
     except httpx.HTTPError:
         return None
     return r if r.status_code == 200 else None
@@ -116,7 +117,7 @@ class ClusterAPI:
 
     def server_info(self, role: str = "decode", timeout: float = 10.0) -> dict:
         url = getattr(self.endpoints, role)
-        r = httpx.get(f"{url}/server_info", timeout=timeout)
+        r = httpclient.get(f"{url}/server_info", timeout=timeout)
         r.raise_for_status()
         return r.json()
 
@@ -128,7 +129,7 @@ class ClusterAPI:
             body["text"] = text
             self.canaries.add_text(text or "", extra.get("rid"), "cluster.generate")
         url = getattr(self.endpoints, via) if via in ("router", "prefill", "decode") else via
-        return httpx.post(f"{url}/generate", json=body, timeout=timeout or self.spec.paced(self.spec.request_timeout_s))
+        return httpclient.post(f"{url}/generate", json=body, timeout=timeout or self.spec.paced(self.spec.request_timeout_s))
 
     def check_alive(self) -> None:
         pass

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import httpx
 from prometheus_client.parser import text_string_to_metric_families
+
+from kvchaos import httpclient
 
 
 @dataclass(frozen=True)
@@ -38,7 +39,7 @@ class Metrics:
 
     @classmethod
     def fetch(cls, base_url: str, timeout: float = 10.0) -> "Metrics":
-        r = httpx.get(f"{base_url}/metrics", timeout=timeout)
+        r = httpclient.get(f"{base_url}/metrics", timeout=timeout)
         r.raise_for_status()
         return cls.parse(r.text)
 

@@ -6,10 +6,8 @@ import json
 import tempfile
 from pathlib import Path
 
-import httpx
-
 from faults import FaultKit, install
-from kvchaos import oracles
+from kvchaos import httpclient, oracles
 from kvchaos.cluster import Cluster, ClusterSpec, SingleServer
 from kvchaos.cluster.reaper import Reaper
 from kvchaos.experiment import Experiment
@@ -42,7 +40,7 @@ def reproduce(minimal_dir, times: int = 1) -> int:
             body = lambda p: {"text": p.prompt, "sampling_params": {"max_new_tokens": p.max_new_tokens,  # noqa: E731
                                                                      "temperature": 0}}
             checks.append(oracles.Differential(lambda _ev: {
-                p.rid: httpx.post(ref.endpoints.router + "/generate", json=body(p), timeout=120).json() for p in plans}))
+                p.rid: httpclient.post(ref.endpoints.router + "/generate", json=body(p), timeout=120).json() for p in plans}))
         for i in range(1, times + 1):
             c = Cluster(spec, work / f"cluster-{i}", reaper=reaper).start()
             try:

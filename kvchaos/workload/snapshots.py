@@ -6,6 +6,7 @@ import time
 
 import httpx
 
+from kvchaos import httpclient
 from kvchaos.cluster.layouts import pace_of
 from kvchaos.cluster.metrics import Metrics
 
@@ -101,7 +102,7 @@ def flush_caches(cluster, timeout_s: float = 30.0) -> dict:
         why = "not tried"
         while True:
             try:
-                r = httpx.post(url, params={"timeout": 1.0}, timeout=10.0)
+                r = httpclient.post(url, params={"timeout": 1.0}, timeout=10.0)
                 if r.status_code == 200:
                     why = True
                     break
@@ -121,7 +122,7 @@ def abort_all(cluster) -> dict:
     out = {}
     for role in ("prefill", "decode"):
         try:
-            r = httpx.post(getattr(cluster.endpoints, role) + "/abort_request", json={"rid": "", "abort_all": True},
+            r = httpclient.post(getattr(cluster.endpoints, role) + "/abort_request", json={"rid": "", "abort_all": True},
                            timeout=10.0)
             out[role] = True if r.status_code == 200 else f"HTTP {r.status_code}: {r.text.strip()[:120]}"
         except httpx.HTTPError as e:

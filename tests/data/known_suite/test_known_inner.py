@@ -3,10 +3,10 @@ and plugin against tests/fake_engine.py (a stand-in cluster reporting sglang 0.5
 
 import os
 
-import httpx
 import pytest
 
 from faults.request import plant_leak
+from kvchaos import httpclient
 from kvchaos.experiment import PASS
 from kvchaos.oracles import Isolation, Liveness, Sensitivity
 from kvchaos.workload import Workload
@@ -24,7 +24,7 @@ class StandIn:
         return {"version": "0.5.23"}
 
     def generate(self, text=None, max_new_tokens=1, timeout=30, **kw):
-        return httpx.post(self.endpoints.router + "/generate", json={"text": text}, timeout=timeout)
+        return httpclient.post(self.endpoints.router + "/generate", json={"text": text}, timeout=timeout)
 
 
 @pytest.fixture
