@@ -153,3 +153,37 @@ def test_without_pressure_figures_the_timeout_says_only_the_wait(monkeypatch):
     assert api.starved_share(time.monotonic() - 5, None) == ""
     monkeypatch.setattr(api, "cpu_pressure_us", lambda: 5_000_000)
     assert "100%" in api.starved_share(time.monotonic() - 2, 0)  # capped: PSI counts any task's wait
+
+
+def test_snapshots_skip_settled_environments_and_a_kill_reads_them_all(monkeypatch):
+    """The periodic snapshots read a settled process's environment once (most of the reaper's CPU was
+    re-reading every process's every 0.5-2.5 s); a token holder is never set aside, and a kill (no
+    ``unrelated`` set) reads every environment again."""
+    from kvchaos.cluster import reaper
+
+    token = f"kvc-settled-{os.getpid()}"
+    sleeper = [sys.executable, "-c", "import time; time.sleep(60)"]
+    ours = subprocess.Popen(sleeper, env={**os.environ, "KVCHAOS_OWNER": token})
+    other = subprocess.Popen(sleeper, env={k: v for k, v in os.environ.items() if k != "KVCHAOS_OWNER"})
+    try:
+        deadline = time.monotonic() + 20
+        while not all(token.encode() in Path(f"/proc/{p.pid}/environ").read_bytes() or p is other
+                      for p in (ours, other)):
+            assert time.monotonic() < deadline, "the sleepers never exec'd"
+            time.sleep(0.05)
+        time.sleep(0.1)
+        st = {p.pid: proc_table()[p.pid][3] for p in (ours, other)}
+        unrelated: set = set()
+        assert ours.pid in related(set(), token, unrelated=unrelated)
+        assert unrelated.isdisjoint({(p, s) for p, s in st.items()})  # young: read, not set aside
+        monkeypatch.setattr(reaper, "SETTLED_AGE_S", 0.0)  # now everything counts as settled
+        assert ours.pid in related(set(), token, unrelated=unrelated)
+        assert (other.pid, st[other.pid]) in unrelated and (ours.pid, st[ours.pid]) not in unrelated
+        unrelated.add((ours.pid, st[ours.pid]))  # set aside, the snapshots skip it ...
+        assert ours.pid not in related(set(), token, unrelated=unrelated)
+        assert ours.pid in related(set(), token)  # ... and a kill reads it again
+        assert ours.pid in pids_with_token(token) and other.pid not in pids_with_token(token)
+    finally:
+        for p in (ours, other):
+            p.kill()
+            p.wait(10)

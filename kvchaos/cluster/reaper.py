@@ -33,14 +33,15 @@ ENV_KEY = "KVCHAOS_OWNER"
 def proc_table() -> dict[int, tuple[int, int, int, int, str]]:
     """pid -> (ppid, pgid, sid, starttime, state) for every process, from /proc."""
     out = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
             continue
         try:
-            f = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            with open(f"/proc/{name}/stat", "rb") as fh:
+                f = fh.read().rsplit(b")", 1)[1].split()
         except (OSError, IndexError):
             continue
-        out[int(entry.name)] = (int(f[1]), int(f[2]), int(f[3]), int(f[19]), f[0])
+        out[int(name)] = (int(f[1]), int(f[2]), int(f[3]), int(f[19]), f[0].decode())
     return out
 
 
@@ -50,35 +51,61 @@ def pids_with_token(token: str, table=None) -> list[int]:
     Processes that call setproctitle (SGLang's scheduler and detokenizer) overwrite the memory
     /proc/<pid>/environ shows, so this alone undercounts: see :func:`related`.
     """
-    needle = f"{ENV_KEY}={token}".encode()
+    return _pids_with_tokens([token], proc_table() if table is None else table)
+
+
+# a process this old (seconds) that showed none of the tokens never will: it exec'd long ago, and
+# setproctitle only ever hides an environment. The periodic snapshots skip re-reading such environments
+# (every process's, every 0.5-2.5 s: most of the reaper's CPU); the final kill reads them all again.
+SETTLED_AGE_S = 10.0
+
+
+def _pids_with_tokens(tokens, table, unrelated: set | None = None) -> list[int]:
+    """:func:`pids_with_token` for several tokens, each environment read once. ``unrelated``: (pid,
+    start time) of processes already read and settled without any of ``tokens``; skipped, and added to."""
+    needles = {f"{ENV_KEY}={t}".encode() for t in tokens}
+    if not needles:
+        return []
     me = os.getpid()
-    table = proc_table() if table is None else table
+    settled_before = None
+    if unrelated is not None:
+        try:
+            with open("/proc/uptime") as f:
+                settled_before = (float(f.read().split()[0]) - SETTLED_AGE_S) * _CLK_TCK
+        except (OSError, ValueError, IndexError):
+            settled_before = None
     found = []
-    for pid, (_pp, _g, _s, _st, state) in table.items():
-        if pid == me or state == "Z":
+    for pid, (_pp, _g, _s, st, state) in table.items():
+        if pid == me or state == "Z" or (unrelated is not None and (pid, st) in unrelated):
             continue
         try:
-            env = Path(f"/proc/{pid}/environ").read_bytes()
-        except OSError:
-            continue
-        if needle in env.split(b"\0"):
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                env = f.read()
+        except OSError:  # a kernel thread (no environment), not ours to read, or gone
+            env = b""
+        if needles & set(env.split(b"\0")):
             found.append(pid)
+        elif settled_before is not None and st < settled_before:
+            unrelated.add((pid, st))
     return found
 
 
-def related(roots: set[int], tokens, table=None) -> dict[int, int]:
+_CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+def related(roots: set[int], tokens, table=None, unrelated: set | None = None) -> dict[int, int]:
     """Live processes belonging to the launched trees: pid -> starttime.
 
     A process belongs if it is in the session or process group of a root (we start every root
     with its own session), descends from a root or from such a process (ppid closure, which
     follows a child that called setsid), or carries one of ``tokens`` in its environment.
+    ``unrelated``: see :func:`_pids_with_tokens` (the periodic snapshots pass one; a kill reads all).
     """
     table = proc_table() if table is None else table
     tokens = [tokens] if isinstance(tokens, str) else list(tokens)
     me = os.getpid()
     members = {pid for pid, (_pp, g, sid, _st, _state) in table.items() if g in roots or sid in roots or pid in roots}
-    for t in tokens:
-        members.update(pids_with_token(t, table))
+    members.update(_pids_with_tokens(tokens, table, unrelated))
     children: dict[int, list[int]] = {}
     for pid, (pp, *_rest) in table.items():
         children.setdefault(pp, []).append(pid)
@@ -149,6 +176,7 @@ def main(argv: list[str]) -> int:
     roots: set[int] = set()
     tokens = {token}
     known: dict[int, int] = {}
+    unrelated: set[tuple[int, int]] = set()  # (pid, start time) settled without a token: not re-read
     cleanup: list[tuple[str, str]] = []  # ("netns" | "link", name): deleted after the processes
     paths: list[str] = []  # kvchaos.cluster.tmpfiles entries: deleted last
     buf = b""
@@ -175,6 +203,7 @@ def main(argv: list[str]) -> int:
                     new_root_at = time.monotonic()
                 elif len(parts) == 2 and parts[0] == "token":
                     tokens.add(parts[1])
+                    unrelated.clear()  # settled without the old tokens says nothing of the new one
                 elif len(parts) == 3 and parts[0] == "forget" and parts[1] in ("netns", "link"):
                     cleanup = [c for c in cleanup if c != (parts[1], parts[2])]
                 elif len(parts) == 2 and parts[0] in ("netns", "link") and _OURS.match(parts[1]):
@@ -185,7 +214,7 @@ def main(argv: list[str]) -> int:
         now = time.monotonic()
         every = SCAN_FRESH_S if now - new_root_at < FRESH_FOR_S else SCAN_SETTLED_S
         if roots and now - scanned_at >= every:
-            known.update(related(roots, tokens))
+            known.update(related(roots, tokens, unrelated=unrelated))
             scanned_at = now
     left = kill_tree(roots, tokens, grace, known)
     if left:
