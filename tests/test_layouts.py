@@ -80,6 +80,18 @@ def test_named_layouts_run_every_suite_on_each_and_harness_tests_on_the_first():
     assert any("[mha-p1-fp32-" in i for i in ids) and any("[mla-p64-bf16-" in i for i in ids), ids
 
 
+def test_a_layouts_exclusive_tests_run_after_its_others_and_before_its_disruptive_ones():
+    r, ids = _collect("suites/test_prefix_cache.py", "suites/test_process_kill.py", "suites/test_smoke.py")
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    mha = [i for i in ids if i.endswith("[mha-p1-fp32]")]
+    timing = [i for i, x in enumerate(mha) if "test_timing_does_not_tell" in x]
+    kill = [i for i, x in enumerate(mha) if "test_process_kill" in x]
+    assert timing and kill, mha
+    # collected in file order the timing test sits between the prefix-cache tests; sorted, every other test
+    # comes first, the disruptive ones after it
+    assert timing == [len(mha) - len(kill) - 1] and kill == list(range(len(mha) - len(kill), len(mha))), mha
+
+
 @pytest.mark.parametrize("args, msg", [
     (["--kvchaos-layouts", "mla-p64-int4"], "dtype 'int4'"),
     (["--kvchaos-layouts", "mla-p64-bf16", "--kvchaos-model", "tiny:0"], "cannot be combined with --kvchaos-model"),

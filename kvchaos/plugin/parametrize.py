@@ -1,7 +1,7 @@
 """Which tests run where: one session cluster per KV transfer backend and KV layout
 (``--kvchaos-backends``, ``--kvchaos-layouts``, the profile's ``[suites] layouts``), the markers that
-narrow that (``backends``, ``layouts``, ``every_layout``), ``disruptive`` tests last, and ``gpu`` tests
-skipped where no CUDA device is visible."""
+narrow that (``backends``, ``layouts``, ``every_layout``), ``disruptive`` tests last (``exclusive`` ones
+just before them), and ``gpu`` tests skipped where no CUDA device is visible."""
 
 from __future__ import annotations
 
@@ -90,11 +90,15 @@ def pytest_collection_modifyitems(config, items):
         items[:] = keep
     # tests that leave the engine busy on purpose (hung requests the router keeps retrying) run last,
     # so no other test's exact counters or pool baselines see their stray work; with several layouts
-    # or backends, one cluster's tests (disruptive last) before the next cluster's
+    # or backends, one cluster's tests (disruptive last) before the next cluster's. Just before them, the
+    # tests that hold the machine alone (``exclusive``): waiting for the lock, a session idles until every
+    # other session's running test ends, and near its end fewer are running (make test's other sessions
+    # have ended or are ending; CI, 2026-12-07: the timing test waited 50 s for them mid-run)
     lorder = {n: i for i, n in enumerate(lays)}
     order = {n: i for i, n in enumerate(names)}
     items.sort(key=lambda it: (lorder.get(_layout_of(it), 0), order.get(_backend_of(it), 0),
-                               it.get_closest_marker("disruptive") is not None))
+                               it.get_closest_marker("disruptive") is not None,
+                               it.get_closest_marker("exclusive") is not None))
     if not any(item.get_closest_marker("gpu") for item in items):
         return
     ok, why = cuda_available()
