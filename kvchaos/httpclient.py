@@ -2,8 +2,8 @@
 ``/generate``), without the TLS context httpx builds per call.
 
 ``httpx.get(url)`` makes a client per call, and the client a TLS context loading certifi's CA bundle:
-~57 ms of CPU on this machine class (httpx 0.29) for a call to 127.0.0.1 over plain http that costs
-~3 ms with the context already built (``python bench/http_calls.py`` prints both). The harness polls
+~54 ms of CPU on this machine class (httpx 0.29) for a call to 127.0.0.1 over plain http that costs
+~2.5 ms with the context already built (``python bench/http_calls.py`` prints both). The harness polls
 health every 0.5 s through a cluster's start and ``/metrics`` every 0.5 s while it waits for quiet, so
 in a cluster session the contexts were ~30 % of the pytest process's CPU (py-spy over the clean
 control and its cluster's start, 2026-12-07). Here the context httpx would build

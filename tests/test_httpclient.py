@@ -114,7 +114,7 @@ BARE = re.compile(r"\bhttpx\.(get|post|put|delete|head|patch|request|stream)\(")
 
 def test_no_bare_httpx_call_is_left_in_the_harness():
     """Every one-off call in kvchaos/ and faults/ goes through kvchaos.httpclient (a bare httpx.get is
-    ~57 ms of CPU for its TLS context; a cluster start polls health ~600 times)."""
+    ~54 ms of CPU for its TLS context; a cluster start polls health ~600 times)."""
     bare = [f"{p.relative_to(REPO)}:{i}: {line.strip()}"
             for root in ("kvchaos", "faults") for p in sorted((REPO / root).rglob("*.py"))
             if p != REPO / "kvchaos" / "httpclient.py"

@@ -99,7 +99,8 @@ def pytest_configure(config):
                             "layouts in a default run (without --kvchaos-layouts); own=False: on the others only")
     config.addinivalue_line("markers", "layouts(*names): the only KV layouts this test applies to")
     config.addinivalue_line("markers", "exclusive: measures time; under pytest-xdist no other worker runs a test "
-                            "meanwhile (kvchaos.machine_lock); runs after the others on its cluster, before the disruptive ones")
+                            "meanwhile (kvchaos.machine_lock); runs after the others on its cluster, before the "
+                            "disruptive ones")
     config.addinivalue_line("markers", "backends(*names): the KV transfer backends this test applies to "
                             "(default: every backend for suites/, the first one for the harness's own tests)")
 
