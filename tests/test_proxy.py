@@ -124,20 +124,20 @@ def test_bad_input_named(tp, echo, srv):
     assert r.status_code == 400 and "bad json" in r.json()["error"]
 
 
-# Margins a loaded machine keeps (make test runs clusters beside): 1 s of latency, under half of it once healed.
+# Margins a loaded machine keeps (make test runs clusters beside): 3 s of latency, under half of it once healed.
 def test_latency_applies_and_heals(tp, echo):
     p = tp.create(upstream=f"127.0.0.1:{echo.port}", name="lat")
     with _connect(p.listen) as s:
         base = min(_roundtrip(s, b"x" * 100)[1] for _ in range(5))
-        p.add_toxic(type="latency", stream="downstream", attributes={"latency": 1000, "jitter": 0})
+        p.add_toxic(type="latency", stream="downstream", attributes={"latency": 3000, "jitter": 0})
         got, dt = _roundtrip(s, b"y" * 100)  # the already-open connection is affected too
         assert got == b"y" * 100
-        assert dt >= 1.0, f"latency toxic did not delay: {dt * 1000:.1f} ms"
+        assert dt >= 3.0, f"latency toxic did not delay: {dt * 1000:.1f} ms"
         fired = p.get_toxic("latency_downstream")
         assert fired is not None
         p.destroy_toxic("latency_downstream")
         _, dt2 = _roundtrip(s, b"z" * 100)
-        assert dt2 < 0.5, f"still slow after heal: {dt2 * 1000:.1f} ms (baseline {base * 1000:.1f} ms)"
+        assert dt2 < 1.5, f"still slow after heal: {dt2 * 1000:.1f} ms (baseline {base * 1000:.1f} ms)"
 
 
 def test_fired_counters_prove_the_toxic_touched_traffic(srv, tp, echo):
@@ -209,7 +209,7 @@ def test_reset_peer_added_to_an_open_idle_link_fires_at_its_time(tp, echo):
         time.sleep(0.3)
         p.add_toxic(type="reset_peer", attributes={"timeout": 150})
         dt = _reset_after(s)
-    assert 0.12 <= dt < 1.0, dt
+    assert 0.12 <= dt < 3.0, dt  # at its 150 ms, where a loaded machine lets it run; never is 5 s
 
 
 def test_reset_peer_timeout_updated_through_the_api_is_read_again(tp, echo, srv):
@@ -224,7 +224,7 @@ def test_reset_peer_timeout_updated_through_the_api_is_read_again(tp, echo, srv)
                           json={"attributes": {"timeout": 100}}, timeout=5)
         assert r.status_code == 200, r.text
         dt = _reset_after(s)
-    assert dt < 1.0, dt
+    assert dt < 3.0, dt  # the 100 ms read again, not the 60 s (a loaded machine may run it late)
 
 
 def test_idle_links_do_not_poll(tp, echo, srv):
