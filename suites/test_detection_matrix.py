@@ -148,16 +148,29 @@ def scenario_abort_in_flight(experiment, seeds, faults, cluster, trial, mutate):
             "verdicts": ex.claimed_verdicts, "witness": life.witnesses[:1]}
 
 
-def _spliced_from_other(w: dict, plans: dict, run: int = 5) -> bool:
+def _spliced_from_other(w: dict, plans: dict, run: int = 5, aligned: int = 3) -> bool:
     """An unknown-origin recital in one of the pair holding ``run`` characters in a row of a canary of the
-    other one's, characters no canary of the victim's own has in a row."""
+    other one's, characters no canary of the victim's own has in a row; or an aligned splice: one of the
+    victim's canaries up to a point and one of the other's from there on (or the reverse), position for
+    position, with at least ``aligned`` characters only the other's carries there — decode read the
+    canary's first pages from one request's KV and the rest from the other's (fresh clone of 2026-12-07:
+    A recited 'MMTZ2G3' of its own 'MMTZ2G3WTD', then 'DZ2' where B's 'EZUFTGBDZ2' has it)."""
     if w.get("origin") != "unknown" or w.get("victim_rid") not in plans:
         return False
     piece = w.get("matched") or ""
     own = [canary.payload(c) for c in plans[w["victim_rid"]].canaries]
     other = [canary.payload(c) for r, p in plans.items() if r != w["victim_rid"] for c in p.canaries]
     runs = {piece[i:i + run] for i in range(len(piece) - run + 1)}
-    return any(r in c for r in runs for c in other if not any(r in o for o in own))
+    if any(r in c for r in runs for c in other if not any(r in o for o in own)):
+        return True
+    for o in own:
+        for c in other:
+            if not len(piece) == len(o) == len(c):
+                continue
+            theirs = sum(x == y != z for x, y, z in zip(piece, c, o))
+            if theirs >= aligned and any(piece in (o[:k] + c[k:], c[:k] + o[k:]) for k in range(1, len(piece))):
+                return True
+    return False
 
 
 def scenario_shared_pages(experiment, seeds, faults, cluster, trial, mutate, reference_server):
@@ -194,7 +207,8 @@ def scenario_shared_pages(experiment, seeds, faults, cluster, trial, mutate, ref
     # the A/B pair named, and nothing outside it: a reply decoded over the two requests' mixed KV can
     # also splice a canary neither minted (unknown origin, seen twice in CI), still in a victim of the
     # pair; such a splice names the pair when a run of it is the other one's canary (fresh clone of
-    # 2026-12-06: A recited 'ZCEF' of its own 'ZCEFUDKP7X', then 'TGBDZ2' of B's 'EZUFTGBDZ2')
+    # 2026-12-06: A recited 'ZCEF' of its own 'ZCEFUDKP7X', then 'TGBDZ2' of B's 'EZUFTGBDZ2'), or when
+    # it is one of A's canaries and one of B's joined where they stand (_spliced_from_other)
     plans = {a.rid: a, b.rid: b}
     ok_witness = (any({w["victim_rid"], w["owner_rid"]} == pair or _spliced_from_other(w, plans) for w in iso.witnesses)
                   and all(w["victim_rid"] in pair and (w["owner_rid"] in pair or w.get("origin") == "unknown")
