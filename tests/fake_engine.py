@@ -56,6 +56,7 @@ class _Handler(BaseHTTPRequestHandler):
             if eng.held:  # SGLang refuses while a request is queued, running or parked
                 return self._json(400, {"error": "Timed out waiting for idle state."})
             eng.flushes += 1
+            eng.flushed_at = len(eng.requests)
             return self._json(200, {"ok": True})
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         eng.requests.append((self.path, body))
@@ -148,6 +149,7 @@ class FakeEngine:
         self.leak_min_chars = 0  # leak only into replies to prompts at least this long
         self.requests = []
         self.flushes = 0
+        self.flushed_at = 0  # len(requests) at the last /flush_cache: what came after is this run's traffic
         # requests "held" in the engine: None (idle), "abortable" (abort_all empties it), "stuck" (nothing does)
         self.held = None
         self.stopped = threading.Event()

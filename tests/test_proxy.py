@@ -190,9 +190,9 @@ def test_reset_peer(tp, echo):
     assert 0.09 <= time.monotonic() - t0 < 2
 
 
-def _reset_after(s: socket.socket, bound_s: float = 5.0) -> float:
-    """Seconds until ``s`` (idle: nothing sent) is reset by the proxy."""
-    t0 = time.monotonic()
+def _reset_after(s: socket.socket, bound_s: float = 5.0, t0: float | None = None) -> float:
+    """Seconds until ``s`` (idle: nothing sent) is reset by the proxy, counted from ``t0`` (default: now)."""
+    t0 = time.monotonic() if t0 is None else t0
     s.settimeout(bound_s)
     with pytest.raises(ConnectionResetError):
         if not s.recv(10):
@@ -207,8 +207,9 @@ def test_reset_peer_added_to_an_open_idle_link_fires_at_its_time(tp, echo):
     with _connect(p.listen) as s:
         assert _roundtrip(s, b"up")[0] == b"up"
         time.sleep(0.3)
+        t0 = time.monotonic()  # before the API call: its reply may come after the 150 ms have started
         p.add_toxic(type="reset_peer", attributes={"timeout": 150})
-        dt = _reset_after(s)
+        dt = _reset_after(s, t0=t0)
     assert 0.12 <= dt < 3.0, dt  # at its 150 ms, where a loaded machine lets it run; never is 5 s
 
 

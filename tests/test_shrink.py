@@ -5,6 +5,7 @@ import json
 import re
 import subprocess
 import sys
+import time
 import types
 from pathlib import Path
 
@@ -295,3 +296,32 @@ def test_kept_ops_follow_what_waits_and_the_plans_kept():
     assert [o.kind for o in got] == ["double_alloc", "abort"] and g == {"d": 0}
     got, g = kept_ops(ops, {0, 2, 3, 4}, {"a", "b", "c", "d"}, gates)  # the event's op dropped: the release goes
     assert [(o.kind, o.after) for o in got] == [("hold", None), ("abort", 0), ("abort", None)] and g == {"b": 0}
+
+
+def test_the_leaking_engine_waits_for_its_runs_owner_whatever_the_send_skew():
+    """The shrink tests' engine (LeakFirst) leaks the owner's canary into a reply that overlaps the owner's
+    request: a victim sent 0.3 s before the owner (a loaded client's skew; CI saw one past 50 ms) still
+    gets the owner's canary of this run, not a stale one of the run before the flush."""
+    import threading
+
+    import requests
+
+    from tests.data.replay_suite.test_replay_inner import LeakFirst
+
+    wl = Workload(7, n_tenants=2, prefix="sk")
+    victim, owner, earlier = (wl.request(wl.tenants[i % 2], n_canaries=2) for i in range(3))
+    marker = "the owner's "
+    owner_text, earlier_text = marker + owner.prompt, marker + earlier.prompt  # the owner's, then and now
+    with LeakFirst(marker, 100) as eng:
+        eng.delay_s = 0.05
+        post = lambda t: requests.post(f"{eng.url}/generate", json={"text": t}, timeout=10).json()["text"]  # noqa: E731
+        post(earlier_text)  # a run before: its pages stay behind
+        requests.post(f"{eng.url}/flush_cache", timeout=10)
+        got = {}
+        t = threading.Thread(target=lambda: got.update(victim=post(victim.prompt)))
+        t.start()
+        time.sleep(0.3)
+        post(owner_text)
+        t.join(10)
+    assert canary.payload(owner.canaries[0]) in got["victim"], got
+    assert canary.payload(earlier.canaries[0]) not in got["victim"], got

@@ -4,6 +4,7 @@ through the real runner and policy against tests/fake_engine.py, its plans drawn
 plans unchanged); ``INNER_N`` changes how many plans there are (a replay whose plans differ)."""
 
 import os
+import time
 
 import pytest
 
@@ -40,13 +41,25 @@ class LeakFirst(FakeEngine):
     scenario is re-run (small ``n``), and whose leak names an earlier run's canary when the owner's
     request is not in this one."""
 
+    # a reply waits, at most this long, for the owner's request of its own run (since the last flush): an
+    # overlap decided by the client's send skew flaked under load (a victim sent with the owner, its reply
+    # made before the owner's request had arrived); at concurrency 1 a victim sent first waits it out
+    wait_owner_s = 1.0
+
     def __init__(self, marker, n):
         super().__init__()
         self._marker, self._left = marker, n
 
+    def _owner_sent_since_flush(self) -> bool:
+        return any(self._marker in (b.get("text") or b.get("prompt") or "") for _p, b in self.requests[self.flushed_at:])
+
     def leak_for(self, text):
         if self._left <= 0:
             return ""
+        if self._marker not in text:  # the owner's own reply does not wait for itself
+            deadline = time.monotonic() + self.wait_owner_s
+            while not self._owner_sent_since_flush() and time.monotonic() < deadline:
+                time.sleep(0.01)
         seen = [b.get("text") or b.get("prompt") or "" for _path, b in list(self.requests)]
         src = next((t for t in reversed(seen) if self._marker in t and t != text), None)
         found = canary.find(src) if src else []
