@@ -62,11 +62,15 @@ BESIDE ?= 1
 # layout: its own cluster, reference server and the 0.5.19 cluster) in a session of their own beside the
 # rest, the two-host session after it; the cluster-free tests beside both. The two selections (-k) are
 # complementary, so the same 59 tests run. SPLIT=0: one cluster session, the two-host session after the
-# cluster-free tests. SPLIT_K: what goes beside — the layout's tests, and the cleanup tests that start
-# clusters of their own (test_teardown_real: ~75 s of the longer session; none uses the session's cluster).
+# cluster-free tests. SPLIT_K: what goes beside — the layout's tests, the cleanup tests that start
+# clusters of their own (test_teardown_real: ~75 s of the longer session; none uses the session's cluster),
+# and the two disruptive suites of the default layout, on a cluster of that layout of their own (its start
+# ~40 s of the shorter session): the fuzz smoke (its one-minute budget) and the prefill kill (the prefill's
+# restart) ran last in the longer session at 41-46 % busy, ~130 s of it after every other session had
+# ended (bench/RESULTS.md, 2026-12-07)
 SPLIT ?= 1
 SPLIT_LAYOUT ?= mla-p64-bf16
-SPLIT_K ?= $(SPLIT_LAYOUT) or test_teardown_real
+SPLIT_K ?= $(SPLIT_LAYOUT) or test_teardown_real or test_fuzz_smoke or test_process_kill
 CLUSTER_SESSION = env KVCHAOS_MATRIX_TRIALS=$(MATRIX_TRIALS) KVCHAOS_MATRIX_CLEAN_TRIALS=$(MATRIX_CLEAN_TRIALS) \
 	$(PY) -m pytest -m "cluster and not slow and not gpu" -p no:cacheprovider --kvchaos-seed $(SEED) $(PYTEST_ARGS)
 UNIT_SESSION = env OMP_NUM_THREADS=1 $(PY) -m pytest -m "not cluster and not slow and not gpu" -p no:cacheprovider \
