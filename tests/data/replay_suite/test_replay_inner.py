@@ -88,7 +88,7 @@ def test_shrinkable(experiment, seeds, engines):
     assert sum(marker in p.prompt for p in plans) == 1
     eng = LeakFirst(marker, int(os.environ.get("INNER_LEAK_FIRST", "1000000")))
     eng.leak_min_chars = int(os.environ.get("INNER_LEAK_MIN_CHARS", "0"))  # a leak that needs a long prompt
-    eng.delay_s = 0.05  # requests sent together have all arrived before any reply is made up
+    eng.delay_s = 0.05  # a reply is made up a little after its request (the owner it waits for: wait_owner_s)
     engines.append(eng.__enter__())
     with experiment("shrinkable", plans, [Isolation(), Sensitivity()], cluster=StandIn(eng.url), faults=None,
                     seed=wl.seed, settle_s=0, timeout_s=10, concurrency=4) as ex:
