@@ -50,8 +50,12 @@ class LeakFirst(FakeEngine):
         super().__init__()
         self._marker, self._left = marker, n
 
+    def _prompts(self, since: int = 0) -> list[str]:
+        """The prompts it was sent, from request ``since`` on."""
+        return [b.get("text") or b.get("prompt") or "" for _path, b in self.requests[since:]]
+
     def _owner_sent_since_flush(self) -> bool:
-        return any(self._marker in (b.get("text") or b.get("prompt") or "") for _p, b in self.requests[self.flushed_at:])
+        return any(self._marker in t for t in self._prompts(self.flushed_at))
 
     def leak_for(self, text):
         if self._left <= 0:
@@ -60,8 +64,7 @@ class LeakFirst(FakeEngine):
             deadline = time.monotonic() + self.wait_owner_s
             while not self._owner_sent_since_flush() and time.monotonic() < deadline:
                 time.sleep(0.01)
-        seen = [b.get("text") or b.get("prompt") or "" for _path, b in list(self.requests)]
-        src = next((t for t in reversed(seen) if self._marker in t and t != text), None)
+        src = next((t for t in reversed(self._prompts()) if self._marker in t and t != text), None)
         found = canary.find(src) if src else []
         if not found:
             return ""
