@@ -697,9 +697,24 @@ def _layout(cluster) -> dict:
     ep = getattr(cluster, "endpoints", None)
     keep = ("name", "model", "device", "dtype", "pool_tokens", "context_length", "page_size", "transfer_backend",
             "router", "network_proxy", "agent", "pace")
-    return {"kv_layout": kv_layout(cluster),
-            "spec": {k: getattr(spec, k) for k in keep if spec is not None and hasattr(spec, k)},
-            "endpoints": ep.as_dict() if ep is not None and hasattr(ep, "as_dict") else None}
+    out = {"kv_layout": kv_layout(cluster),
+           "spec": {k: getattr(spec, k) for k in keep if spec is not None and hasattr(spec, k)},
+           "endpoints": ep.as_dict() if ep is not None and hasattr(ep, "as_dict") else None}
+    if isinstance(getattr(spec, "model", None), str):
+        # whether the served model answers by the probe's reply contract (kvchaos.history.serves_probe): a
+        # probe layout, or a model directory whose kvchaos-model.json says it is one (a long-context copy)
+        out["spec"]["probe"] = _serves_probe(spec.model)
+    return out
+
+
+def _serves_probe(model: str) -> bool:
+    if model.startswith("probe"):
+        return True
+    try:
+        meta = json.loads((Path(model).expanduser() / "kvchaos-model.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(meta, dict) and meta.get("kind") == "probe"
 
 
 def run_scenario(experiment, scenario: Scenario, kit, cluster, *, reference_server=None, **kw) -> Experiment:

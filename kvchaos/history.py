@@ -434,6 +434,24 @@ def _decodes_probe_ids(model) -> bool:
     return model is None or str(model).startswith(("probe", "like:"))
 
 
+def serves_probe(header: dict) -> bool:
+    """Does the experiment's served model answer by the probe's reply contract
+    (:mod:`kvchaos.probe.contract`)? The header's ``layout.spec.probe`` where the runner recorded it (it
+    reads the model directory's ``kvchaos-model.json``); else by the model's name: none named (a log
+    written by hand), a layout's ``probe``/``probe:<kind>``, or a probe directory (``probe-<kind>-<digest>``,
+    its long-context copies ``...-ctx<n>``: :func:`kvchaos.probe.reaching`)."""
+    layout = header.get("layout") if isinstance(header, dict) else None
+    spec = layout.get("spec") if isinstance(layout, dict) else None
+    if not isinstance(spec, dict):
+        return True
+    if isinstance(spec.get("probe"), bool):
+        return spec["probe"]
+    model = spec.get("model")
+    if model is None or _decodes_probe_ids(model):
+        return True
+    return str(model).rstrip("/").rsplit("/", 1)[-1].startswith("probe-")
+
+
 def _strings(v) -> list[str]:
     """Every non-empty string inside ``v`` (dict values, list items), depth-first."""
     if isinstance(v, str):
@@ -528,6 +546,13 @@ def render_witness(w: dict, width: int = 240) -> str:
         if "engine_salt" in w:
             s += f"; the engine used salt {w['engine_salt']!r}"
         return s[:width * 2]
+    if "victim_rid" in w and "expected" in w and "got" in w:  # an integrity witness: a reply not what it must be
+        at = f"at {w['position']}" if w.get("position") is not None else f"in {w.get('view')}"
+        s = (f"{w['victim_rid']} ({w.get('victim_tenant')}): {w.get('problem')} {at}: expected {w['expected']!r}, "
+             f"got {w['got']!r}; HTTP {w.get('status')}, {w.get('outcome')}")
+        if w.get("owner_rid"):
+            s += f"; the wrong bytes are {w['owner_rid']}'s ({w.get('owner_how')})"
+        return s[:width * 2]
     if "victim_rid" in w:
         s = f"victim {w['victim_rid']} ({w.get('victim_tenant')}) holds {w.get('matched')!r} ({w.get('match')})"
         if w.get("owner_rid"):
@@ -542,6 +567,7 @@ def render_witness(w: dict, width: int = 240) -> str:
             s += f"; mechanism: {mech.get('what')}"
         return s[:width * 2]
     keep = ("rid", "tenant", "problem", "outcome", "status", "latency_s", "missing", "room", "pages",
-            "after_release_ms", "release_outcome", "kv_used_before", "kv_used_after", "error", "stage")
+            "after_release_ms", "release_outcome", "kv_used_before", "kv_used_after", "error", "stage",
+            "conflict", "page", "n_pages", "holder", "to", "where", "role")
     s = ", ".join(f"{k}={w[k]}" for k in keep if w.get(k) is not None)
     return (s or json.dumps(w, default=str))[:width]

@@ -415,6 +415,11 @@ def check_spec(checker) -> dict:
                                     "kvchaos.suite.single_server_reference, which says which it serves)")
             out["reference_rids"] = list(rids)
             continue
+        if name == "integrity" and k == "reference":
+            if v is not None:
+                raise ScenarioError("checker integrity: a reference of a real model's answers is not in the scenario "
+                                    "schema (a probe's replies are judged by its contract)")
+            continue
         if k == "floor":
             if v != oracles.DEFAULT_FLOOR:
                 raise ScenarioError(f"checker {name}: a sensitivity floor other than the default ({v!r}) "
@@ -440,9 +445,10 @@ def build_checks(scenario: Scenario, reference_server=None) -> list:
             out.append(oracles.Differential(single_server_reference(reference_server,
                                                                     [plans[r] for r in opts["reference_rids"]])))
             continue
-        cls = {"isolation": oracles.Isolation, "sensitivity": oracles.Sensitivity,
+        cls = {"isolation": oracles.Isolation, "integrity": oracles.Integrity, "sensitivity": oracles.Sensitivity,
                "http_semantics": oracles.HttpSemantics, "liveness": oracles.Liveness,
-               "kv_lifecycle": oracles.KVLifecycle, "abort_semantics": oracles.AbortSemantics,
+               "kv_lifecycle": oracles.KVLifecycle, "page_ownership": oracles.PageOwnership,
+               "abort_semantics": oracles.AbortSemantics,
                "retraction": oracles.Retraction, "cache_isolation": oracles.CacheIsolation,
                "timing_isolation": oracles.TimingIsolation, "kv_checksum": oracles.KvChecksum,
                "kv_canary": oracles.KvCanary}[n]

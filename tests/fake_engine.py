@@ -5,7 +5,7 @@ prompt's text, stream slowly, hang, or reject; for the driver's partial-reply lo
 cut a reply mid-line, stall a stream, answer 500 with a body, or send a malformed stream line.
 Binds 127.0.0.1 on a free port.
 
-Behaviours (the reply is the prompt's canary payloads, then ``leak_text``):
+Behaviours (the reply is the probe's recital of the prompt's canaries, then ``leak_text``):
   echo       answer normally
   reject     400 with an error message
   hang       sleep 30 s before the headers
@@ -28,6 +28,8 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from kvchaos import canary
+from kvchaos.model import char_vocab
+from kvchaos.probe.contract import recital
 
 
 class _Server(ThreadingHTTPServer):
@@ -70,7 +72,8 @@ class _Handler(BaseHTTPRequestHandler):
         if eng.behaviour == "hang":
             time.sleep(30)
         time.sleep(eng.delay_s)
-        reply = "".join(canary.payload(c) + "][" for _, c in canary.find(text))
+        # what the probe model answers (kvchaos.probe.contract): its context's canaries in recital order
+        reply = recital(c for _, c in canary.find(text))
         if len(text) >= eng.leak_min_chars:
             reply += eng.leak_for(text)
         if eng.behaviour == "error500":
@@ -78,7 +81,8 @@ class _Handler(BaseHTTPRequestHandler):
         if body.get("stream"):
             return self._stream(reply, self.path)
         if self.path == "/generate":
-            return self._json(200, {"text": reply, "output_ids": [ord(ch) for ch in reply],
+            vocab = char_vocab()
+            return self._json(200, {"text": reply, "output_ids": [vocab.get(ch, 3) for ch in reply] + [2],
                                     "meta_info": {"finish_reason": {"type": "stop"}}})
         if self.path == "/v1/completions":
             return self._json(200, {"choices": [{"text": reply}]})

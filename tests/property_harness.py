@@ -33,8 +33,10 @@ def load_history(path) -> list[dict]:
     return read_records(path)
 
 
-def suite_judgement(events: list[dict], registry) -> tuple[bool, str]:
-    """(green, detail) of one experiment's events; ``registry``: every canary minted in the session."""
+def suite_judgement(events: list[dict], registry, corrupted=None) -> tuple[bool, str]:
+    """(green, detail) of one experiment's events; ``registry``: every canary minted in the session.
+    ``corrupted``: requests whose replies are known not to be what their prompts must give (a leak-free
+    twin's stand-in bytes) — an integrity FAIL naming only those is the one red tolerated."""
     p = Policy(accept_known=True)
     checks, claimed = p.checks([Isolation(), Sensitivity(), Liveness(bound_s=60)])
     try:
@@ -43,7 +45,14 @@ def suite_judgement(events: list[dict], registry) -> tuple[bool, str]:
         return False, f"history refused: {e}"
     j = p.judge(p.gate(checks.check(h, registry), h), Context.of(h, (), registry),
                 required={"isolation": "pass", "liveness": "pass"}, claimed=claimed)
-    return not j.red, f"{j.status}: {j.message()}"
+    red = [i for i in j.red if not (corrupted is not None and integrity_names_only(i.to_dict(), corrupted))]
+    return not red, f"{j.status}: {j.message()}"
+
+
+def integrity_names_only(item: dict, rids) -> bool:
+    """A serialized verdict item that is an integrity FAIL whose every witness is one of ``rids``."""
+    return (item.get("oracle") == "integrity" and item.get("status") == "fail"
+            and all(w.get("rid") in set(rids) for w in item.get("witnesses") or ()))
 # ============================================================================== end of adapter
 
 
@@ -69,7 +78,18 @@ def judge(paths, *flags) -> tuple[int, str]:
     return rc, out.getvalue()
 
 
-def suite(logs: dict, sc: S.Scenario) -> tuple[bool, str]:
+def judge_doc(paths, *flags) -> tuple[int, dict | None, str]:
+    """``kvchaos judge --json PATHS FLAGS`` in-process: (exit code, the JSON document or None, output)."""
+    import json
+
+    rc, out = judge(paths, "--json", *flags)
+    try:
+        return rc, json.loads(out[out.index("{"):]), out
+    except ValueError:
+        return rc, None, out
+
+
+def suite(logs: dict, sc: S.Scenario, corrupted=None) -> tuple[bool, str]:
     """The suites' policy over every judged log (the session: the judged logs' canaries): green only
     if every one is green."""
     reg = canary.Registry()
@@ -85,7 +105,7 @@ def suite(logs: dict, sc: S.Scenario) -> tuple[bool, str]:
         reg.add_plans({e["rid"]: e for e in evs if e.get("ev") == "plan" and e.get("rid")}, str(path))
     details = []
     for path, evs in histories:
-        green, detail = suite_judgement(evs, reg)
+        green, detail = suite_judgement(evs, reg, corrupted)
         details.append(f"{Path(path).name}: {detail}")
         if not green:
             return False, "\n".join(details)

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from kvchaos import canary
+from kvchaos.probe.contract import recital
 from tests.util import child_env
 
 REPO = Path(__file__).resolve().parents[1]
@@ -87,7 +88,7 @@ class Log:
 
 
 def echo(cs: list[str]) -> str:
-    return "".join(canary.payload(c) + "][" for c in cs)
+    return recital(cs)  # what the probe answers: kvchaos.probe.contract
 
 
 def sse_line(text: str) -> str:
@@ -160,8 +161,8 @@ def test_clean_log_passes(tmp_path):
     (one,) = doc["logs"]
     assert doc["exit_code"] == 0 and one["file"] == str(path) and one["status"] == "pass" and one["version"] == "0.5.23"
     assert {v["oracle"]: v["status"] for v in one["verdicts"]} == {
-        "isolation": "pass", "sensitivity": "pass", "http_semantics": "unknown", "liveness": "pass",
-        "kv_lifecycle": "unknown", "retraction": "unknown"}  # retraction always runs (not claimed here)
+        "isolation": "pass", "integrity": "pass", "sensitivity": "pass", "http_semantics": "unknown", "liveness": "pass",
+        "kv_lifecycle": "unknown", "page_ownership": "unknown", "retraction": "unknown"}  # retraction always runs
 
 
 def test_too_few_canaries_per_request_is_not_a_pass(tmp_path):
@@ -220,7 +221,7 @@ def test_bad_input_exits_2_naming_file_and_problem(tmp_path):
     cases.append(((str(tmp_path),), "is a directory"))
     cases.append(((str(good), str(good)), "given twice"))
     cases.append(((str(good), "--checkers", "isolation,nope"), "unknown checker(s) nope; allowed: isolation, "
-                                                              "sensitivity, http_semantics, liveness, kv_lifecycle"))
+                                                              "integrity, sensitivity, http_semantics, liveness, kv_lifecycle, page_ownership"))
     cases.append(((str(good), "--bound-s", "0"), "--bound-s must be > 0"))
     for args, msg in cases:
         p = kvchaos("judge", *args)

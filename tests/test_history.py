@@ -14,6 +14,7 @@ from kvchaos.cli import main
 from kvchaos.history import SCHEMA, History, HistoryError, load, parse, sse_texts
 from kvchaos.model import char_vocab
 from kvchaos.oracles.base import Checker, Verdict, check_safe, compose
+from kvchaos.probe.contract import recital
 
 REPO = Path(__file__).resolve().parents[1]
 A, B = "[ABCDEFGHIJ]", "[KLMNOPQRST]"
@@ -55,7 +56,7 @@ def test_a_cut_last_line_makes_the_history_incomplete_and_nothing_passes(tmp_pat
     for i in range(40):
         cs = canary.mint(rng, 2)
         recs += [plan(f"c{i}", cs), {"ev": "status", "rid": f"c{i}", "status": 200},
-                 body(f"c{i}", text="".join(canary.payload(c) + "][" for c in cs)),
+                 body(f"c{i}", text=recital(cs)),
                  {"ev": "end", "rid": f"c{i}", "outcome": "ok"}]
     p = tmp_path / "cut.jsonl"
     p.write_text("".join(json.dumps(r) + "\n" for r in recs) + '{"ev": "body", "rid": "c1", "text": "QZ7X')
@@ -149,7 +150,7 @@ def test_no_flag_switches_a_leak_checker_off(tmp_path):
     recs = [{"ev": "experiment", "engine": {"name": "sglang", "version": "0.5.23"}, "schema": 2}]
     for i in range(30):
         cs = canary.mint(rng, 2)
-        text = "".join(canary.payload(c) + "][" for c in cs) + (A[1:-1] + "][" if i == 7 else "")
+        text = recital(cs) + (A[1:-1] + "][" if i == 7 else "")
         recs += [plan(f"c{i}", cs), {"ev": "status", "rid": f"c{i}", "status": 200}, body(f"c{i}", text=text),
                  {"ev": "end", "rid": f"c{i}", "outcome": "ok", "latency_s": 0.2}]
     recs.append(plan("a", [A]))

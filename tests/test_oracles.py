@@ -8,6 +8,7 @@ import pytest
 from kvchaos import canary, oracles
 from kvchaos.oracles import FAIL, PASS, UNKNOWN
 from kvchaos.oracles.isolation import DEFAULT_FLOOR, ECHO_RATE, _class_figures
+from kvchaos.probe.contract import recital
 
 A = "[ABCDEFGHIJ]"   # minted for r1 (tenant ta)
 B = "[KLMNOPQRST]"   # minted for r2 (tenant tb)
@@ -26,7 +27,7 @@ def done(rid, text, status=200, latency=0.5, error=None, outcome=None):
 
 
 def echo(cs):
-    return "".join(c[1:-1] + "][" for c in cs)
+    return recital(cs)  # what the probe answers: kvchaos.probe.contract
 
 
 def crowd(n=30, k=2, seed=5, prefix="c"):

@@ -12,6 +12,7 @@ from kvchaos.cluster.spec import ClusterSpec
 from kvchaos.history import History
 from kvchaos.oracles import FAIL, PASS, UNKNOWN, Verdict
 from kvchaos.policy import Context, Policy, PolicyError, Registry, not_reproduced, version_matches
+from kvchaos.probe.contract import recital
 
 REPO = Path(__file__).resolve().parents[1]
 HEADER = {"ev": "experiment", "engine": {"name": "sglang", "version": "0.5.23"}}
@@ -32,7 +33,7 @@ def reply(rid, text, status=200, outcome=None, complete=True, raw=None, error=No
 
 
 def echo(cs):
-    return "".join(c[1:-1] + "][" for c in cs)
+    return recital(cs)  # what the probe answers: kvchaos.probe.contract
 
 
 def crowd(n=30, seed=1, prefix="c"):
@@ -51,6 +52,12 @@ def judge(ev, required=None, registry=None, **policy):
     checks, claimed = p.checks([oracles.Isolation(), oracles.Sensitivity(), oracles.Liveness(bound_s=60)])
     h = History(ev)
     return p.judge(p.gate(checks.check(h, registry), h), Context.of(h, (), registry), required or {}, claimed=claimed)
+
+
+def known_for(j, oracle: str) -> list:
+    """The KNOWN items of one checker (integrity judges the same replies and may match a finding's
+    mechanism that isolation's witness does not: the run is red either way)."""
+    return [i for i in j.known if i.verdict.oracle == oracle]
 
 
 def agent(agent_ev, **fields):
@@ -92,10 +99,10 @@ def test_short_transfer_leak_is_known_only_with_its_witness_and_red_unless_accep
     assert j.status == "known" and not j.red
     # the victim was not a request the fault shorted: a leak, plain and simple
     j = judge(_short_log(victim_targeted=False), {"isolation": PASS}, accept_known=True)
-    assert j.status == FAIL and j.red and not j.known
+    assert j.status == FAIL and j.red and not known_for(j, "isolation")
     # the victim was shorted, but the engines' events do not show what it read: a plain FAIL
     j = judge(_short_log(mechanism=False), {"isolation": PASS}, accept_known=True)
-    assert j.status == FAIL and j.red and not j.known
+    assert j.status == FAIL and j.red and not known_for(j, "isolation")
     # another engine version: the entry does not apply
     ev = _short_log()
     ev[0] = {**HEADER, "engine": {"name": "sglang", "version": "0.5.24"}}
@@ -122,7 +129,7 @@ def test_a_page_holder_under_the_engines_own_id_is_named_by_the_canaries_decode_
     j = judge(log(carried=True), {"isolation": PASS}, accept_known=True)
     assert j.status == "known" and j.known[0].finding.id == "sglang-short-transfer-unchecked"
     j = judge(log(carried=False), {"isolation": PASS}, accept_known=True)
-    assert j.status == FAIL and j.red and not j.known
+    assert j.status == FAIL and j.red and not known_for(j, "isolation")
 
 
 def test_pages_holding_an_earlier_replys_generated_tokens_explain_the_same_canary_recited_again():
@@ -186,7 +193,7 @@ def test_a_chimera_of_stale_canaries_is_the_short_transfer_finding():
 def test_a_chimera_not_copyable_from_the_stale_pages_stays_a_leak(recital, holders):
     ev = _chimera_log(recital, *([holders] if holders else []))
     j = judge(ev, {"isolation": PASS}, accept_known=True)
-    assert j.status == FAIL and j.red and not j.known, j.message()
+    assert j.status == FAIL and j.red and not known_for(j, "isolation"), j.message()
 
 
 def test_copyable_follows_the_probes_partial_matches():
@@ -345,10 +352,10 @@ def test_a_chimera_from_a_writers_generated_pages_is_the_finding_only_with_its_r
     # a character g1 never generated ('Q' after 'AG') is not copyable from its pages
     earlier, bad = _generated_pages_logs("B552G2AGQC")
     j = judge(bad, {"isolation": PASS}, registry=_session_registry(earlier, bad), accept_known=True)
-    assert j.status == FAIL and j.red and not j.known, j.message()
+    assert j.status == FAIL and j.red and not known_for(j, "isolation"), j.message()
     # without the session's page evidence, g1's pages' bytes are unknown: a leak
     j = judge(ev, {"isolation": PASS}, registry=_session_registry(earlier, ev, pages=False), accept_known=True)
-    assert j.status == FAIL and j.red and not j.known, j.message()
+    assert j.status == FAIL and j.red and not known_for(j, "isolation"), j.message()
 
 
 def test_a_chimera_opening_the_reply_is_the_finding_only_as_the_pages_sat():
@@ -360,11 +367,11 @@ def test_a_chimera_opening_the_reply_is_the_finding_only_as_the_pages_sat():
     # its last page written by its own transfer: decode read the prompt's '[' there, and after '[' the head
     # copies a canary's first character, never this 'C'
     j = judge(_opening_log(last_written=True), {"isolation": PASS}, accept_known=True)
-    assert j.status == FAIL and j.red and not j.known, j.message()
+    assert j.status == FAIL and j.red and not known_for(j, "isolation"), j.message()
     # stale pages whose most frequent character is not 'C' (']' of four canaries outvotes its three)
     j = judge(_opening_log(False, ("[OQJHB646FZ]", "[IHXXNWYMKA]", "[PQRSTUVWXY]")), {"isolation": PASS},
               accept_known=True)
-    assert j.status == FAIL and j.red and not j.known, j.message()
+    assert j.status == FAIL and j.red and not known_for(j, "isolation"), j.message()
 
 
 # a late write into pages decode released on its drain-ack timeout is KNOWN; any other late write is a FAIL
@@ -412,7 +419,7 @@ def test_auto_truncate_leak_is_known_only_when_prefill_sent_the_prompt_truncated
     assert j.status == "known" and j.known[0].finding.id == "sglang-auto-truncate-stale-pages"
     for pages in (1, 900, None):  # the reject path's placeholder, a whole prompt, no transfer evidence
         j = judge(_truncated_log(pages), {"isolation": PASS}, accept_known=True)
-        assert j.status == FAIL and j.red and not j.known, pages
+        assert j.status == FAIL and j.red and not known_for(j, "isolation"), pages
     # paged layout (64 tokens a page): 9 pages is the 570-token truncation of the 900-token prompt
     # (15 pages); the placeholder's 1 page and the whole prompt's 15 stay FAIL
     assert judge(_truncated_log(9, 64), {"isolation": PASS}, accept_known=True).status == "known"

@@ -16,7 +16,8 @@ from hypothesis import given, settings
 from kvchaos import canary
 
 from tests import strategies as S
-from tests.property_harness import PROPERTY, SHAPE_EXAMPLES, _tail, every_variant, judge, suite
+from tests.property_harness import (PROPERTY, SHAPE_EXAMPLES, _tail, every_variant, integrity_names_only, judge_doc,
+                                     suite)
 
 
 def _lines(path: Path) -> list[str]:
@@ -262,10 +263,17 @@ def check_shape(sc: S.Scenario, tmp_path: Path, feats: Counter) -> None:
             if any(f'"rid": "{v}"' in x for v in victims) and '"ev": "plan"' not in x:
                 assert pay not in x, f"the twin of {sc} still shows {pay}: {x[:300]}"
         if sc.twin_green:  # the leak is the only thing that can make the leak log red
+            # ... but for integrity: the twin's stand-in bytes (lower-case filler where the foreign payload was) are
+            # a reply corrupted without a foreign canary in it — integrity's class — so an integrity FAIL naming
+            # the victims, and only them, is the one red the twin may have
             flags = ("--accept-known",) if sc.accept_known else ()
-            rc, out = judge(twin["judged"], *flags)
-            assert rc == 0, f"the leak-free twin is not green (kvchaos judge {flags} exit {rc})\n{_tail(out)}"
-            green, detail = suite(twin, sc)
+            rc, doc, out = judge_doc(twin["judged"], *flags)
+            assert doc is not None, f"kvchaos judge --json printed no document (exit {rc})\n{_tail(out)}"
+            red = [(lg["file"], v) for lg in doc["logs"] for v in lg["verdicts"] if v.get("outcome") != "ok"
+                   and not (v.get("outcome") == "known" and (v.get("known") or {}).get("accepted"))]
+            bad = [(f, v["oracle"], v["status"]) for f, v in red if not integrity_names_only(v, victims)]
+            assert not bad, f"the leak-free twin is red by more than integrity on its victims: {bad}\n{_tail(out)}"
+            green, detail = suite(twin, sc, corrupted=victims)
             assert green, f"the leak-free twin is not green under the suites' policy\n{_tail(detail)}"
 
 

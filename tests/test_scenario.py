@@ -16,9 +16,9 @@ import pytest
 from faults.agent import control as agent_control
 from faults.proxy import toxics
 from kvchaos.cluster.spec import ClusterSpec
-from kvchaos.oracles import (AbortSemantics, CacheIsolation, Differential, HttpSemantics, Isolation, KvCanary,
+from kvchaos.oracles import (AbortSemantics, CacheIsolation, Differential, HttpSemantics, Integrity, Isolation, KvCanary,
                              KvChecksum, KVLifecycle,
-                             Liveness, Retraction, Sensitivity, SensitivityFloor, TimingIsolation)
+                             Liveness, PageOwnership, Retraction, Sensitivity, SensitivityFloor, TimingIsolation)
 from kvchaos.schedule import NemesisError, Schedule, build_checks, check_spec
 from kvchaos.workload import Workload
 from kvchaos.workload.plan import RequestPlan
@@ -64,8 +64,8 @@ def test_plan_fields_are_request_plans():
 
 
 def test_checks_take_the_checkers_options():
-    built = {"isolation": Isolation(), "sensitivity": Sensitivity(), "http_semantics": HttpSemantics(),
-             "liveness": Liveness(bound_s=5), "kv_lifecycle": KVLifecycle(), "abort_semantics": AbortSemantics(),
+    built = {"isolation": Isolation(), "integrity": Integrity(), "sensitivity": Sensitivity(), "http_semantics": HttpSemantics(),
+             "liveness": Liveness(bound_s=5), "kv_lifecycle": KVLifecycle(), "page_ownership": PageOwnership(), "abort_semantics": AbortSemantics(),
              "retraction": Retraction(), "cache_isolation": CacheIsolation(), "timing_isolation": TimingIsolation(),
              "kv_checksum": KvChecksum(), "kv_canary": KvCanary()}
     assert set(built) | {"differential"} == set(CHECKS)

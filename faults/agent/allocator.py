@@ -20,76 +20,138 @@ Two allocators, picked by ``--page-size`` (sglang 0.5.19–0.5.23, ``mem_cache/a
 from __future__ import annotations
 
 from . import control as _ctl
+from . import ownership
 from .control import _hook_class, register_fault
 
 register_fault("double_alloc", mutation=True)
 
 
 def _make_alloc(orig):
-    """``TokenToKVPoolAllocator.alloc``: where ``double_alloc`` hands out pages a live allocation holds."""
+    """``TokenToKVPoolAllocator.alloc``: where ``double_alloc`` hands out pages a live allocation holds;
+    the ownership ledger sees what the allocator handed out and what the engine got."""
     def alloc(self, need_size):
         out = orig(self, need_size)
-        if out is None or _ctl.ROLE != "decode":
+        if out is None:
             return out
-        AGENT = _ctl.AGENT
-        st = AGENT.tls.__dict__.setdefault("alloc_state", {})
-        f = None
-        armed = AGENT.switched_on("double_alloc")
-        n = int(armed["params"].get("pages", 8)) if armed else 0
-        if armed and st.get("fid") != armed["id"]:  # a newly armed fault starts fresh: only
-            st["fid"], st["last"] = armed["id"], None  # allocations made since it was armed
-        if armed and len(out) >= n:  # a prefill-sized allocation, not a 1-token decode step
-            prev = st.get("last")
-            if prev is not None and len(prev) >= n:
-                f = AGENT.match("double_alloc")
-            if f is not None:
-                import torch  # on use: this module loads in the engine before torch and sglang are imported
-
-                shared = prev[:n].clone()
-                displaced = out[:n].clone()
-                out = torch.cat([shared, out[n:]])
-                self.free(displaced)  # nothing leaks from the pool: only the sharing is wrong
-                # both owners will free the shared pages; the second free is swallowed (see
-                # free() below) so the pool's accounting stays whole and only the aliasing is
-                # wrong — otherwise SGLang's idle invariant check ("pool memory leak detected",
-                # available > total) crashes decode, which we saw and do not want as a side effect
-                with AGENT.lock:
-                    for p in shared.tolist():
-                        AGENT.shared_pages[p] = AGENT.shared_pages.get(p, 0) + 1
-                AGENT.emit("fault_fired", fault=f["id"], kind="double_alloc", pages=n,
-                           shared=shared.tolist()[:64], need_size=int(need_size))
-            st["last"] = out
-        return out
+        given = _handed(self, out, 1, "alloc")
+        if _ctl.ROLE != "decode":
+            return out
+        got = _mutated_alloc(self, need_size, out)
+        if got is not out:
+            _handed_beyond(self, got, given, 1, "alloc")
+        return got
     return alloc
 
 
-def _make_free(orig):
-    """``TokenToKVPoolAllocator.free``: the second owner's free of a shared page is swallowed."""
-    def free(self, free_index):
-        AGENT = _ctl.AGENT
-        if AGENT.shared_pages and free_index is not None and free_index.numel():
-            with AGENT.lock:
-                idx = free_index.tolist()
-                keep = []
-                for p in idx:
-                    c = AGENT.shared_pages.get(p, 0)
-                    if c > 0:  # first free of an aliased page: the other owner frees it later
-                        if c == 1:
-                            AGENT.shared_pages.pop(p)
-                        else:
-                            AGENT.shared_pages[p] = c - 1
-                    else:
-                        keep.append(p)
-            if len(keep) != len(idx):
-                import torch  # on use: this module loads in the engine before torch and sglang are imported
+def _mutated_alloc(self, need_size, out):
+    """``double_alloc`` on a page-size-1 allocation (``out``): the allocation the engine gets."""
+    AGENT = _ctl.AGENT
+    st = AGENT.tls.__dict__.setdefault("alloc_state", {})
+    f = None
+    armed = AGENT.switched_on("double_alloc")
+    n = int(armed["params"].get("pages", 8)) if armed else 0
+    if armed and st.get("fid") != armed["id"]:  # a newly armed fault starts fresh: only
+        st["fid"], st["last"] = armed["id"], None  # allocations made since it was armed
+    if armed and len(out) >= n:  # a prefill-sized allocation, not a 1-token decode step
+        prev = st.get("last")
+        if prev is not None and len(prev) >= n:
+            f = AGENT.match("double_alloc")
+        if f is not None:
+            import torch  # on use: this module loads in the engine before torch and sglang are imported
 
-                free_index = torch.tensor(keep, dtype=free_index.dtype, device=free_index.device)
+            shared = prev[:n].clone()
+            displaced = out[:n].clone()
+            out = torch.cat([shared, out[n:]])
+            self.free(displaced)  # nothing leaks from the pool: only the sharing is wrong
+            # both owners will free the shared pages; the second free is swallowed (see
+            # free() below) so the pool's accounting stays whole and only the aliasing is
+            # wrong — otherwise SGLang's idle invariant check ("pool memory leak detected",
+            # available > total) crashes decode, which we saw and do not want as a side effect
+            with AGENT.lock:
+                for p in shared.tolist():
+                    AGENT.shared_pages[p] = AGENT.shared_pages.get(p, 0) + 1
+            AGENT.emit("fault_fired", fault=f["id"], kind="double_alloc", pages=n,
+                       shared=shared.tolist()[:64], need_size=int(need_size))
+        st["last"] = out
+    return out
+
+
+def _make_free(orig):
+    """``TokenToKVPoolAllocator.free``: the second owner's free of a shared page is swallowed; the
+    ownership ledger counts a release where the allocator takes pages back (outside a free group:
+    inside one they come back at its end, in one more call)."""
+    def free(self, free_index):
+        if _ctl.AGENT is None:
+            return orig(self, free_index)
+        free_index = _swallowed(self, free_index)
+        if free_index is not None and free_index.numel() and getattr(self, "free_group", None) is None:
+            ownership.note("free", ownership.ledger().released, self, free_index.tolist(), "free")
         return orig(self, free_index)
     return free
 
 
+def _swallowed(self, free_index):
+    """``free_index`` less the frees of shared pages still owed a swallowed free (``double_alloc``)."""
+    AGENT = _ctl.AGENT
+    if AGENT.shared_pages and free_index is not None and free_index.numel():
+        with AGENT.lock:
+            idx = free_index.tolist()
+            keep = []
+            for p in idx:
+                c = AGENT.shared_pages.get(p, 0)
+                if c > 0:  # first free of an aliased page: the other owner frees it later
+                    if c == 1:
+                        AGENT.shared_pages.pop(p)
+                    else:
+                        AGENT.shared_pages[p] = c - 1
+                else:
+                    keep.append(p)
+        if len(keep) != len(idx):
+            import torch  # on use: this module loads in the engine before torch and sglang are imported
+
+            free_index = torch.tensor(keep, dtype=free_index.dtype, device=free_index.device)
+    return free_index
+
+
+def _make_clear(orig):
+    """``clear()``: the allocator starts over (its free list rebuilt, no frees): the ledger forgets it."""
+    def clear(self, *a, **k):
+        out = orig(self, *a, **k)
+        if _ctl.AGENT is not None:
+            ownership.note("clear", ownership.ledger().cleared, self)
+        return out
+    return clear
+
+
+def _handed(alloc, out, page_size: int, where: str) -> list:
+    """Tell the ledger the pages ``out`` (token slots) starts; returns them."""
+    if _ctl.AGENT is None:
+        return []
+    try:
+        pages = ownership.pages_of_slots(out, page_size)
+    except Exception:  # noqa: BLE001 - evidence must never break the engine
+        return []
+    ownership.note(where, ownership.ledger().handed, alloc, pages, where)
+    return pages
+
+
+def _handed_beyond(alloc, out, given: list, page_size: int, where: str) -> None:
+    """The engine got pages beyond those the allocator handed out in this call (something between them
+    put pages of its own in): those are handed out now, in the ledger's eyes."""
+    if _ctl.AGENT is None:
+        return
+    try:
+        mine = set(given)
+        extra = [p for p in ownership.pages_of_slots(out, page_size) if p not in mine]
+    except Exception:  # noqa: BLE001 - evidence must never break the engine
+        return
+    if extra:
+        ownership.note(where, ownership.ledger().handed, alloc, extra, where)
+
+
 def _hook_allocator(mod):
-    _hook_class(mod, "TokenToKVPoolAllocator", {"alloc": _make_alloc, "free": _make_free})
+    _hook_class(mod, "TokenToKVPoolAllocator", {"alloc": _make_alloc, "free": _make_free},
+                {"clear": _make_clear})
 
 
 # ---------------------------------------------------------------- page size > 1
@@ -119,8 +181,28 @@ def _whole_pages(out, ps: int):
 
 def _make_extend(orig):
     def alloc_extend(self, *a, **k):
-        return _paged_double_alloc(self, orig(self, *a, **k))
+        out = orig(self, *a, **k)
+        if out is None:
+            return out
+        ps = int(self.page_size)
+        given = _handed(self, out, ps, "alloc_extend")
+        got = _paged_double_alloc(self, out)
+        if got is not out:
+            _handed_beyond(self, got, given, ps, "alloc_extend")
+        return got
     return alloc_extend
+
+
+def _make_paged_alloc(name: str):
+    """``alloc`` / ``alloc_decode`` of the paged allocator: the pages they start, to the ledger."""
+    def make(orig):
+        def alloc(self, *a, **k):
+            out = orig(self, *a, **k)
+            if out is not None:
+                _handed(self, out, int(self.page_size), name)
+            return out
+        return alloc
+    return make
 
 
 def _make_paged_free(orig):
@@ -131,14 +213,23 @@ def _make_paged_free(orig):
 
 
 def _make_release(orig):
+    """``_release_page_ids``: every page a paged allocator takes back passes here, once a release."""
     def _release_page_ids(self, *page_ids):
-        return orig(self, *_swallow_releases(self, page_ids))
+        kept = _swallow_releases(self, page_ids)
+        if _ctl.AGENT is not None:
+            ownership.note("_release_page_ids", _release_pages, self, kept)
+        return orig(self, *kept)
     return _release_page_ids
+
+
+def _release_pages(alloc, kept) -> None:
+    ownership.ledger().released(alloc, [int(p) for ids in kept for p in ids.tolist()], "_release_page_ids")
 
 
 def _hook_paged_allocator(mod):
     _hook_class(mod, "PagedTokenToKVPoolAllocator", {"alloc_extend": _make_extend, "free": _make_paged_free},
-                {"_release_page_ids": _make_release})
+                {"_release_page_ids": _make_release, "alloc": _make_paged_alloc("alloc"),
+                 "alloc_decode": _make_paged_alloc("alloc_decode"), "clear": _make_clear})
 
 
 def _paged_double_alloc(alloc, out):

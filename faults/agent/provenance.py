@@ -93,6 +93,7 @@ import time
 from kvchaos.canary import PATTERN as _CANARY
 
 from . import control as _ctl
+from . import ownership
 from .control import _wrap
 from .transfer import DST_PAGES_MAX
 
@@ -201,6 +202,9 @@ def _note_prealloc(queue, req, a, k) -> None:
     ps = int(queue.token_to_kv_pool_allocator.page_size)
     pages = _pages_of(queue, req, total, fill_len, ps)
     rid = req.rid
+    # the pages decode gave the request, beyond a prefix it shares by design: its own now (ownership ledger)
+    led = ownership.ledger()
+    ownership.note("_pre_alloc", led.claimed, queue.token_to_kv_pool_allocator, rid, pages, "_pre_alloc")
     with h.lock:
         m = h.page
         if len(m) + len(pages) > HOLDERS_MAX:
@@ -217,7 +221,8 @@ def _note_prealloc(queue, req, a, k) -> None:
         extra["canaries"] = carried[:CANARIES_MAX]
     _ctl.AGENT.emit("kv_prealloc", rid=rid, room=getattr(req, "bootstrap_room", None), page_size=ps,
                     fill_len=fill_len, total_prefix_len=total, dst_pages=pages[:DST_PAGES_MAX],
-                    dst_pages_total=len(pages), prev_holders=runs[:RUNS_MAX], **extra, step_stats=h.stats())
+                    dst_pages_total=len(pages), prev_holders=runs[:RUNS_MAX], **extra, step_stats=h.stats(),
+                    ledger=led.summary())
 
 
 def _make_pre_alloc(orig):
@@ -257,8 +262,10 @@ def _note_step(batch, h: Holders) -> None:
         return
     ps = alloc.page_size
     pages = slots if ps == 1 else [s // ps for s in slots]
+    rids = [r.rid for r in reqs]
+    ownership.note("prepare_for_decode", ownership.ledger().claimed_each, alloc, rids, pages, "prepare_for_decode")
     with h.lock:
-        h.page.update(zip(pages, [r.rid for r in reqs]))
+        h.page.update(zip(pages, rids))
         if len(h.page) > HOLDERS_MAX:
             h.page.clear()
             h.resets += 1

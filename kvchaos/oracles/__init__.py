@@ -17,6 +17,12 @@ One module per checker (``base`` holds what they share); this package re-exports
   prefill, ``kv_released`` on decode): no KV write lands in decode pages after decode gave them back
   (an abort that frees pages while a write to them is in flight: late writes into recycled pages).
   Sees the bug even when no reply happens to show the foreign data.
+* :func:`integrity` — every reply of a probe request is exactly what its prompt must give (the probe's
+  recital, known before it is sent: ``kvchaos.probe.contract``) and its metadata are its own; a reply
+  that differs in one character is a FAIL, whoever's bytes are wrong (``kvchaos.oracles.integrity``).
+* :func:`page_ownership` — from the engines' own ledger (the agent's ``page_conflict``): no KV page is
+  given to a request while another live request holds it, released twice, or used while free; judged
+  in the experiment where it happened (``kvchaos.oracles.page_ownership``).
 * :func:`abort_semantics` — a request aborted at any stage comes back as aborted (an error, or 200
   with finish reason ``abort``), never as a 200 success while the abort provably reached it in time.
 * :func:`retraction` — from decode's own evidence: every request decode retracted got its own KV
@@ -36,21 +42,23 @@ from .cache import CacheIsolation, TimingIsolation, cache_isolation, timing_isol
 from .defences import KvCanary, KvChecksum
 from .differential import Differential, differential
 from .http_semantics import HttpSemantics, http_semantics
+from .integrity import Integrity, integrity
 from .isolation import (CORRUPTING_FAULTS, DEFAULT_FLOOR, ECHO_RATE, Isolation, Sensitivity, SensitivityFloor,
                         binomial_lower_bound, isolation, power, scan, sensitivity)
 from .kv_lifecycle import KVLifecycle, kv_lifecycle
 from .kvpages import kv_page_size, kv_pages_written, pages_for
 from .liveness import Liveness, liveness
+from .page_ownership import PageOwnership, page_ownership
 from .retraction import Retraction, retraction
 
 Run = as_history  # the index every checker reads: kvchaos.history.History
 
 __all__ = ["FAIL", "PASS", "STATUSES", "UNKNOWN", "CORRUPTING_FAULTS", "DEFAULT_FLOOR", "ECHO_RATE",
            "AbortSemantics", "CacheIsolation", "Checker", "Composite", "Differential", "History", "HttpSemantics",
-           "Isolation", "KVLifecycle", "Liveness", "Retraction", "Run", "Sensitivity", "SensitivityFloor",
+           "Integrity", "Isolation", "KVLifecycle", "Liveness", "PageOwnership", "Retraction", "Run", "Sensitivity", "SensitivityFloor",
            "TimingIsolation", "Verdict", "abort_semantics", "agent_kind", "as_history", "binomial_lower_bound",
            "cache_isolation", "check_safe", "compose", "default_checkers", "differential", "http_semantics",
-           "isolation", "kv_lifecycle", "kv_page_size", "kv_pages_written", "liveness", "pages_for", "power",
+           "integrity", "isolation", "kv_lifecycle", "kv_page_size", "kv_pages_written", "liveness", "page_ownership", "pages_for", "power",
            "retraction", "scan", "sensitivity", "timing_isolation",
            "KvCanary", "KvChecksum"]  # the defence arm's (kvchaos.oracles.defences)
 
@@ -58,4 +66,5 @@ __all__ = ["FAIL", "PASS", "STATUSES", "UNKNOWN", "CORRUPTING_FAULTS", "DEFAULT_
 def default_checkers(bound_s: float = 60.0) -> Composite:
     """What ``kvchaos judge`` applies to a log: every oracle that needs nothing but the log (the
     policy adds the leak checkers that always run, :func:`kvchaos.policy.with_always`)."""
-    return compose(Isolation(), Sensitivity(), HttpSemantics(), Liveness(bound_s=bound_s), KVLifecycle())
+    return compose(Isolation(), Integrity(), Sensitivity(), HttpSemantics(), Liveness(bound_s=bound_s), KVLifecycle(),
+                   PageOwnership())

@@ -214,6 +214,24 @@ def _sig_victims_rejected_placeholder(v, ctx, want):
     return bool(v.witnesses) and not bad, f"victims not answered over the reject path's placeholder: {bad[:3]}"
 
 
+def _sig_read_unwritten_pages(v, ctx, want):
+    """Every witness's request was decoded over pages decode reserved for it and its transfer never wrote
+    (decode's ``kv_prealloc`` against prefill's ``write_end``: :func:`kvchaos.oracles.provenance.stale_pages`)
+    — what a reply that is not what its prompt must give shows of the stale-page findings, whether or
+    not the stale bytes held a canary."""
+    if not want:
+        raise PolicyError("read_unwritten_pages takes true")
+    bad = []
+    for w in v.witnesses:
+        rid = w.get("victim_rid") or w.get("rid")
+        sp = provenance.stale_pages(ctx.history, rid, ctx.registry) if rid else None
+        if sp is None:
+            bad.append(f"{rid}: no decode page evidence (kv_prealloc / write_end with page lists)")
+        elif not sp["unwritten"]:
+            bad.append(f"{rid}: every one of the {sp['reserved']} pages decode gave it was written by its transfer")
+    return bool(v.witnesses) and not bad, "; ".join(bad[:3]) or "no witness"
+
+
 def _sig_prealloc_never_written(v, ctx, want):
     """The intake reject from the engines' own events, without a fault that lowered a limit: every oversized
     request that hung was pre-allocated by decode beyond one page (``kv_prealloc``) and prefill wrote none
@@ -293,6 +311,7 @@ SIGNATURES = {
     "oversized_all_hung": _sig_oversized_all_hung,
     "fault_armed": _sig_fault_armed,
     "prealloc_never_written": _sig_prealloc_never_written,
+    "read_unwritten_pages": _sig_read_unwritten_pages,
     "victims_truncated": _sig_victims_truncated,
     "victims_rejected_placeholder": _sig_victims_rejected_placeholder,
     "process_fault_fired": _sig_process_fault_fired,
@@ -310,6 +329,8 @@ def power_met(v: Verdict) -> tuple[bool, str]:
     if pw is None:
         return v.oracle != "isolation", "the verdict reports no power figures"
     if not isinstance(pw, dict) or not pw.get("met"):
+        if isinstance(pw, dict) and "classes" not in pw:  # a checker's own coverage figure (integrity: replies judged)
+            return False, f"power not met: {pw.get('why') or 'not enough judged'}"
         try:
             return False, f"power not met: {power_line(pw)}"
         except Exception:  # noqa: BLE001 - malformed figures are not power

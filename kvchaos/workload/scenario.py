@@ -113,10 +113,13 @@ LIVE_KNOBS = {
 # the checkers a scenario can name (kvchaos.oracles), with the options each takes
 CHECKS = {
     "isolation": {"partial_len": int, "echo_rate": float},
+    # a probe's replies are judged by its contract; a real model's reference is not in the schema
+    "integrity": {"min_judged": float, "tie_nats": float},
     "sensitivity": {"echo_rate": float},
     "http_semantics": {},
     "liveness": {"bound_s": float, "pool_tolerance_tokens": int},
     "kv_lifecycle": {"tolerance_s": float},
+    "page_ownership": {},
     "abort_semantics": {},
     "retraction": {"min_retractions": int},
     "cache_isolation": {"min_hits": int, "min_cross": int},
