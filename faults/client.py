@@ -267,6 +267,8 @@ class AgentClient:
                          ("Req.load_kv_cache", "DecodePreallocQueue.__init__") if kind == "retract" else
                          (PARK_HOOKS[(params or {}).get("stage")],) if kind == "park" else
                          ("Scheduler.get_new_batch_prefill",) if kind == "chunked_prefill" else
+                         ("_GenerationStreamAccumulator.accept",) if kind == "token_flip" else
+                         ("_GenerationStreamAccumulator.to_payload",) if kind == "meta_swap" else
                          ("send_kvcache",))
         agents = self.wait_agents(role, need)
         fid = f"{kind}-{uuid.uuid4().hex[:8]}"

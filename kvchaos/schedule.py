@@ -28,23 +28,31 @@ from kvchaos.cluster.layouts import pace_of
 from kvchaos.workload.scenario import CHECKS, MAX_DELAY_S, Op, Scenario, ScenarioError
 
 
-def single_server_reference(server, plans, timeout_s: float = 120.0, concurrency: int = 1):
-    """``Differential``'s reference: each plan's prompt served greedy, with its own ``max_new_tokens``,
-    by ``server`` (a clean single server), when the checker runs (after the run).
+def single_server_reference(server, plans, timeout_s: float = 120.0, concurrency: int = 1, margins: bool = False):
+    """``Differential``'s reference (and ``Integrity``'s for a served model that is not a probe): each
+    plan's prompt served greedy, with its own ``max_new_tokens``, by ``server`` (a clean single server),
+    when the checker runs (after the run).
 
     ``concurrency`` > 1 sends that many at a time (a reference of 32 long replies one by one is thousands
     of engine steps): the caller keeps them inside the server's pool, so none is retracted. That is
     checked, not assumed: a reply whose ``meta_info.num_retractions`` (the engine's own count) is not 0,
-    or is missing, is served again alone."""
+    or is missing, is served again alone. ``margins``: each reply also carries ``top2_margin``, per
+    output position the log-probability gap between the engine's first and second choice
+    (``return_logprob`` with ``top_logprobs_num`` 2) — where a real model's greedy choice is a near-tie,
+    batch composition can turn it (:class:`kvchaos.oracles.Integrity`'s ``tie_nats``)."""
     if concurrency < 1:
         raise ValueError(f"concurrency must be >= 1, got {concurrency}")
+    extra = {"return_logprob": True, "top_logprobs_num": 2} if margins else {}
 
     def one(p):
         r = httpclient.post(server.endpoints.router + "/generate", timeout=timeout_s,
                        json={"text": p.prompt, "sampling_params": {"max_new_tokens": p.max_new_tokens,
-                                                                   "temperature": 0}})
+                                                                   "temperature": 0}, **extra})
         r.raise_for_status()
-        return p.rid, r.json()
+        out = r.json()
+        if margins and isinstance(out, dict):
+            out["top2_margin"] = top2_margins((out.get("meta_info") or {}).get("output_top_logprobs"))
+        return p.rid, out
 
     def ref(_events):
         if concurrency == 1 or len(plans) < 2:
@@ -57,6 +65,18 @@ def single_server_reference(server, plans, timeout_s: float = 120.0, concurrency
         return out
     ref.rids = [p.rid for p in plans]  # what a scenario records of it (check_spec, below)
     return ref
+
+
+def top2_margins(top) -> list:
+    """Per output position, the first choice's log-probability minus the second's, from SGLang's
+    ``output_top_logprobs`` (a list per position of ``[logprob, token_id, text]``); None where a position
+    has fewer than two."""
+    out = []
+    for pos in top or ():
+        lps = sorted((x[0] for x in pos or () if isinstance(x, (list, tuple)) and x and isinstance(x[0], (int, float))),
+                     reverse=True)
+        out.append(lps[0] - lps[1] if len(lps) >= 2 else None)
+    return out
 
 
 def abort_on_both(cluster, rid: str) -> dict:

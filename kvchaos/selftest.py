@@ -2,15 +2,26 @@
 experiment runner as every suite.
 
 Two requests get another tenant's prompt text planted into theirs (``faults.request.plant_leak``).
-The isolation oracle must FAIL with witnesses naming exactly those victims and donors, and nothing
-else; the run must also carry enough echo evidence (the sensitivity floor) that its other replies
-would have shown a leak. Outcomes:
+The isolation oracle must FAIL with witnesses naming exactly those victims and donors; the run must
+also carry enough echo evidence (the sensitivity floor) that its other replies would have shown a leak.
+
+What nothing planted explains is the engine's own doing — an **engine leak during self-test**: a
+foreign canary in a reply nothing was planted in (or of an owner other than the planted donor), a reply
+that is not what its prompt must give (integrity: a planted victim's prompt carries the donor's text, so
+it must recite that too), a page held twice (page_ownership), a late write (kv_lifecycle). The self-test
+experiment is then judged as any experiment — not as a planted one — on those verdicts alone: red,
+FAIL, its witnesses named, recorded so in the run (the run's exit code follows: ``kvchaos.plugin``); the
+planted leaks' catch is reported beside it (``planted_caught``).
+
+Outcomes (``status``):
 
 - ``caught``: a clean catch. Isolation verdicts of the session may PASS.
+- ``engine_leak``: the engine leaked during the self-test (above). With the planted leaks caught the
+  harness is not blind: the session's verdicts stand, and the run is red for the self-test's FAIL.
 - ``unknown``: the served model cannot show a leak (not enough echo). The policy then makes every
   isolation verdict of the session UNKNOWN (red) unless a blind model was declared.
-- ``missed``: the model echoes but the planted leak went unseen, or a witness names a request that
-  was not planted: the harness cannot be trusted; :class:`SelfTestFailed` errors every test.
+- ``missed``: the model echoes, the engine did nothing nothing planted explains, and the planted leak
+  went unseen: the harness cannot be trusted; :class:`SelfTestFailed` errors every test.
 """
 
 from __future__ import annotations
@@ -20,9 +31,11 @@ import json
 from faults.request import expect_caught, plant_leak
 from kvchaos import oracles
 from kvchaos.experiment import Experiment
+from kvchaos.policy import is_leak_checker
 from kvchaos.workload import Workload
 
 N_REQUESTS = 80  # the sensitivity floor needs >= 59 echoing replies for a 95 % lower bound of 0.95
+ENGINE_LEAK = "engine leak during self-test"
 
 
 class SelfTestFailed(RuntimeError):
@@ -30,6 +43,13 @@ class SelfTestFailed(RuntimeError):
 
 
 def planted_leak_selftest(cluster, run_dir, policy=None, seed: int = 4242) -> dict:
+    """The self-test's result (module doc); its experiment is ``cluster.selftest_experiment`` afterwards
+    (``kvchaos fuzz`` triages an engine leak it saw like any run's)."""
+    out, _ex = run_selftest(cluster, run_dir, policy, seed)
+    return out
+
+
+def run_selftest(cluster, run_dir, policy=None, seed: int = 4242) -> tuple[dict, Experiment]:
     wl = Workload(seed, n_tenants=8, prefix="selftest-")
     plans = [wl.request(wl.tenants[i % 8], n_tokens=160 + 5 * i) for i in range(N_REQUESTS)]
     ex = Experiment("selftest", plans, [oracles.Isolation(), oracles.Sensitivity()], cluster=cluster,
@@ -41,23 +61,52 @@ def planted_leak_selftest(cluster, run_dir, policy=None, seed: int = 4242) -> di
     ex.judge(planted="two leaks planted by faults.request.plant_leak", isolation=oracles.FAIL)
     v, sens = ex.by["isolation"], ex.by["sensitivity"]
     results = [expect_caught(v, f) for f in planted]
-    victims = {f["victim"] for f in planted}
-    extra = [w for w in v.witnesses if w["victim_rid"] not in victims]
+    engine = engine_leaks(ex.verdicts, planted)
+    caught = all(r[0] for r in results)
+    extra = [w for e in engine if e.oracle == "isolation" for w in e.witnesses]
     out = {"isolation": v.to_dict(), "sensitivity": sens.to_dict(), "faults": planted,
-           "caught": [r[0] for r in results], "why": [r[1] for r in results],
-           "unplanted_witnesses": extra[:10], "experiment": ex.id}
-    if extra:
-        out["status"] = "missed"
-        out["why"].append(f"{len(extra)} witness(es) name requests nothing was planted in "
-                          f"(first: {extra[0]['victim_rid']} got {extra[0]['matched']!r}): a real leak or a false alarm")
+           "caught": [r[0] for r in results], "why": [r[1] for r in results], "planted_caught": caught,
+           "unplanted_witnesses": extra[:10], "experiment": ex.id,
+           "engine_leaks": [{"oracle": e.oracle, "summary": e.summary, "witnesses": [dict(w) for w in e.witnesses[:5]]}
+                            for e in engine]}
+    if engine:
+        out["status"] = "engine_leak"
+        out["why"].append(f"{ENGINE_LEAK}: " + "; ".join(f"{e.oracle}: {e.summary}" for e in engine)[:1500])
+        # judged as the run's own experiment, on what the engine did alone: red, and recorded so
+        ex.verdicts = engine + [x for x in ex.verdicts if not is_leak_checker(x.oracle)]
+        ex.judge()
     elif sens.status != oracles.PASS:
         out["status"] = oracles.UNKNOWN
-    elif all(r[0] for r in results):
+    elif caught:
         out["status"] = "caught"
     else:
         out["status"] = "missed"
     (run_dir / "selftest.json").write_text(json.dumps(out, indent=2, default=str))
+    cluster.selftest_experiment = ex
     if out["status"] == "missed":
         raise SelfTestFailed("planted-leak self-test: the harness did not catch a leak it planted: "
                              + "; ".join(out["why"]) + f" (events: {ex.path})")
+    return out, ex
+
+
+def engine_leaks(verdicts, planted: list[dict]) -> list:
+    """The leak checkers' FAILs of a self-test that nothing planted explains, each a FAIL verdict of its
+    own that says so: isolation's witnesses but those naming a planted victim and its donor's canary;
+    every other leak checker's FAIL whole (a planted prompt changes only what its victim must recite)."""
+    pairs = {(f["victim"], f["donor"]) for f in planted}
+    donated = {(f["victim"], c) for f in planted for c in f["canaries"]}
+    out = []
+    for v in verdicts:
+        if v.status != oracles.FAIL or not is_leak_checker(v.oracle):
+            continue
+        ws = list(v.witnesses)
+        if v.oracle == "isolation":
+            ws = [w for w in ws if not ((w.get("victim_rid"), w.get("owner_rid")) in pairs
+                                        and (w.get("victim_rid"), w.get("canary")) in donated)]
+        if not ws:
+            continue
+        first = ws[0].line() if hasattr(ws[0], "line") else str(ws[0])
+        out.append(oracles.Verdict(v.oracle, oracles.FAIL,
+                                   f"{ENGINE_LEAK}: {len(ws)} witness(es) nothing planted explains (first: {first})"[:1200],
+                                   ws, {**v.stats, "selftest": "engine leak"}))
     return out

@@ -13,7 +13,7 @@ import types
 import pytest
 
 import faults.agent as agent_mod
-from faults.agent import allocator, cache, control, provenance, retraction, scheduler, transfer
+from faults.agent import allocator, cache, control, output, provenance, retraction, scheduler, transfer
 from faults.client import AgentClient, AgentError, FaultDidNotFire, _call
 from kvchaos.workload.seed import Seeds
 
@@ -226,10 +226,11 @@ def test_subsystem_modules_declare_the_kinds_and_hooks_read_the_live_agent(agent
     assert agent_mod.AGENT is agent and control.AGENT is agent
     assert set(agent_mod.FAULT_KINDS) == {"delay", "fail", "short", "hold", "stall_status_read", "reject_admitted",
                                     "early_free", "double_alloc", "input_limit", "salt_ignored", "prefix_collision",
-                                    "deferred_release_timeout", "retract", "park", "chunked_prefill"}
+                                    "deferred_release_timeout", "retract", "park", "chunked_prefill", "token_flip",
+                                    "meta_swap"}
     assert set(agent_mod.MUTATIONS) == {"reject_admitted", "early_free", "double_alloc", "input_limit", "salt_ignored",
                                         "deferred_release_timeout", "retract", "chunked_prefill"}
-    mods = (transfer, scheduler, allocator, cache, retraction, provenance)
+    mods = (transfer, scheduler, allocator, cache, retraction, provenance, output)
     # a module two subsystems hook gets one hook running both, in table order
     want = {}
     for m in mods:

@@ -304,3 +304,23 @@ def test_the_live_judge_sees_a_wrong_reply_in_part_of_a_run():
     judge = oracles.Integrity().live({x.rid: {} for x in ps})
     part = [ev[0]] + [e for e in ev if e.get("rid") == p.rid]
     assert judge(part).status == FAIL
+
+
+def test_a_stream_chunks_metadata_of_another_request_is_a_fail_though_the_last_chunk_is_right():
+    """meta_swap's shape: two streams in one batch had their prompt_tokens exchanged mid-stream."""
+    ps = plans()
+    p = ps[8]
+    want = contract.expected(p.prompt).text
+    good = {"id": p.rid, "prompt_tokens": len(p.prompt)}
+    chunks = [(want[:5], {**good, "prompt_tokens": len(p.prompt) + 7}), (want, good)]
+    raw = "".join(f"data: {json.dumps({'text': t, 'meta_info': m})}\n\n" for t, m in chunks) + "data: [DONE]\n\n"
+    v = oracles.integrity(log(ps, {p.rid: reply(p, stream=True, raw=raw)}))
+    assert v.status == FAIL and v.witnesses[0]["field"] == "prompt_tokens" and "chunk" in v.witnesses[0]["view"]
+
+
+def test_the_references_top_two_margins_come_from_sglangs_top_logprobs():
+    from kvchaos.schedule import top2_margins
+
+    top = [[[-0.01, 5, "a"], [-4.6, 9, "b"]], [[-0.70, 7, None], [-0.72, 3, None]], [[-0.1, 1, None]], None]
+    m = top2_margins(top)
+    assert [round(x, 2) if x is not None else None for x in m] == [4.59, 0.02, None, None]

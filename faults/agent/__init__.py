@@ -9,6 +9,7 @@ hooks read; assign those).
 from __future__ import annotations
 
 import importlib.abc
+import json
 import os
 import sys
 
@@ -25,6 +26,7 @@ from . import allocator
 from . import cache
 from . import retraction
 from . import provenance
+from . import output
 from .allocator import _hook_allocator, _hook_paged_allocator, _shared, _swallow, _whole_pages
 from .control import (
     FAULT_KINDS,
@@ -85,7 +87,8 @@ def _merged(*tables) -> dict:
 
 
 # module name -> hook, in the order the original single-module table had them
-HOOKS = _merged(transfer.HOOKS, scheduler.HOOKS, allocator.HOOKS, cache.HOOKS, retraction.HOOKS, provenance.HOOKS)
+HOOKS = _merged(transfer.HOOKS, scheduler.HOOKS, allocator.HOOKS, cache.HOOKS, retraction.HOOKS, provenance.HOOKS,
+                output.HOOKS)
 
 
 # ================================================================== import machinery
@@ -153,6 +156,35 @@ def boot() -> None:
         if name in sys.modules:
             _apply(name, sys.modules[name])
     sys.meta_path.insert(0, _Finder())
+    arm_at_boot(os.environ.get("KVCHAOS_AGENT_ARM", ""))
+
+
+def arm_at_boot(spec: str) -> list[str]:
+    """``KVCHAOS_AGENT_ARM``: a JSON list of faults (``{"kind", "target", "params", "count", "role"}``)
+    armed as this process starts, those of its role (or of none) — an engine built with a planted bug:
+    the session's self-test and every experiment run on it, a heal of everything leaves it (set it in a
+    profile's ``[cluster.env]``). What cannot be armed is said on stderr and in the agent's events."""
+    if not spec.strip():
+        return []
+    try:
+        reqs = json.loads(spec)
+        if not isinstance(reqs, list) or not all(isinstance(r, dict) for r in reqs):
+            raise ValueError("not a list of objects")
+    except ValueError as e:
+        sys.stderr.write(f"kvchaos agent: KVCHAOS_AGENT_ARM is not a JSON list of faults ({e}): nothing armed\n")
+        return []
+    out = []
+    for r in reqs:
+        if r.get("role") not in (None, control.ROLE):
+            continue
+        try:
+            f = control.AGENT.arm({**{k: v for k, v in r.items() if k != "role"}, "ttl_s": r.get("ttl_s", 10.0 ** 9)},
+                                  boot=True)
+            out.append(f["id"])
+        except Exception as e:  # noqa: BLE001 - said, never a crash of the engine
+            sys.stderr.write(f"kvchaos agent: KVCHAOS_AGENT_ARM: {r!r} not armed: {e}\n")
+            control.AGENT.emit("hook_error", hook="KVCHAOS_AGENT_ARM", error=f"{r!r}: {e!r}"[:500])
+    return out
 
 
 def __getattr__(name):

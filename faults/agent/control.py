@@ -140,10 +140,11 @@ class Agent:
             return f
 
     def armed(self) -> list[dict]:
+        """The faults the harness armed (those armed at boot are the engine as built: not listed)."""
         with self.lock:
-            return [_public(f) for f in self.faults.values()]
+            return [_public(f) for f in self.faults.values() if not f.get("_boot")]
 
-    def arm(self, req: dict) -> dict:
+    def arm(self, req: dict, boot: bool = False) -> dict:
         kind = req.get("kind")
         if kind not in FAULT_KINDS:
             raise ValueError(f"unknown fault kind {kind!r}; one of {FAULT_KINDS}")
@@ -157,7 +158,10 @@ class Agent:
         f = {"id": fid, "kind": kind, "target": target, "params": params, "count": count, "fired": 0,
              "armed_at": time.time(), "expires": time.monotonic() + float(req.get("ttl_s", 600)),
              # its draws (delay jitter): seeded by the run (param ``seed``) so a replay draws the same
-             "_rng": random.Random(params["seed"]) if params.get("seed") is not None else random.Random()}
+             "_rng": random.Random(params["seed"]) if params.get("seed") is not None else random.Random(),
+             # armed at boot (KVCHAOS_AGENT_ARM): the engine as built, for the whole process — a heal of
+             # everything leaves it, and the harness's "still armed" checks do not see it
+             "_boot": boot}
         with self.lock:
             if fid in self.faults:
                 raise ValueError(f"fault id {fid!r} already armed")
@@ -171,12 +175,12 @@ class Agent:
                     self.faults.pop(fid, None)  # refused: nothing stays armed
                     self.holds.pop(fid, None)
                     raise
-        self.emit("armed", fault=fid, kind=kind, target=target, params=params)
+        self.emit("armed", fault=fid, kind=kind, target=target, params=params, **({"boot": True} if boot else {}))
         return _public(f)
 
     def heal(self, fid: str | None = None) -> list[str]:
         with self.lock:
-            ids = [fid] if fid else list(self.faults)
+            ids = [fid] if fid else [i for i, f in self.faults.items() if not f.get("_boot")]
             healed = []
             for i in ids:
                 f = self.faults.pop(i, None)

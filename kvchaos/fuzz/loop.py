@@ -218,6 +218,8 @@ class Fuzzer:
     def run(self) -> dict:
         self.t0 = self.clock()
         repeats = 0
+        if self.clusters.current is not None:  # the base cluster, started before the search (its self-test too)
+            self._selftest_finds(*self.clusters.current)
         try:
             while self.elapsed() < self.budget_s:
                 # the next run (about as long as the last) must leave the pending finds their reserve,
@@ -317,7 +319,38 @@ class Fuzzer:
             self._start_cost = max(self._start_cost, self.clock() - t_get)
             self._on_since = self.elapsed()
             self._running = Deployment(dict(dep.restart), {})
+            self._selftest_finds(cluster, kit, policy)
         return cluster, kit, policy
+
+    def _selftest_finds(self, cluster, kit, policy) -> None:
+        """A new cluster's planted-leak self-test that saw the engine leak (``kvchaos.selftest``: what
+        nothing planted explains) is a find like any run's, triaged on those verdicts alone; written up,
+        not re-run (its scenario carries the planted leaks, which any re-run shows again), and the search
+        goes on."""
+        st = getattr(policy, "selftest", None) or {}
+        ex = getattr(cluster, "selftest_experiment", None)
+        if st.get("status") != "engine_leak" or ex is None:
+            return
+        self.say(f"  the cluster's planted-leak self-test saw the engine leak (planted leaks caught: "
+                 f"{st.get('planted_caught')}): triaged as a find")
+        try:
+            sc = ex.scenario()
+        except Exception as e:  # noqa: BLE001 - the find is written without its scenario's document
+            self.say(f"  (its scenario could not be written: {e})")
+            return
+        for f in triage(ex.verdicts, ex.context(), self.registry, ex.events):
+            if f.kind == "new" and f.signature not in self.stats.new:
+                rec = {"t": round(self.elapsed(), 1), "oracle": f.oracle, "status": f.status, "mechanism": f.mechanism,
+                       "seen": 1, "leak": is_leak(f), "scenario": sc.digest(), "why_not_known": f.why_not_known,
+                       "confirmed": None, "during": "planted-leak self-test",
+                       "reproduced": "not re-run: seen in the cluster's planted-leak self-test, whose scenario carries "
+                                     "the planted leaks"}
+                self.stats.new[f.signature] = rec
+                self._write_find(f"new-{f.signature}", sc, f, ex, rec)
+            elif f.kind == "new":
+                self.stats.new[f.signature]["seen"] += 1
+            else:
+                self._note(f, sc, ex, self.elapsed(), cluster, kit, policy, self.out / "execs")
 
     def _exec(self, sc: Scenario) -> None:
         cluster, kit, policy = self._cluster(sc.deployment)

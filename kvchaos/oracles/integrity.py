@@ -172,7 +172,7 @@ class _Judge:
             if isinstance(raw, str) and raw.lstrip().startswith("{"):
                 self.check_extra_fields(rid, p, _json(raw))
             return
-        deltas, chunks = [], []
+        deltas, chunks, metas = [], [], []
         for line in raw.split("\n"):
             line = line.strip()
             if not line.startswith("data:"):
@@ -194,6 +194,15 @@ class _Judge:
                             deltas.append(t)
             elif isinstance(chunk.get("text"), str):
                 chunks.append(chunk["text"])
+                mi = chunk.get("meta_info")
+                if isinstance(mi, dict):  # every chunk's metadata is the request's own, not only the last one's
+                    metas.append(mi)
+        for mi in metas:
+            if "id" in mi and mi["id"] != rid:
+                return self.meta_witness(rid, p, "id", rid, mi["id"], owner=mi["id"], view="a stream chunk's meta_info")
+            used = mi.get("prompt_tokens")
+            if isinstance(used, int) and c.head is not None and used != c.head:
+                return self.meta_witness(rid, p, "prompt_tokens", c.head, used, view="a stream chunk's meta_info")
         for t in chunks:  # /generate streams carry the text so far: each must begin what it must be
             at = contract.first_difference(c.text[:len(t)], t)
             if at is not None:
@@ -264,11 +273,12 @@ class _Judge:
         w.update(self.owner(rid, got, at))
         self.witnesses.append(w)
 
-    def meta_witness(self, rid, p, field, want, got, owner=None) -> None:
+    def meta_witness(self, rid, p, field, want, got, owner=None, view=None) -> None:
         if any(w["rid"] == rid for w in self.witnesses):
             return
         w = Witness({"rid": rid, "victim_rid": rid, "tenant": p.get("tenant"), "victim_tenant": p.get("tenant"),
-                     "problem": f"the reply's {field} is not its request's", "view": f"meta.{field}", "field": field,
+                     "problem": f"the reply's {field} is not its request's", "view": view or f"meta.{field}",
+                     "field": field,
                      "expected": str(want), "got": str(got), "position": None,
                      "status": self.h.statuses.get(rid), "outcome": self.h.outcome(rid),
                      "finish_reason": self.h.finish_reason(rid), "endpoint": p.get("endpoint", "generate")})

@@ -171,6 +171,11 @@ def pytest_sessionfinish(session, exitstatus):
         msg = f"kvchaos report: NOT BUILT for {pr.run_dir}: {e!r}"
     else:
         msg += _plugin_sections(session.config, pr.run_dir, Path(r["html"]))
+        if r["overall"] in ("fail", "unknown") and session.exitstatus == pytest.ExitCode.OK:
+            # every test passed but the run is red: an experiment no test owns (an engine leak during the
+            # session's self-test) — the exit code says what the report says, never green
+            session.exitstatus = pytest.ExitCode.TESTS_FAILED
+            msg += f"\nkvchaos: every test passed, but the run is {r['label']}: exit {int(session.exitstatus)}"
     if tr is not None:
         tr.ensure_newline()
         for line in msg.splitlines():

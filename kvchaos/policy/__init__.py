@@ -6,7 +6,8 @@ Every checker says PASS, FAIL or UNKNOWN and declares (its class attribute ``lea
 is a leak. Here:
 
 * **Always run.** Every leak checker that needs nothing but the history (``log_only``: isolation,
-  kv_lifecycle, retraction) runs on every history, whatever a test or ``--checkers`` named
+  integrity, kv_lifecycle, page_ownership, retraction) runs on every history, whatever a test or
+  ``--checkers`` named
   (:func:`with_always`). One the test did not name is *not claimed*: its FAIL is red like any leak,
   its UNKNOWN is shown ("not claimed") but does not decide the status.
 * **Claimed.** A checker a test named or required is claimed. A claimed leak checker must not FAIL;

@@ -44,6 +44,8 @@ class Policy:
         st = (self.selftest or {}).get("status")
         if self.selftest is None or st == "caught" or self.blind_model:
             return None
+        if st == "engine_leak" and self.selftest.get("planted_caught"):
+            return None  # the harness caught what it planted (and more: the engine's own leak, red on its own)
         return f"the session's planted-leak self-test was not a clean catch ({st}): isolation cannot be trusted"
 
     def accepted_engine_failures(self, engine_errors, ctx: "Context") -> list[str]:

@@ -11,8 +11,9 @@ from .model import FAILED_TESTS, RunModel
 
 # --------------------------------------------------------------------------- findings
 def leaks(m: RunModel) -> list[dict]:
-    """Every leak witness of every experiment that was not planted: isolation, kv_lifecycle and
-    differential FAILs, whatever their test required and whether or not a known finding matched."""
+    """Every leak witness of every experiment that was not planted: every leak checker's FAIL (isolation,
+    integrity, page_ownership, kv_lifecycle, differential, ...), whatever their test required and whether
+    or not a known finding matched."""
     out = []
     for i, s in enumerate(m.scenarios):
         if s.planted:

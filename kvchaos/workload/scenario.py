@@ -57,10 +57,11 @@ ROLES = ("prefill", "decode")
 # faults/agent: every kind register_fault() declares (tests/test_scenario.py compares the two)
 AGENT_KINDS = ("delay", "fail", "short", "hold", "stall_status_read", "park", "chunked_prefill", "reject_admitted",
                "deferred_release_timeout", "early_free", "input_limit", "double_alloc", "salt_ignored",
-               "prefix_collision", "retract")
+               "prefix_collision", "retract", "token_flip", "meta_swap")
 # planted engine bugs (a mutated engine, not a fault a correct engine must survive): a scenario that arms
 # one is a detection test, and a search never arms one (kvchaos fuzz looks for the engine's own bugs)
-AGENT_MUTATIONS = ("reject_admitted", "early_free", "double_alloc", "salt_ignored", "prefix_collision")
+AGENT_MUTATIONS = ("reject_admitted", "early_free", "double_alloc", "salt_ignored", "prefix_collision", "token_flip",
+                   "meta_swap")
 TARGET_KEYS = ("any", "room", "rid", "rid_regex", "tenant")
 # faults/proxy/toxics.py TOXIC_TYPES: type -> its attributes (plus ``seed``, kvchaos' extension)
 TOXIC_TYPES = {
