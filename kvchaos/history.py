@@ -566,8 +566,16 @@ def render_witness(w: dict, width: int = 240) -> str:
         if isinstance(mech, dict) and mech.get("shown"):
             s += f"; mechanism: {mech.get('what')}"
         return s[:width * 2]
+    if "conflict" in w and "holder" in w:  # a page_ownership witness: the engines' own ledger
+        pages = w.get("pages") or ([w["page"]] if w.get("page") is not None else [])
+        n = w.get("n_pages") or len(pages)
+        what = f"page {pages[0]}" + (f" (+{n - 1} more)" if n > 1 else "") if pages else "pages"
+        s = f"{w.get('conflict')}: {what} on {w.get('role')}"
+        s += f", held by {w['holder']}" if w.get("holder") else ""
+        s += f", given to {w['to']}" if w.get("to") else ""
+        s += f", in {w['where']}" if w.get("where") else ""
+        return (s + f" — {w.get('problem')}")[:width * 2]
     keep = ("rid", "tenant", "problem", "outcome", "status", "latency_s", "missing", "room", "pages",
-            "after_release_ms", "release_outcome", "kv_used_before", "kv_used_after", "error", "stage",
-            "conflict", "page", "n_pages", "holder", "to", "where", "role")
+            "after_release_ms", "release_outcome", "kv_used_before", "kv_used_after", "error", "stage")
     s = ", ".join(f"{k}={w[k]}" for k in keep if w.get(k) is not None)
     return (s or json.dumps(w, default=str))[:width]

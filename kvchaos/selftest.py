@@ -54,7 +54,7 @@ def run_selftest(cluster, run_dir, policy=None, seed: int = 4242) -> tuple[dict,
     plans = [wl.request(wl.tenants[i % 8], n_tokens=160 + 5 * i) for i in range(N_REQUESTS)]
     ex = Experiment("selftest", plans, [oracles.Isolation(), oracles.Sensitivity()], cluster=cluster,
                     run_dir=run_dir, path=run_dir / "selftest.events.jsonl", test_id="session: planted-leak self-test",
-                    seed=seed, policy=policy, settle_s=0, probe_before=False,
+                    seed=seed, policy=policy, settle_s=0, probe_before=False, faults=_evidence_kit(cluster),
                     timeout_s=cluster.spec.request_timeout_s)
     with ex:
         planted = [plant_leak(plans[1], plans[0], ex.log), plant_leak(plans[6], plans[3], ex.log)]
@@ -87,6 +87,18 @@ def run_selftest(cluster, run_dir, policy=None, seed: int = 4242) -> tuple[dict,
         raise SelfTestFailed("planted-leak self-test: the harness did not catch a leak it planted: "
                              + "; ".join(out["why"]) + f" (events: {ex.path})")
     return out, ex
+
+
+def _evidence_kit(cluster):
+    """A fault kit whose only use here is the engines' own events (the ownership ledger, transfers, releases)
+    joining the self-test's log, so page_ownership and kv_lifecycle judge it too; None for a cluster without
+    the in-engine agent. Nothing is armed through it."""
+    if not (getattr(cluster, "agent_dir", None) or getattr(cluster, "agent_urls", None)):
+        return None
+    from faults import FaultKit  # on use: the fault layer, as the suites' kit
+    from kvchaos.workload import EventLog
+
+    return FaultKit(cluster, EventLog())
 
 
 def engine_leaks(verdicts, planted: list[dict]) -> list:

@@ -46,12 +46,14 @@ prefix_collision four pairs part at a canary (page  isolation      the pair's se
                  boundary, mid-page); the second                   the first's canary. Clean: the same
                  looked up once the first ended                    pairs, lookups honest
 token_flip       three tenants' replies, one token  integrity      each victim, at exactly its position
-                 changed by decode's output stream                 (first, middle, last: each on another
-                 at the first, a middle and the                    endpoint). Clean: nothing flipped
-                 last position
-meta_swap        two streamed replies decoded side  integrity      the pair, by the metadata field
-                 by side, their prompt and cached                  (prompt_tokens / cached_tokens).
-                 token counts exchanged                            Clean: nothing swapped
+                 changed by decode's output stream                 (first, middle, last: each delivered
+                 at the first, a middle and the                    another way, /generate or completions,
+                 last position                                     whole or streamed). Clean: nothing
+                                                                   flipped
+meta_swap        six long streamed replies decoded  integrity      the swapped ones, by the metadata
+                 side by side, two at a time with                  field (prompt_tokens /
+                 their prompt and cached token                     cached_tokens). Clean: nothing
+                 counts exchanged                                  swapped
 =============== ================================== ============== ==================================
 """
 
@@ -354,14 +356,17 @@ FLIP_AT = ("first", "middle", "last")
 
 def scenario_token_flip(experiment, seeds, faults, cluster, trial, mutate):
     """Three tenants' replies, each with one token changed by the engine (``token_flip``: decode's output
-    stream) at the first, a middle and the last position of what it must be, each on another endpoint:
+    stream) at the first, a middle and the last position of what it must be, each delivered another way:
     integrity names each victim at exactly its position. Clean: the same requests, nothing flipped."""
     wl = Workload(seeds(820 + trial), n_tenants=8, prefix=f"xf{'m' if mutate else 'c'}{trial}")
-    endpoints = ("generate", "completions", "chat")
-    victims = [wl.request(wl.tenants[i], "plain", n_tokens=300, n_canaries=3,
-                          endpoint=endpoints[(i + trial) % 3]) for i in range(3)]
+    # the victims' deliveries rotate with the trial: /generate and /v1/completions, whole and streamed (an
+    # OpenAI chat request reaches decode under an id of the router's, which no rid target can name: the
+    # chat replies of the background traffic are judged all the same)
+    shapes = [("generate", "plain"), ("completions", "stream"), ("generate", "stream"), ("completions", "plain")]
+    victims = [wl.request(wl.tenants[i], shapes[(i + trial) % 4][1], n_tokens=300, n_canaries=3,
+                          endpoint=shapes[(i + trial) % 4][0]) for i in range(3)]
     at = {v.rid: _flip_index(v, where) for v, where in zip(victims, FLIP_AT)}
-    plans = wl.mix(background(mutate), lengths=(200, 500), endpoints=endpoints)
+    plans = wl.mix(background(mutate), lengths=(200, 500), endpoints=("generate", "completions", "chat"))
     plans = plans[:4] + victims + plans[4:]
     with experiment(f"matrix_token_flip_{'mut' if mutate else 'clean'}_{trial}", plans,
                     [Isolation(), Integrity(), Liveness(bound_s=BOUND_S)], seed=wl.seed, timeout_s=BOUND_S) as ex:
@@ -388,11 +393,15 @@ def _flip_index(p, where: str) -> int:
 
 
 def scenario_meta_swap(experiment, seeds, faults, cluster, trial, mutate):
-    """Two tenants' streamed replies decoded side by side while the engine exchanges their metadata
-    (``meta_swap``: prompt and cached token counts, decode's output stream): integrity names both, by the
-    metadata field. Clean: the same pair, nothing swapped."""
+    """Six tenants' long streamed replies decoded side by side while the engine exchanges the metadata of
+    two sent in one batch (``meta_swap``: prompt and cached token counts, decode's output stream):
+    integrity names them, by the metadata field, and nothing else. Clean: the same six, nothing swapped."""
     wl = Workload(seeds(840 + trial), n_tenants=8, prefix=f"xw{'m' if mutate else 'c'}{trial}")
-    pair = [wl.request(wl.tenants[i], "stream", n_tokens=n, n_canaries=3) for i, n in ((0, 260), (1, 330))]
+    # six long streams of six tenants, each of another length, first in line: decode writes ~0.3 s of
+    # tokens for a 3-canary reply on the CI layouts and pre-allocates a request only once prefill has it,
+    # so two streams of 10 canaries (121 tokens) each are what overlap there (one pair of 3-canary streams
+    # did not: 2026-12-07)
+    pair = [wl.request(wl.tenants[i], "stream", n_tokens=260 + 23 * i, n_canaries=10) for i in range(6)]
     plans = pair + wl.mix(background(mutate), lengths=(200, 500))
     with experiment(f"matrix_meta_swap_{'mut' if mutate else 'clean'}_{trial}", plans,
                     [Isolation(), Integrity(), Liveness(bound_s=BOUND_S)], seed=wl.seed, timeout_s=BOUND_S) as ex:

@@ -339,12 +339,13 @@ class Fuzzer:
             self.say(f"  (its scenario could not be written: {e})")
             return
         for f in triage(ex.verdicts, ex.context(), self.registry, ex.events):
+            self.say(f"  self-test: {f.kind.upper()} {f.finding or f.signature} ({f.oracle} {f.status.upper()})")
             if f.kind == "new" and f.signature not in self.stats.new:
                 rec = {"t": round(self.elapsed(), 1), "oracle": f.oracle, "status": f.status, "mechanism": f.mechanism,
                        "seen": 1, "leak": is_leak(f), "scenario": sc.digest(), "why_not_known": f.why_not_known,
                        "confirmed": None, "during": "planted-leak self-test",
-                       "reproduced": "not re-run: seen in the cluster's planted-leak self-test, whose scenario carries "
-                                     "the planted leaks"}
+                       "reproduced": "not re-run (its scenario carries the planted leaks, which any re-run shows "
+                                     "again)"}
                 self.stats.new[f.signature] = rec
                 self._write_find(f"new-{f.signature}", sc, f, ex, rec)
             elif f.kind == "new":
@@ -584,7 +585,9 @@ class Fuzzer:
         if f.power_met is False:
             lines += ["", "The run was under its power floor in some exposure class (the summary says which): "
                       "the leak's mechanism is the finding's, but the policy would not accept this run as KNOWN."]
-        if rec:
+        if rec and rec.get("during"):
+            lines += ["", f"Seen during the cluster's {rec['during']}: {rec.get('reproduced')}."]
+        elif rec:
             lines += ["", f"Reproduced {rec.get('reproduced')}; the control (no faults, no live knobs) "
                       f"showed it: {rec.get('control_shows_it')}."]
             if f.why_not_known:
