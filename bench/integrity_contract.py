@@ -46,7 +46,8 @@ def run_layout(layout: str, replies: int, reports: Path) -> dict:
                        cwd=REPO, env=env, capture_output=True, text=True, timeout=6 * 3600)
     wall = time.time() - t0
     found = sorted(reports.rglob("clean_control*.verdicts.json"), key=lambda f: f.stat().st_mtime)
-    row = {"layout": layout, "where": "engine", "replies": replies, "wall_s": round(wall, 1), "pytest_exit": p.returncode}
+    row = {"layout": layout, "where": "engine", "replies": replies, "wall_s": round(wall, 1),
+           "pytest_exit": p.returncode}
     if not found:
         row["error"] = f"no clean_control verdicts (pytest exit {p.returncode}): {(p.stdout + p.stderr)[-1500:]}"
         return row
@@ -113,20 +114,24 @@ def main() -> int:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         base = Path(args.reports or tmp)
-        todo = [(x, "engine") for x in args.layouts.split(",") if x] + [(x, "local") for x in args.local.split(",") if x]
+        todo = ([(x, "engine") for x in args.layouts.split(",") if x]
+                + [(x, "local") for x in args.local.split(",") if x])
         for layout, where in todo:
             rows.append(run_layout(layout, args.replies, base / layout.replace(":", "-")) if where == "engine"
                         else run_local(layout, args.replies))
             r = rows[-1]
-            print(f"{layout}: {r.get('integrity')} — {r.get('whole_exact')} whole + {r.get('cut_short_exact')} cut short "
-                  f"exact of {r.get('judged')} judged, {r.get('mismatches')} mismatches, not judged {r.get('not_judged')}; "
-                  f"{r['wall_s']:.0f} s" + (f"; ERROR {r['error']}" if r.get("error") else ""), flush=True)
-    print("\n| layout | where | replies | judged | exact (whole) | exact (cut short) | not judged | mismatches | wall |")
+            print(f"{layout}: {r.get('integrity')} — {r.get('whole_exact')} whole + {r.get('cut_short_exact')} "
+                  f"cut short exact of {r.get('judged')} judged, {r.get('mismatches')} mismatches, not judged "
+                  f"{r.get('not_judged')}; {r['wall_s']:.0f} s" + (f"; ERROR {r['error']}" if r.get("error") else ""),
+                  flush=True)
+    print("\n| layout | where | replies | judged | exact (whole) | exact (cut short) | not judged | mismatches "
+          "| wall |")
     print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         nj = sum((r.get("not_judged") or {}).values())
-        print(f"| {r['layout']} | {r.get('where', 'engine')} | {r['replies']} | {r.get('judged')} | {r.get('whole_exact')} "
-              f"| {r.get('cut_short_exact')} | {nj} | {r.get('mismatches')} | {r['wall_s'] / 60:.1f} min |")
+        print(f"| {r['layout']} | {r.get('where', 'engine')} | {r['replies']} | {r.get('judged')} "
+              f"| {r.get('whole_exact')} | {r.get('cut_short_exact')} | {nj} | {r.get('mismatches')} "
+              f"| {r['wall_s'] / 60:.1f} min |")
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2, default=str) + "\n")
     ok = all(r.get("integrity") == "pass" and r.get("mismatches") == 0 and r.get("judged") == r["replies"]

@@ -118,7 +118,6 @@ def engine_leaks(verdicts, planted: list[dict]) -> list:
         if not ws:
             continue
         first = ws[0].line() if hasattr(ws[0], "line") else str(ws[0])
-        out.append(oracles.Verdict(v.oracle, oracles.FAIL,
-                                   f"{ENGINE_LEAK}: {len(ws)} witness(es) nothing planted explains (first: {first})"[:1200],
-                                   ws, {**v.stats, "selftest": "engine leak"}))
+        why = f"{ENGINE_LEAK}: {len(ws)} witness(es) nothing planted explains (first: {first})"
+        out.append(oracles.Verdict(v.oracle, oracles.FAIL, why[:1200], ws, {**v.stats, "selftest": "engine leak"}))
     return out

@@ -11,17 +11,11 @@ handed out twice, released twice, or pointed at by two live requests' page table
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
 from kvchaos import oracles
+from tests.util import agent_process_result
 
-REPO = Path(__file__).resolve().parents[1]
 
 SCRIPT = r'''
 import json, types
@@ -153,15 +147,7 @@ print("RESULT " + json.dumps(out))
 
 @pytest.fixture(scope="module")
 def seen(tmp_path_factory):
-    ctl = tmp_path_factory.mktemp("agent-ownership")
-    env = {**os.environ, "KVCHAOS_AGENT": str(ctl), "KVCHAOS_AGENT_ROLE": "decode",
-           "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
-    env.pop("KVCHAOS_CPU_COMPAT", None)
-    r = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=300,
-                       cwd=str(REPO))
-    line = next((x for x in r.stdout.splitlines() if x.startswith("RESULT ")), None)
-    assert r.returncode == 0 and line, f"rc={r.returncode}\n{r.stdout[-2000:]}\n{r.stderr[-4000:]}"
-    return json.loads(line[len("RESULT "):])
+    return agent_process_result(SCRIPT, tmp_path_factory.mktemp("agent-ownership"))
 
 
 @pytest.mark.parametrize("ps", [1, 16])
@@ -230,6 +216,7 @@ def test_conflicts_past_the_event_cap_are_still_a_fail():
           _agent("kv_prealloc", rid="a", pid=7, ledger={"handed": 10, "suppressed": 3}),
           _agent("kv_prealloc", rid="b", pid=7, ledger={"handed": 20, "suppressed": 9})]
     v = oracles.page_ownership(ev)
-    assert v.status == "fail" and v.witnesses[0]["conflict"] == "suppressed" and "6 page conflict" in v.witnesses[0]["problem"]
+    w = v.witnesses[0]
+    assert v.status == "fail" and w["conflict"] == "suppressed" and "6 page conflict" in w["problem"]
     ev[2]["ledger"]["suppressed"] = 3
     assert oracles.page_ownership(ev).status == "pass"

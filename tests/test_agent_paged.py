@@ -11,15 +11,10 @@ saw as JSON; the tests below judge it."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+from tests.util import agent_process_result
+
 
 SCRIPT = r'''
 import json, types
@@ -105,15 +100,7 @@ print("RESULT " + json.dumps(out))
 
 @pytest.fixture(scope="module")
 def seen(tmp_path_factory):
-    ctl = tmp_path_factory.mktemp("agent-paged")
-    env = {**os.environ, "KVCHAOS_AGENT": str(ctl), "KVCHAOS_AGENT_ROLE": "decode",
-           "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
-    env.pop("KVCHAOS_CPU_COMPAT", None)
-    r = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=300,
-                       cwd=str(REPO))
-    line = next((x for x in r.stdout.splitlines() if x.startswith("RESULT ")), None)
-    assert r.returncode == 0 and line, f"rc={r.returncode}\n{r.stdout[-2000:]}\n{r.stderr[-4000:]}"
-    return json.loads(line[len("RESULT "):])
+    return agent_process_result(SCRIPT, tmp_path_factory.mktemp("agent-paged"))
 
 
 def test_the_agent_hooks_the_paged_allocator_on_import(seen):

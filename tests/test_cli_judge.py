@@ -161,7 +161,8 @@ def test_clean_log_passes(tmp_path):
     (one,) = doc["logs"]
     assert doc["exit_code"] == 0 and one["file"] == str(path) and one["status"] == "pass" and one["version"] == "0.5.23"
     assert {v["oracle"]: v["status"] for v in one["verdicts"]} == {
-        "isolation": "pass", "integrity": "pass", "sensitivity": "pass", "http_semantics": "unknown", "liveness": "pass",
+        "isolation": "pass", "integrity": "pass", "sensitivity": "pass", "http_semantics": "unknown",
+        "liveness": "pass",
         "kv_lifecycle": "unknown", "page_ownership": "unknown", "retraction": "unknown"}  # retraction always runs
 
 
@@ -221,7 +222,8 @@ def test_bad_input_exits_2_naming_file_and_problem(tmp_path):
     cases.append(((str(tmp_path),), "is a directory"))
     cases.append(((str(good), str(good)), "given twice"))
     cases.append(((str(good), "--checkers", "isolation,nope"), "unknown checker(s) nope; allowed: isolation, "
-                                                              "integrity, sensitivity, http_semantics, liveness, kv_lifecycle, page_ownership"))
+                                                              "integrity, sensitivity, http_semantics, liveness, "
+                                                              "kv_lifecycle, page_ownership"))
     cases.append(((str(good), "--bound-s", "0"), "--bound-s must be > 0"))
     for args, msg in cases:
         p = kvchaos("judge", *args)

@@ -16,8 +16,8 @@ import pytest
 from faults.agent import control as agent_control
 from faults.proxy import toxics
 from kvchaos.cluster.spec import ClusterSpec
-from kvchaos.oracles import (AbortSemantics, CacheIsolation, Differential, HttpSemantics, Integrity, Isolation, KvCanary,
-                             KvChecksum, KVLifecycle,
+from kvchaos.oracles import (AbortSemantics, CacheIsolation, Differential, HttpSemantics, Integrity, Isolation,
+                             KvCanary, KvChecksum, KVLifecycle,
                              Liveness, PageOwnership, Retraction, Sensitivity, SensitivityFloor, TimingIsolation)
 from kvchaos.schedule import NemesisError, Schedule, build_checks, check_spec
 from kvchaos.workload import Workload
@@ -64,8 +64,10 @@ def test_plan_fields_are_request_plans():
 
 
 def test_checks_take_the_checkers_options():
-    built = {"isolation": Isolation(), "integrity": Integrity(), "sensitivity": Sensitivity(), "http_semantics": HttpSemantics(),
-             "liveness": Liveness(bound_s=5), "kv_lifecycle": KVLifecycle(), "page_ownership": PageOwnership(), "abort_semantics": AbortSemantics(),
+    built = {"isolation": Isolation(), "integrity": Integrity(), "sensitivity": Sensitivity(),
+             "http_semantics": HttpSemantics(),
+             "liveness": Liveness(bound_s=5), "kv_lifecycle": KVLifecycle(), "page_ownership": PageOwnership(),
+             "abort_semantics": AbortSemantics(),
              "retraction": Retraction(), "cache_isolation": CacheIsolation(), "timing_isolation": TimingIsolation(),
              "kv_checksum": KvChecksum(), "kv_canary": KvCanary()}
     assert set(built) | {"differential"} == set(CHECKS)

@@ -19,7 +19,8 @@ from tests.fake_engine import FakeEngine
 
 class StandIn:
     def __init__(self, url):
-        self.endpoints = type("E", (), {"router": url, "prefill": url, "decode": url, "as_dict": lambda s: {"router": url}})()
+        self.endpoints = type("E", (), {"router": url, "prefill": url, "decode": url,
+                                        "as_dict": lambda s: {"router": url}})()
         self.spec = types.SimpleNamespace(request_timeout_s=10.0)
 
     def server_info(self, role="decode"):

@@ -26,3 +26,23 @@ def written(path) -> bool:
         return bool(path.read_text())
     except FileNotFoundError:
         return False
+
+
+def agent_process_result(script: str, ctl_dir, role: str = "decode", timeout: float = 300) -> dict:
+    """Run ``script`` in a child Python booted as an engine process of ``role`` is (``KVCHAOS_AGENT`` /
+    ``KVCHAOS_AGENT_ROLE``: the agent hooks SGLang's classes as they import) and return the JSON it printed
+    after ``RESULT `` (the test fails with the child's output when there is none)."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "KVCHAOS_AGENT": str(ctl_dir), "KVCHAOS_AGENT_ROLE": role,
+           "PYTHONPATH": os.pathsep.join([str(repo), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
+    env.pop("KVCHAOS_CPU_COMPAT", None)
+    r = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=timeout,
+                       cwd=str(repo))
+    line = next((x for x in r.stdout.splitlines() if x.startswith("RESULT ")), None)
+    assert r.returncode == 0 and line, f"rc={r.returncode}\n{r.stdout[-2000:]}\n{r.stderr[-4000:]}"
+    return json.loads(line[len("RESULT "):])

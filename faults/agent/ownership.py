@@ -114,23 +114,11 @@ class Ledger:
     # ------------------------------------------------------------------ requests view (decode)
     def claimed(self, alloc, rid: str, pages, where: str) -> None:
         """``rid``'s page table now points at these pages (fresh ones: not a shared prefix)."""
-        out = []
-        with self.lock:
-            b = self.book(alloc)
-            for p in pages:
-                if p == PADDING_PAGE:
-                    continue
-                o = b.owner.get(p)
-                if o is not None and o != rid:
-                    out.append(("two_holders", p, o, rid))
-                elif b.tracked and p not in b.held:
-                    out.append(("unallocated", p, b.last.get(p), rid))
-                b.owner[p] = rid
-                self.stats["claimed"] += 1
-        self._emit(b, out, where)
+        pages = list(pages)
+        self.claimed_each(alloc, [rid] * len(pages), pages, where)
 
     def claimed_each(self, alloc, rids, pages, where: str) -> None:
-        """A decode step: page ``pages[i]`` written for request ``rids[i]``."""
+        """Page ``pages[i]`` is now in request ``rids[i]``'s page table (a decode step: one slot a request)."""
         out = []
         with self.lock:
             b = self.book(alloc)
@@ -143,6 +131,7 @@ class Ledger:
                 elif b.tracked and p not in b.held:
                     out.append(("unallocated", p, b.last.get(p), rid))
                 b.owner[p] = rid
+                self.stats["claimed"] += 1
         self._emit(b, out, where)
 
     # ------------------------------------------------------------------ events

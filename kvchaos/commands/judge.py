@@ -3,10 +3,10 @@
 Each log is read by the one loader (``kvchaos.history``) and judged on its own by the policy
 (``kvchaos.policy``): the default checkers (``--checkers`` names the ones to run, each then required to
 PASS) plus every leak checker that always runs (isolation, integrity, kv_lifecycle, page_ownership,
-retraction: no flag switches one off; one not named is "not claimed" — its FAIL is red, its UNKNOWN shown). Every FAIL is red;
-isolation must PASS unless not claimed. The canaries minted in any of the given logs are known to all
-of them: another log's canary in a reply is a leak with origin ``session (<file>)``; a recital of a
-canary minted in none is of unknown origin. Known findings apply only when the log's ``experiment``
+retraction: no flag switches one off; one not named is "not claimed" — its FAIL is red, its UNKNOWN
+shown). Every FAIL is red; isolation must PASS unless not claimed. The canaries minted in any of the
+given logs are known to all of them: another log's canary in a reply is a leak with origin
+``session (<file>)``; a recital of a canary minted in none is of unknown origin. Known findings apply only when the log's ``experiment``
 header names the engine version. A log that cannot be read, a line that is not a JSON object
 (``file:line``), a key given twice in one record, a record without ``ev``, a second plan / send /
 body / end or final status for one rid, a plan without a rid or with a malformed canary, or a log

@@ -55,10 +55,12 @@ Run = as_history  # the index every checker reads: kvchaos.history.History
 
 __all__ = ["FAIL", "PASS", "STATUSES", "UNKNOWN", "CORRUPTING_FAULTS", "DEFAULT_FLOOR", "ECHO_RATE",
            "AbortSemantics", "CacheIsolation", "Checker", "Composite", "Differential", "History", "HttpSemantics",
-           "Integrity", "Isolation", "KVLifecycle", "Liveness", "PageOwnership", "Retraction", "Run", "Sensitivity", "SensitivityFloor",
+           "Integrity", "Isolation", "KVLifecycle", "Liveness", "PageOwnership", "Retraction", "Run", "Sensitivity",
+           "SensitivityFloor",
            "TimingIsolation", "Verdict", "abort_semantics", "agent_kind", "as_history", "binomial_lower_bound",
            "cache_isolation", "check_safe", "compose", "default_checkers", "differential", "http_semantics",
-           "integrity", "isolation", "kv_lifecycle", "kv_page_size", "kv_pages_written", "liveness", "page_ownership", "pages_for", "power",
+           "integrity", "isolation", "kv_lifecycle", "kv_page_size", "kv_pages_written", "liveness", "page_ownership",
+           "pages_for", "power",
            "retraction", "scan", "sensitivity", "timing_isolation",
            "KvCanary", "KvChecksum"]  # the defence arm's (kvchaos.oracles.defences)
 

@@ -351,8 +351,8 @@ def integrity(h, registry=None, reference=None, min_judged: float = MIN_JUDGED, 
     if not met:
         why = "no reply could be judged" if not j.judged else stats["power"]["why"]
         return Verdict("integrity", UNKNOWN, f"{why}" + (f" — not judged: {nj}" if nj else ""), [], stats)
-    return Verdict("integrity", PASS, f"{j.exact} whole replies exactly what their prompts must give, {j.prefix} cut short "
-                   f"and each the beginning of it" + (f"; not judged: {nj}" if nj else ""), [], stats)
+    return Verdict("integrity", PASS, f"{j.exact} whole replies exactly what their prompts must give, {j.prefix} cut "
+                   f"short and each the beginning of it" + (f"; not judged: {nj}" if nj else ""), [], stats)
 
 
 class Integrity(Checker):

@@ -212,9 +212,9 @@ def _leaks_section(m) -> str:
     if not items:
         if not n_real:
             return ""
-        return (f'<section id="leaks" data-count="0"><h2>Leaks</h2><p>No leak: no FAIL of a leak checker '
+        return ('<section id="leaks" data-count="0"><h2>Leaks</h2><p>No leak: no FAIL of a leak checker '
                 f"(isolation, integrity, page_ownership, kv_lifecycle, ...) in {n_real} experiment(s) that were not "
-                f"planted.</p></section>")
+                "planted.</p></section>")
     out = [f'<section id="leaks" data-count="{len(items)}"><h2>Leaks ({len(items)} witness(es), '
            f"{len({(x['scenario'], x['witness'].get('victim_rid') or x['witness'].get('rid')) for x in items})} "
            "request(s))</h2>"]
