@@ -58,8 +58,21 @@ def run_layout(layout: str, replies: int, reports: Path) -> dict:
                 "whole_exact": st.get("whole"), "cut_short_exact": st.get("beginning"),
                 "not_judged": st.get("not_judged"), "mismatches": len(v.get("witnesses") or []),
                 "witnesses": (v.get("witnesses") or [])[:20],
-                "others": {o: x.get("status") for o, x in verdicts.items() if o != "integrity"}})
+                "others": {o: x.get("status") for o, x in verdicts.items() if o != "integrity"},
+                "shapes": _shapes(Path(str(found[-1]).replace("verdicts.json", "events.jsonl")))})
     return row
+
+
+def _shapes(events: Path) -> dict:
+    """Replies per workload shape (sharing / endpoint / delivery) of the run: what the contract was held to."""
+    out: dict = {}
+    if events.exists():
+        for line in events.read_text().splitlines():
+            e = json.loads(line)
+            if e.get("ev") == "plan":
+                k = f"{e.get('sharing')}/{e.get('endpoint')}/{e.get('kind')}"
+                out[k] = out.get(k, 0) + 1
+    return dict(sorted(out.items()))
 
 
 def run_local(layout: str, replies: int) -> dict:

@@ -67,12 +67,19 @@ def replay_witness() -> str:
 
 def detection_matrix() -> str:
     rows = _load(MATRIX)
-    out = ["| class | arm | detected | witness names the victim | first oversized request caught (leak shown) | "
+    out = ["| class | arm | detected | witness names the victim | also | "
            "time to first detection | policy per trial |", "|---|---|---|---|---|---|---|"]
     for r in rows:
         t = f"{r['time_to_first_detection_s']:.1f} s" if r.get("time_to_first_detection_s") is not None else "—"
-        first = (f"{r['first_request_caught']}/{r['trials']} ({r['first_request_leak_shown']}/{r['trials']})"
-                 if "first_request_caught" in r else "—")
+        if "first_request_caught" in r:
+            first = (f"first oversized request caught {r['first_request_caught']}/{r['trials']} (leak shown "
+                     f"{r['first_request_leak_shown']}/{r['trials']})")
+        elif "positions_caught" in r:
+            first = "at its position: " + ", ".join(f"{k} {v}/{r['trials']}" for k, v in r["positions_caught"].items())
+        elif "replies_show_it" in r:
+            first = f"replies show it {r['replies_show_it']}/{r['trials']} (isolation / differential)"
+        else:
+            first = "—"
         wit = f"{r['witness_ok']}/{r['detected']}" if r["arm"] == "mutated" else "—"
         out.append(f"| `{r['class']}` | {r['arm']} | {r['detected']}/{r['trials']} | {wit} | {first} | {t} | "
                    f"{', '.join(r.get('judgements', []))} |")
