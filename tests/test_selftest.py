@@ -106,3 +106,35 @@ def test_a_run_whose_selftest_saw_an_engine_leak_exits_red_though_every_test_pas
     assert "1 passed" in r.stdout, r.stdout[-2000:]
     assert r.returncode == 1, r.stdout[-2000:]
     assert "every test passed, but the run is FAIL" in r.stdout and ENGINE_LEAK in r.stdout, r.stdout[-2000:]
+
+
+def test_fuzz_writes_up_a_selftests_engine_leak_as_a_find_and_goes_on(tmp_path):
+    """kvchaos fuzz's clusters run the self-test; one that saw the engine leak is triaged like a run (the real
+    registry: nothing known explains this one) and written up, not re-run; no traceback, the search goes on."""
+    from kvchaos.fuzz.corpus import Corpus
+    from kvchaos.fuzz.grammar import Base
+    from kvchaos.fuzz.loop import Clusters, Fuzzer
+    from kvchaos.policy import Registry
+
+    (tmp_path / "run").mkdir()
+    out, _ex, c, _recs = _run(tmp_path / "run", LeaksOnOne)
+    said = []
+    fz = Fuzzer(clusters=Clusters(None, None), base=Base(pool=2048, context=4096, reservation=512, input_limit=2042),
+                registry=Registry.load(), out=tmp_path / "fz", corpus=Corpus(tmp_path / "c"), seed=1, budget_s=1,
+                say=said.append)
+    fz.t0 = fz.clock()  # as run() starts it
+    fz._selftest_finds(c, None, types.SimpleNamespace(selftest=out))
+    new = fz.stats.new
+    assert {n["oracle"] for n in new.values()} == {"isolation", "integrity"} and all(n["leak"] for n in new.values())
+    assert all(n["during"] == "planted-leak self-test" and n["confirmed"] is None for n in new.values())
+    finds = sorted(p.name for p in (tmp_path / "fz" / "finds").iterdir())
+    assert finds == sorted(f"new-{s}" for s in new)
+    assert any("self-test: NEW" in m for m in said)
+    bug = (tmp_path / "fz" / "finds" / finds[0] / "BUG.md").read_text()
+    assert ENGINE_LEAK in bug and "Seen during the cluster's planted-leak self-test" in bug
+    # a clean self-test is no find
+    fz2 = Fuzzer(clusters=Clusters(None, None), base=Base(pool=2048, context=4096, reservation=512, input_limit=2042),
+                 registry=Registry.load(), out=tmp_path / "fz2", corpus=Corpus(tmp_path / "c2"), seed=1, budget_s=1)
+    fz2.t0 = fz2.clock()
+    fz2._selftest_finds(c, None, types.SimpleNamespace(selftest={**out, "status": "caught"}))
+    assert fz2.stats.new == {}

@@ -400,8 +400,7 @@ class Fuzzer:
             self.say(f"  {sc.name}: the cluster is replaced, {str(broken)[:300]}")
             self.clusters.close()
             if any(f.kind == "new" and is_leak(f) for f in finds):  # confirmed now, on a working cluster
-                (cluster, kit, policy), started = self.clusters.get(sc.deployment)
-                self.stats.restarts += bool(started)
+                cluster, kit, policy = self._cluster(sc.deployment)
         first = [f for f in finds if (f.kind == "known" and f.finding not in self.stats.first_known)
                  or (f.kind == "new" and f.signature not in self.stats.new)]
         self.operators.paid(sc.origin.get("by"), kept or bool(first))
