@@ -39,7 +39,7 @@ from urllib.parse import urlsplit
 from kvchaos import canary, oracles
 from kvchaos.cluster.dry import DryRun  # noqa: F401 - raised on entering a dry run's experiment
 from kvchaos.cluster.layouts import DEFAULT_LAYOUT, pace_of
-from kvchaos.history import SCHEMA, History, HistoryError
+from kvchaos.history import SCHEMA, History, HistoryError, close_record
 from kvchaos.oracles import FAIL, PASS, UNKNOWN  # noqa: F401 - re-exported for suites
 from kvchaos.policy import KNOWN, Context, Judgement, Policy
 from kvchaos.schedule import Schedule, build_checks, check_spec
@@ -139,6 +139,7 @@ class Experiment:
         self._during: During | None = None
         self.live: _LiveWatch | None = None
         self.t_start = None
+        self.engine_info: dict = {}  # the engines as read at the start (_engine): the header's "engine"
         self.t_method = self.t_method_end = None  # wall times: the workload started, ended
         self.scenario_path: Path | None = None  # <stem>.scenario.json: this experiment as data (kvchaos.workload.scenario)
         self.scenario_error: str | None = None
@@ -166,9 +167,10 @@ class Experiment:
         self.canaries.add_plans({p.rid: {"canaries": p.canaries, "tenant": p.tenant, "prompt": p.prompt} for p in self.plans},
                                 f"experiment {self.name}")
         self.log = EventLog(self.path)
+        self.engine_info = _engine(self.cluster)
         self.log.emit("experiment", schema=SCHEMA, id=self.id, name=self.name, test=self.test_id, seed=self.seed,
                       run_seed=self.run_seed, plans_digest=self.plans_digest, n=len(self.plans),
-                      concurrency=self.concurrency, timeout_s=self.timeout_s, engine=_engine(self.cluster), layout=_layout(self.cluster), via=self.via,
+                      concurrency=self.concurrency, timeout_s=self.timeout_s, engine=self.engine_info, layout=_layout(self.cluster), via=self.via,
                       checkers=[repr(c) for c in self.checks.checkers], claimed=sorted(self.claimed))
         for e in healed_before:
             _log_healed(self.log, e, before=True)
@@ -228,11 +230,13 @@ class Experiment:
             kw.update(gate=self.schedule.gate, gated=[p.rid for p in plans if p.rid in gates])
         return run_plans(ep.router, plans, self.log, concurrency=concurrency or self.concurrency,
                          timeout_s=timeout_s or self.timeout_s, abort_urls=(ep.prefill, ep.decode),
-                         stall_s=self.stall_s, **kw)
+                         stall_s=self.stall_s, incremental=bool(self.engine_info.get("incremental_streaming_output")),
+                         **kw)
 
     def __exit__(self, exc_type, exc, tb):
         if exc_type is not None:  # the method itself failed: nothing ran to judge
             self.log.emit("aborted", error=repr(exc))
+            close_record(self.log, self.id)
             self.log.close()
             _tell("close", self, error=repr(exc))
             return False
@@ -272,6 +276,7 @@ class Experiment:
             self.engine_errors = watch.seen + _engine_errors(self.cluster)
             for e in self.engine_errors:
                 self.log.emit("engine_error", **{k: v for k, v in e.items() if k != "healed"})
+            close_record(self.log, self.id)
         except BaseException as e:
             _tell("close", self, error=repr(e))
             raise
@@ -683,6 +688,12 @@ def _engine(cluster) -> dict:
             out["roles"][role] = f"unreachable: {e!r}"[:200]
     vs = {v for v in out["roles"].values() if v and not str(v).startswith("unreachable")}
     out["version"] = vs.pop() if len(vs) == 1 else (sorted(vs)[0] if vs else None)
+    try:  # how decode streams /generate: each chunk the reply so far, or only its new text (History.reply_text)
+        inc = server_field(cluster.server_info("decode"), "incremental_streaming_output")
+    except Exception:  # noqa: BLE001 - unreachable: recorded above; the judge then reads the chunks as they are
+        inc = None
+    if isinstance(inc, bool):
+        out["incremental_streaming_output"] = inc
     return out
 
 

@@ -27,15 +27,18 @@ never rejected for its age. A log of a newer schema is read as far as its record
 with a warning.
 
 What the client received (:meth:`History.client_views`): every byte of every reply, error and stream,
-whatever the driver's parse made of it — the parsed text, the error, the raw body, the raw body
-re-read as server-sent events (deltas joined: a canary split across chunks, or sent after a line the
-driver could not parse or after ``[DONE]``), every string in the reply's metadata, the output token
-ids decoded with the probe's tokenizer, the error records of the request and the error bodies of a
-``pd_direct`` prefill leg. Isolation scans all of them.
+whatever the driver's parse made of it — the parsed text, the error, the raw body, every string of the
+raw body read by JSON path (:func:`raw_views`: a whole JSON body, each server-sent event — after a line
+the driver could not parse, a line cut short, ``[DONE]`` — or each line of a line-delimited stream; each
+path's values joined in order, so a canary streamed a token per chunk in any field is whole again),
+every string in the reply's metadata, the output token ids decoded with the probe's tokenizer, and
+every other record of the request (error records, a ``pd_direct`` prefill leg's error bodies), read by
+path across the records of one kind. Isolation scans all of them.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import re
@@ -47,12 +50,15 @@ from kvchaos import canary
 from kvchaos.model import char_vocab
 from kvchaos.probe.kinds import PACE_MAX
 
-SCHEMA = 2
+SCHEMA = 3
+# the record that closes an experiment (schema 3): what its writer wrote before it, so a log cut at a line
+# boundary, or with records dropped, added or changed, says so (:func:`close_record`, History.wholeness)
+CLOSE = "experiment_end"
 ONCE_PER_RID = ("plan", "send", "body", "end")
 # records that are not something the client received (the prompt is the harness's own text; faults
 # and agent events are the harness's and the engines' evidence). Every other record that names a
 # request is part of what its client saw and is scanned.
-NOT_RECEIVED = frozenset(("plan", "send", "fault", "agent", "experiment", "method", "probe", "engine_error",
+NOT_RECEIVED = frozenset(("plan", "send", "fault", "agent", "experiment", CLOSE, "method", "probe", "engine_error",
                           "observed", "aborted", "run", "truncated", "cache_flushed", "engine_healed",
                           "leak_seen", "heal_failed", "stall"))
 
@@ -148,7 +154,61 @@ def migrate(records: list[dict]) -> tuple[list[dict], int]:
     schema = head.get("schema", 1) if head else 1
     if not isinstance(schema, int) or isinstance(schema, bool) or schema < 1:
         raise HistoryError(f"experiment header: schema must be a positive integer, got {schema!r}")
+    if schema > SCHEMA:
+        # its records may mean what this kvchaos does not know (a new place a reply's text is carried, a new
+        # record that voids others): read as far as understood, such a log could be judged green wrongly
+        raise HistoryError(f"experiment header: written with history schema {schema}, newer than this kvchaos reads "
+                           f"(1 to {SCHEMA}): judge it with the kvchaos that wrote it")
     return records, schema
+
+
+def split_experiments(records: list[dict]) -> list[list[dict]]:
+    """The experiments of one log, each from its header to the record before the next header (records
+    before the first header go with the first): a file an experiment was appended to (an event log is
+    opened for appending; a test run twice writes two) holds several, each judged under its own header.
+    A log's line numbers (:class:`Records`) go with each part."""
+    heads = [i for i, e in enumerate(records) if e.get("ev") == "experiment"]
+    if len(heads) < 2:
+        return [records]
+    lines = getattr(records, "lines", None)
+    bounds = [0] + heads[1:] + [len(records)]
+    out = []
+    for a, b in zip(bounds, bounds[1:]):
+        part = Records(records[a:b])
+        part.lines = lines[a:b] if lines else None
+        out.append(part)
+    return out
+
+
+def record_line(rec: dict) -> str:
+    """A record as :class:`kvchaos.workload.events.EventLog` writes it (one line, no newline): the digest of
+    a closing record is over these."""
+    return json.dumps(rec, default=str)
+
+
+def digest(records) -> str:
+    h = hashlib.sha256()
+    for r in records:
+        h.update(record_line(r).encode())
+        h.update(b"\n")
+    return "sha256:" + h.hexdigest()
+
+
+def close_record(log, experiment_id) -> dict:
+    """Write ``log``'s closing record (:data:`CLOSE`): the count of the records before it since the
+    experiment's header, their digest, how many requests were planned, sent and ended, and the faults'
+    actions — so the judge can tell a whole log from one cut at a line boundary or edited."""
+    recs = log.since(0)
+    start = max((i for i, e in enumerate(recs) if e.get("ev") == "experiment"), default=0)
+    mine = recs[start:]
+    count = defaultdict(int)
+    for e in mine:
+        if e.get("ev") in ("plan", "send", "end"):
+            count[e["ev"]] += 1
+        elif e.get("ev") == "fault" and isinstance(e.get("action"), str):
+            count["fault " + e["action"]] += 1
+    return log.emit(CLOSE, id=experiment_id, records=len(mine), digest=digest(mine),
+                    counts=dict(sorted(count.items())))
 
 
 # --------------------------------------------------------------------------- the index
@@ -180,9 +240,6 @@ class History:
         self.problems: list[str] = []
         self.warnings: list[str] = []
         self.header = next((e for e in records if e.get("ev") == "experiment"), {})
-        if self.schema > SCHEMA:
-            self.warnings.append(f"{source}: written with history schema {self.schema}, newer than this kvchaos "
-                                 f"({SCHEMA}): records it does not know are read as client data or ignored")
         self.plans: dict[str, dict] = {}
         self.sends: dict[str, dict] = {}
         self.bodies: dict[str, dict] = {}
@@ -234,6 +291,43 @@ class History:
         for rid, e in self.ends.items():  # a reply cut before its status was logged has it on its end
             if rid not in self.statuses and e.get("status") is not None:
                 self.statuses[rid] = e.get("status")
+        self.problems += self._wholeness(records, line)
+
+    def _wholeness(self, records: list[dict], line: dict) -> list[str]:
+        """What says this history is not all its writer wrote: more than one experiment header (each must be
+        judged under its own: :func:`split_experiments`), a request sent and never ended (the driver ends
+        every request it sends), and, from schema 3 on, a missing or contradicted closing record."""
+        out = []
+        heads = self.by_ev.get("experiment", [])
+        if len(heads) > 1:
+            out.append(f"{self.source}: {len(heads)} experiments in one history: each must be judged under its own "
+                       "header (kvchaos judge splits a file that holds several)")
+        unended = [rid for rid in self.sends if rid not in self.ends]
+        if unended:
+            out.append(f"{self.source}: {len(unended)} request(s) sent and never ended ({', '.join(unended[:3])}"
+                       f"{', ...' if len(unended) > 3 else ''}): the log stops before what they received")
+        closes = self.by_ev.get(CLOSE, [])
+        if not heads or self.schema < 3:
+            if closes:
+                out.append(f"{self.source}: a closing record in a log without a schema-3 header")
+            return out
+        if not closes:
+            return out + [f"{self.source}: no closing record ({CLOSE}): the log was cut, or its writer died, after "
+                          f"line {line.get(id(records[-1]), len(records))} — what came after cannot be judged"]
+        close = closes[-1]
+        at = next(i for i in range(len(records) - 1, -1, -1) if records[i] is close)
+        start = next(i for i, e in enumerate(records) if e is heads[0])
+        before = records[start:at]
+        if len(closes) > 1 or at != len(records) - 1:
+            out.append(f"{self.source}: records after the experiment's closing record (line "
+                       f"{line.get(id(close), '?')}): nothing is written after it")
+        if close.get("records") != len(before):
+            out.append(f"{self.source}: the closing record counts {close.get('records')!r} records before it, the "
+                       f"log holds {len(before)}: records were lost or added")
+        elif close.get("digest") != digest(before):
+            out.append(f"{self.source}: the records before the closing record are not those its writer wrote "
+                       "(their digest differs): the log was edited")
+        return out
 
     # ------------------------------------------------------------------ requests
     @property
@@ -257,6 +351,7 @@ class History:
     def client_views(self, rid: str) -> list[View]:
         """Everything the client received for ``rid``, every way it can be read (module doc)."""
         out: list[View] = []
+        others: dict[str, list[dict]] = defaultdict(list)
         layout = self.header.get("layout")
         spec = layout.get("spec") if isinstance(layout, dict) else None
         model = spec.get("model") if isinstance(spec, dict) else None
@@ -266,8 +361,8 @@ class History:
                 for k in ("text", "error", "raw"):
                     if isinstance(r.get(k), str) and r[k]:
                         out.append(View(f"body.{k}", r[k]))
-                if isinstance(r.get("raw"), str) and "data:" in r["raw"]:
-                    out += [View(f"body.raw as server-sent events ({n})", t) for n, t in sse_texts(r["raw"]) if t]
+                if isinstance(r.get("raw"), str) and r["raw"]:
+                    out += [View(f"body.raw by path: {n}", t) for n, t in raw_views(r["raw"]) if t]
                 meta = _strings(r.get("meta"))
                 if meta:
                     out.append(View("body.meta", "\n".join(meta)))
@@ -279,9 +374,9 @@ class History:
                 if rest:
                     out.append(View("body (other fields)", "\n".join(rest)))
             else:
-                strings = [s for k, v in r.items() if k not in ("rid", "ev") for s in _strings(v)]
-                if strings:
-                    out.append(View(ev, "\n".join(strings)))
+                others[ev].append({k: v for k, v in r.items() if k not in ("rid", "ev")})
+        for ev, docs in others.items():  # records of one kind read as one stream of documents, by path
+            out += [View(f"{ev} by path: {n}", t) for n, t in joined_views(docs) if t]
         return out
 
     def unattributed_views(self) -> list[View]:
@@ -295,9 +390,26 @@ class History:
         ``offsets`` index."""
         return "\n".join(v.text for v in self.client_views(rid))
 
+    @property
+    def incremental_streaming(self) -> bool | None:
+        """Does decode stream /generate chunks as each one's new text only (``--incremental-streaming-output``)?
+        The header's ``engine.incremental_streaming_output``; None where not recorded."""
+        eng = self.header.get("engine")
+        inc = eng.get("incremental_streaming_output") if isinstance(eng, dict) else None
+        return inc if isinstance(inc, bool) else None
+
     def reply_text(self, rid: str) -> str:
-        """The reply as the driver parsed it (the own-canary echo is read here)."""
-        return (self.bodies.get(rid) or {}).get("text") or ""
+        """The reply as the driver parsed it (the own-canary echo is read here); a /generate stream's from
+        its raw chunks where they are not cumulative (``--incremental-streaming-output``: each chunk holds
+        only its new text, and a driver that kept the last chunk kept only the reply's end)."""
+        b = self.bodies.get(rid) or {}
+        text = b.get("text") or ""
+        raw = b.get("raw")
+        if isinstance(raw, str) and "data:" in raw:
+            whole = stream_reply_text(raw, incremental=self.incremental_streaming)
+            if whole is not None and len(whole) > len(text) and whole.endswith(text):
+                return whole
+        return text
 
     def finish_reason(self, rid: str):
         """A reply's finish reason: /generate's ``meta_info.finish_reason.type``, or an OpenAI choice's
@@ -359,54 +471,180 @@ def as_history(h) -> History:
 
 
 # --------------------------------------------------------------------------- views
-def sse_texts(raw: str) -> list[tuple[str, str]]:
-    """The text a server-sent-event body carries, read leniently: every ``data:`` line that parses,
-    whatever came before it (a malformed line, ``[DONE]``). /generate chunks carry cumulative text
-    (each kept), OpenAI chunks deltas (joined, so a canary split across chunks is whole again);
-    error objects' messages too."""
-    pieces, deltas = [], []
-    for line in raw.split("\n"):
-        line = line.strip()
-        if not line.startswith("data:"):
-            continue
-        data = line[5:].strip()
-        try:
-            chunk = json.loads(data)
-        except ValueError:
-            # a line cut short or malformed: the string values it holds still reached the client (a
-            # payload split between the last whole event and this one is whole again once joined)
-            deltas += _fragments(data)
-            continue
-        if not isinstance(chunk, dict):
-            continue
-        if isinstance(chunk.get("choices"), list):
-            for ch in chunk["choices"]:
-                if isinstance(ch, dict):
-                    t = ch.get("text")
-                    if not isinstance(t, str):
-                        t = (ch.get("delta") or {}).get("content") if isinstance(ch.get("delta"), dict) else None
-                    if isinstance(t, str):
-                        deltas.append(t)
-        elif isinstance(chunk.get("text"), str):
-            pieces.append(chunk["text"])
-        err = chunk.get("error")
-        if err is not None:
-            pieces += _strings(err)
-    out = [("chunks", "\n".join(pieces))] if pieces else []
-    if deltas:
-        out.append(("deltas joined", "".join(deltas)))
+# What the client received is read by JSON path, not by field name: every string value of every
+# document a body held (a whole JSON body, each server-sent event, each line of a line-delimited
+# stream), grouped by where it sat. A path's values in the order received are joined, so text an
+# engine streams in pieces — content, a reasoning parser's reasoning_content, a tool call's arguments,
+# /generate's incremental chunks, logprob tokens, an error's message — is whole again wherever it was
+# carried, and a field an engine adds tomorrow needs no code here. Each value is read on its own too. A
+# value that extends the one before it (cumulative /generate chunks, a field every chunk repeats) replaces
+# it in the join rather than following it: joining a reply's prefixes would set its beginnings against its
+# ends (a probe's reply opens mid-canary: such joins read as canary-shaped runs nobody minted).
+JsonPath = tuple
+
+
+def string_paths(v, path: JsonPath = ()) -> list[tuple[JsonPath, str]]:
+    """Every non-empty string inside ``v`` with its path, depth-first in document order. A list item
+    that is an object with an integer ``index`` (OpenAI's choices, tool calls) is placed by that index,
+    not by its position: chunk after chunk, one choice's pieces share one path."""
+    if isinstance(v, str):
+        return [(path, v)] if v else []
+    if isinstance(v, dict):
+        return [x for k, x2 in v.items() for x in string_paths(x2, path + (str(k),))]
+    if isinstance(v, (list, tuple)):
+        out = []
+        for i, x in enumerate(v):
+            at = x.get("index") if isinstance(x, dict) else None
+            at = at if isinstance(at, int) and not isinstance(at, bool) else i
+            out += string_paths(x, path + (at,))
+        return out
+    return []
+
+
+def path_name(path: JsonPath) -> str:
+    out = ""
+    for c in path:
+        out += f"[{c}]" if isinstance(c, int) or c == "*" else (f".{c}" if out else c)
+    return out or "(value)"
+
+
+def _wild(path: JsonPath) -> JsonPath:
+    return tuple("*" if isinstance(c, int) else c for c in path)
+
+
+def joined_views(docs: list) -> list[tuple[str, str]]:
+    """The strings of ``docs`` (JSON values in the order the client received them), read two ways: every
+    value on its own line (``values``), and each path's text across the documents — by exact path (one
+    choice, one tool call) and with list positions left open (a token list: logprob tokens), a document's
+    values at one path joined first — read as deltas (joined) or as cumulative text (:func:`_runs`) as
+    :func:`cumulative_chunks` says. A path with one document's text only is in ``values`` whole."""
+    values: list[str] = []
+    exact: dict[JsonPath, list[str]] = defaultdict(list)
+    wild: dict[JsonPath, list[str]] = defaultdict(list)
+    for d in docs:
+        mine_exact: dict[JsonPath, list[str]] = defaultdict(list)
+        mine_wild: dict[JsonPath, list[str]] = defaultdict(list)
+        for path, s in string_paths(d):
+            values.append(s)
+            mine_exact[path].append(s)
+            mine_wild[_wild(path)].append(s)
+        for path, vs in mine_exact.items():
+            exact[path].append("".join(vs))
+        for path, vs in mine_wild.items():
+            wild[path].append("".join(vs))
+    out = [("values", "\n".join(values))] if values else []
+    seen = set()
+    for group in (exact, wild):
+        for path, vals in group.items():
+            if len(vals) < 2:
+                continue
+            if cumulative_chunks(vals):
+                runs = _runs(vals)
+                if len(runs) < 2:
+                    continue  # the last value holds every one before it: in ``values`` whole
+                text = "".join(runs)
+            else:
+                text = "".join(vals)
+            if (path_name(_wild(path)), text) in seen:
+                continue  # no list on the path: the exact and the open path are the same reading
+            seen.add((path_name(_wild(path)), text))
+            out.append((f"{path_name(path)} joined", text))
     return out
 
 
-_TEXT_VALUE = re.compile(r'"(?:text|content)"\s*:\s*"((?:[^"\\]|\\.)*)(?:"|$)')
+def _runs(vals: list[str]) -> list[str]:
+    """A path's values in order, each run of values that extend the one before (cumulative text: the reply
+    so far, chunk after chunk; a field every chunk repeats) kept as its last: joined, these are the text
+    as received — a delta stream's pieces one after the other, a cumulative stream once, and what followed
+    it (bytes after ``[DONE]``) after it — never a reply's beginnings set against its ends."""
+    out: list[str] = []
+    for v in vals:
+        if out and v.startswith(out[-1]):
+            out[-1] = v
+        else:
+            out.append(v)
+    return out
+
+
+def body_docs(raw: str) -> tuple[list, list[str]]:
+    """The JSON documents a raw body held, in order — the body itself, or each server-sent event's
+    ``data:`` (whatever came before it: a malformed line, ``[DONE]``), or each line of a line-delimited
+    stream — and the lines that are not JSON. A line cut short is closed (:func:`_close`) and read as far
+    as it got: a payload split between the last whole event and the cut line is whole again once joined."""
+    text = raw.strip()
+    if not text:
+        return [], []
+    try:
+        return [json.loads(text)], []
+    except ValueError:
+        pass
+    sse = any(line.lstrip().startswith("data:") for line in raw.split("\n"))
+    docs, bad = [], []
+    for line in raw.split("\n"):
+        line = line.strip()
+        if sse:
+            if not line.startswith("data:"):
+                continue
+            line = line[5:].strip()
+        if not line or line == "[DONE]":
+            continue
+        try:
+            docs.append(json.loads(line))
+            continue
+        except ValueError:
+            pass
+        closed = _close(line)
+        if closed is not None:
+            docs.append(closed)
+        else:
+            bad.append(line)
+    return docs, bad
+
+
+def _close(data: str):
+    """A JSON text cut short, closed where it stopped (an open string ended, a dangling key given a
+    null, open objects and arrays closed); None when it is not a JSON text cut short."""
+    stack, in_str, esc = [], False, False
+    for ch in data:
+        if in_str:
+            if esc:
+                esc = False
+            elif ch == "\\":
+                esc = True
+            elif ch == '"':
+                in_str = False
+        elif ch == '"':
+            in_str = True
+        elif ch in "{[":
+            stack.append("}" if ch == "{" else "]")
+        elif ch in "}]":
+            if not stack or stack.pop() != ch:
+                return None
+    if not stack and not in_str:
+        return None
+    tail = data
+    if in_str:
+        tail += ("\\" if esc else "") + '"'
+    for attempt in ("", "null", ":null"):
+        try:
+            return json.loads(tail + attempt + "".join(reversed(stack)))
+        except ValueError:
+            continue
+    stripped = tail.rstrip().rstrip(",:")  # a cut after a comma or colon
+    try:
+        return json.loads(stripped + "".join(reversed(stack)))
+    except ValueError:
+        return None
+
+
+_STRING = re.compile(r'"((?:[^"\\]|\\.)*)(?:"|$)')
 
 
 def _fragments(data: str) -> list[str]:
-    """The text a line that does not parse still carried (a ``"text": "...`` or ``"content": "...``
-    value, the last one cut short included), in order: a payload split between the last whole
-    event and a cut line is whole again once joined."""
+    """The string literals of a line that is no JSON at all, in order (what it carried still reached
+    the client)."""
     out = []
-    for m in _TEXT_VALUE.finditer(data):
+    for m in _STRING.finditer(data):
         frag = m.group(1)
         try:
             frag = json.loads(f'"{frag}"')
@@ -415,6 +653,49 @@ def _fragments(data: str) -> list[str]:
         if frag:
             out.append(frag)
     return out
+
+
+def raw_views(raw: str) -> list[tuple[str, str]]:
+    """What a raw body carried, read by path (:func:`joined_views`) across its documents (:func:`body_docs`),
+    plus the string literals of lines that are no JSON."""
+    docs, bad = body_docs(raw)
+    out = joined_views(docs)
+    frags = [f for line in bad for f in _fragments(line)]
+    if frags:
+        out += [("lines that are not JSON", "\n".join(frags)), ("lines that are not JSON, joined", "".join(frags))]
+    return out
+
+
+def stream_reply_text(raw: str, incremental: bool | None = None) -> str | None:
+    """A /generate stream's reply text from its raw body: the chunks' texts joined where the engine streams
+    only each chunk's new text (``incremental``: its ``--incremental-streaming-output``, which the
+    experiment's header records), else the last chunk's; unrecorded, the last chunk's where every chunk
+    reads as cumulative (:func:`cumulative_chunks`; SGLang's default), else the chunks' texts joined. None when the body
+    holds no ``text`` chunks. (The reading decides only what the reply is held to: isolation scans both.)"""
+    docs, _ = body_docs(raw)
+    texts = [d["text"] for d in docs if isinstance(d, dict) and isinstance(d.get("text"), str)]
+    if not texts:
+        return None
+    if incremental is None:
+        incremental = not cumulative_chunks(texts)
+    return "".join(texts) if incremental else texts[-1]
+
+
+def cumulative_chunks(texts: list[str]) -> bool:
+    """Do these texts, received one after the other at one place, read as cumulative (each the text so
+    far: SGLang's /generate by default) rather than as deltas (each only what is new)? Judged on the pairs
+    whose first text has 2 or more characters (a one-character piece that the next one begins with is as
+    likely a delta): cumulative where at least as many of them chain (the second begins with the first) as
+    do not, and, with no such pair, where every pair chains. A cumulative stream with a corrupted chunk, or
+    with bytes after ``[DONE]``, still reads as one; a delta stream rarely chains at all. A stream of one
+    or two chunks can read either way: the runner records the mode (``engine.incremental_streaming_output``)."""
+    pairs = list(zip(texts, texts[1:]))
+    if not pairs:
+        return True
+    telling = [b.startswith(a) for a, b in pairs if len(a) >= 2]
+    if not telling:
+        return all(b.startswith(a) for a, b in pairs)
+    return 2 * sum(telling) >= len(telling)
 
 
 _PROBE_IDS: dict[int, str] | None = None

@@ -11,7 +11,7 @@ import pytest
 
 from kvchaos import canary, oracles
 from kvchaos.cli import main
-from kvchaos.history import SCHEMA, History, HistoryError, load, parse, sse_texts
+from kvchaos.history import SCHEMA, History, HistoryError, load, parse, raw_views
 from kvchaos.model import char_vocab
 from kvchaos.oracles.base import Checker, Verdict, check_safe, compose
 from kvchaos.probe.contract import recital
@@ -80,7 +80,7 @@ def test_logs_written_before_the_schema_are_read_and_judged():
     """Schema 1 (no ``schema`` in the header): the committed incident logs are read as they are."""
     old = REPO / "reports" / "incidents" / "glm53-replay" / "events.jsonl"
     h = load(old)
-    assert h.schema == 1 and h.plans and SCHEMA == 2
+    assert h.schema == 1 and h.plans and SCHEMA == 3
     assert main(["judge", str(old)]) == 1  # the replayed leak, still a FAIL
 
 
@@ -88,7 +88,7 @@ def test_logs_written_before_the_schema_are_read_and_judged():
 def test_a_stream_after_a_malformed_line_is_read_with_its_deltas_joined():
     raw = ('data: {"choices": [{"text": "XY"}]}\n\ndata: {not json\n\n'
            'data: {"choices": [{"text": "ABCDE"}]}\n\ndata: {"choices": [{"text": "FGHIJ"}]}\n\n')
-    assert ("deltas joined", "XYABCDEFGHIJ") in sse_texts(raw)
+    assert ("choices[0].text joined", "XYABCDEFGHIJ") in raw_views(raw)
     recs = [plan("a", [A]), plan("b", [B]), body("b", text="XY", raw=raw, complete=False)]
     assert leaks(recs)
 
@@ -175,7 +175,7 @@ def test_a_leak_checker_that_crashes_is_red_even_when_not_claimed():
 
 def test_a_payload_split_between_the_last_event_and_a_cut_line_is_whole_again():
     raw = 'data: {"choices": [{"text": "ABCDE"}]}\n\ndata: {"id": "cmpl-1", "choices": [{"index": 0, "text": "FGHIJ]x'
-    assert ("deltas joined", "ABCDEFGHIJ]x") in sse_texts(raw)
+    assert ("choices[0].text joined", "ABCDEFGHIJ]x") in raw_views(raw)
     assert leaks([plan("a", [A]), plan("b", [B]), body("b", text="ABCDE", raw=raw, complete=False)])
 
 

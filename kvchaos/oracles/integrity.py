@@ -42,7 +42,7 @@ import json
 from collections import Counter
 
 from kvchaos import canary
-from kvchaos.history import History, Witness, as_history, decode_probe_ids, serves_probe
+from kvchaos.history import History, Witness, as_history, cumulative_chunks, decode_probe_ids, serves_probe
 from kvchaos.probe import contract
 
 from .base import FAIL, PASS, UNKNOWN, Checker, Verdict
@@ -87,7 +87,7 @@ class _Judge:
                 self.skip(rid, "no reply received")
                 continue
             status = self.h.statuses.get(rid)
-            text = body.get("text") or ""
+            text = self.h.reply_text(rid)
             if text:
                 self.with_text += 1
             if status != 200:
@@ -203,7 +203,12 @@ class _Judge:
             used = mi.get("prompt_tokens")
             if isinstance(used, int) and c.head is not None and used != c.head:
                 return self.meta_witness(rid, p, "prompt_tokens", c.head, used, view="a stream chunk's meta_info")
-        for t in chunks:  # /generate streams carry the text so far: each must begin what it must be
+        inc = self.h.incremental_streaming
+        if inc is None:  # not recorded (a log written before the header said): read from the chunks
+            inc = not cumulative_chunks(chunks)
+        if inc:  # --incremental-streaming-output: each chunk its new text only; joined, they are the reply
+            deltas += chunks
+        for t in chunks if not inc else ():  # the text so far: each must begin what it must be
             at = contract.first_difference(c.text[:len(t)], t)
             if at is not None:
                 self.witness(rid, p, at, c.text, t, "a streamed chunk differs from the beginning of what its prompt "

@@ -9,7 +9,7 @@ import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvchaos.history import History, render_witness
+from kvchaos.history import History, render_witness, witness
 from kvchaos.oracles import FAIL, PASS, UNKNOWN, Verdict
 from kvchaos.oracles.base import Composite
 
@@ -75,8 +75,16 @@ class Policy:
         cannot PASS anything."""
         why = self.selftest_blind()
         lost = "; ".join(history.problems) if history is not None and history.problems else None
+        seen = _leaks_seen(history)
         out = []
         for v in verdicts:
+            if v.status != FAIL and v.oracle in seen:
+                # the runner's live judge saw this checker FAIL on replies the client had received; a log
+                # that no longer shows it was rewritten or cut, never a reason for green
+                w = seen[v.oracle]
+                v = Verdict(v.oracle, FAIL, f"the runner saw a leak live ({len(w)} record(s): leak_seen) that this "
+                            f"judgement of the log does not show; the checker alone said: {v.summary}",
+                            w + list(v.witnesses), {**v.stats, "leak_seen": len(w)})
             if why and v.oracle == "isolation" and v.status == PASS:
                 v = Verdict(v.oracle, UNKNOWN, f"{why}; the experiment alone said: {v.summary}", v.witnesses,
                             {**v.stats, "selftest": (self.selftest or {}).get("status")})
@@ -247,3 +255,14 @@ def load_policy_table(profile_path: str | Path | None) -> dict:
         raise PolicyError(f"{profile_path}: [policy] accept_known must be true/false or a list of finding ids")
     return table
 
+
+def _leaks_seen(history) -> dict[str, list]:
+    """checker -> witnesses, from the runner's own ``leak_seen`` records (its live judge's FAILs)."""
+    out: dict[str, list] = {}
+    for e in (history.by_ev.get("leak_seen", ()) if history is not None else ()):
+        oracle = e.get("oracle") if isinstance(e.get("oracle"), str) else "isolation"
+        victims = e.get("victims") if isinstance(e.get("victims"), list) else []
+        out.setdefault(oracle, []).append(witness(problem="the runner's live judge saw a leak during the experiment",
+                                                  victims=victims[:20], owners=(e.get("owners") or [])[:20],
+                                                  after_s=e.get("after_s"), record="leak_seen"))
+    return out

@@ -48,7 +48,7 @@ class Driver:
 
     def __init__(self, base_url: str, log: EventLog, concurrency: int = 64, timeout_s: float = 60.0,
                  abort_urls: tuple[str, ...] = (), model_name: str = "default", pd_direct: dict | None = None,
-                 stall_s: float | None = None, gate=None, gated=()):
+                 stall_s: float | None = None, gate=None, gated=(), incremental: bool = False):
         if concurrency < 1:
             raise ValueError(f"concurrency must be >= 1, got {concurrency}")
         if stall_s is not None and not stall_s > 0:
@@ -59,6 +59,7 @@ class Driver:
                 raise ValueError(f"pd_direct needs {sorted(missing)} too (got {sorted(pd_direct)})")
         self.base_url = base_url.rstrip("/")
         self.log = log
+        self.incremental = incremental  # decode's --incremental-streaming-output: /generate chunks are pieces
         self.concurrency = concurrency
         self.timeout_s = timeout_s
         self.abort_urls = abort_urls
@@ -256,7 +257,7 @@ class Driver:
         if not isinstance(chunk, dict):
             raise _Malformed(f"stream line is not a JSON object: {line[:200]!r}")
         reply.chunks += 1
-        reply.merged = _merge_stream(reply.merged, chunk, p.endpoint)
+        reply.merged = _merge_stream(reply.merged, chunk, p.endpoint, self.incremental)
         return False
 
     def _finish(self, p: RequestPlan, t0: float, reply: _Reply) -> dict:
@@ -384,9 +385,14 @@ def _unread(content: aiohttp.StreamReader) -> bytes:
     return b"".join(buf)[getattr(content, "_buffer_offset", 0):]
 
 
-def _merge_stream(prev, chunk, endpoint):
-    """SGLang /generate streams cumulative text; OpenAI endpoints stream deltas."""
+def _merge_stream(prev, chunk, endpoint, incremental: bool = False):
+    """SGLang /generate streams cumulative text (each chunk the reply so far), or with
+    ``--incremental-streaming-output`` (``incremental``) each chunk's new text only, appended here.
+    OpenAI endpoints stream deltas."""
     if endpoint == "generate":
+        before, now = (prev or {}).get("text"), chunk.get("text") if isinstance(chunk, dict) else None
+        if incremental and isinstance(before, str) and isinstance(now, str):
+            return {**chunk, "text": before + now}
         return chunk
     prev = prev or {"text": ""}
     for ch in chunk.get("choices", []):

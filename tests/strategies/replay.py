@@ -62,6 +62,7 @@ class _Exchange:
         self.sse = self.stream and w.status == 200
         self.merged, self.chunks, self.complete = None, 0, False
         self.raw = w.body.decode("utf-8", "replace")
+        self.incremental = False  # as Driver: the stand-in engine streams /generate cumulatively
 
     def run(self) -> None:
         self.leg("early")
