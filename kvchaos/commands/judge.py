@@ -25,7 +25,7 @@ import sys
 
 from kvchaos import canary, oracles
 from kvchaos.commands._common import UsageError, subparser, usage_errors
-from kvchaos.history import HistoryError, load, render_witness
+from kvchaos.history import History, HistoryError, read_records, render_witness, split_experiments
 from kvchaos.policy import KNOWN, Context, Policy, PolicyError, exit_code, merge
 
 NAME = "judge"
@@ -53,16 +53,26 @@ def add_parser(sub, cfg: dict):
     return sp
 
 
-def _load_history(path: str):
-    """One event log, read and validated by the one loader (kvchaos.history): bad input is exit 2."""
+def _load_histories(path: str) -> list[tuple[str, History, list[str]]]:
+    """One event log, read and validated by the one loader (kvchaos.history): bad input is exit 2. A file
+    holding several experiments (one appended to another) is several histories, each under its own header
+    (named ``PATH [experiment K of N: ID]``)."""
     with usage_errors("judge", HistoryError):
-        h = load(path)
-    if not h.plans:
-        raise UsageError(f"judge: {path}: no requests to judge (no \"plan\" events among {len(h.records)} records)")
-    warnings = list(h.warnings)
-    if not h.header:
-        warnings.append(f"{path}: no \"experiment\" header: engine version unknown, known findings not applied")
-    return h, warnings
+        parts = split_experiments(read_records(path))
+        out = []
+        for k, part in enumerate(parts, 1):
+            head = next((e for e in part if e.get("ev") == "experiment"), {})
+            name = path if len(parts) == 1 else f"{path} [experiment {k} of {len(parts)}: {head.get('id')}]"
+            out.append((name, History(part, source=name)))
+    results = []
+    for name, h in out:
+        if not h.plans:
+            raise UsageError(f"judge: {name}: no requests to judge (no \"plan\" events among {len(h.records)} records)")
+        warnings = list(h.warnings)
+        if not h.header:
+            warnings.append(f"{name}: no \"experiment\" header: engine version unknown, known findings not applied")
+        results.append((name, h, warnings))
+    return results
 
 
 # kvchaos.oracles and kvchaos.policy are imported inside the functions below, not at the top: the
@@ -102,7 +112,8 @@ def _read_logs(paths: list[str]) -> tuple[dict, dict]:
         seen[key] = path
     logs, warnings = {}, {}
     for path in paths:
-        logs[path], warnings[path] = _load_history(path)
+        for name, h, w in _load_histories(path):
+            logs[name], warnings[name] = h, w
     return logs, warnings
 
 
