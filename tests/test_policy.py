@@ -438,6 +438,9 @@ def test_the_reject_paths_placeholder_leak_is_known_on_0519_only_with_one_page_w
         return ev
     j = judge(on("0.5.19", 1), {"isolation": PASS}, accept_known=True)
     assert j.status == "known" and j.known[0].finding.id == "sglang-reject-path-placeholder-stale-pages"
+    # a local build of the release (PEP 440 local label) is that release; a dev build before it is not
+    assert judge(on("0.5.19+cu128", 1), {"isolation": PASS}, accept_known=True).status == "known"
+    assert judge(on("0.5.19.dev3", 1), {"isolation": PASS}, accept_known=True).status == FAIL
     ev = on("0.5.19", 1)
     v = oracles.http_semantics(ev)
     j = Policy(accept_known=True).judge([v], Context.of(History(ev)), {"http_semantics": PASS})
@@ -587,6 +590,38 @@ def test_registry_is_data_scoped_to_versions():
     assert version_matches("0.5.23", ["0.5.23"]) and not version_matches("0.5.22", ["0.5.23"])
     assert version_matches("0.5.21", [">=0.5.20,<0.5.22"]) and not version_matches("0.5.22", [">=0.5.20,<0.5.22"])
     assert not version_matches(None, ["0.5.23"])
+
+
+@pytest.mark.parametrize("version,specs,want", [
+    ("0.5.23+cu128", ["0.5.23"], True),              # a local build of the release is the release
+    ("0.5.23+cu128", [">=0.5.20,<0.5.24"], True),
+    ("0.5.24rc1", [">=0.5.20,<0.5.24"], False),       # PEP 440: 0.5.24rc1 is not below 0.5.24's range end
+    ("0.5.24rc1", [">=0.5.24rc1"], True),
+    ("0.5.23.dev4", ["0.5.23"], False),              # a dev build is not the release
+    ("0.5.10", [">=0.5.9,<0.5.20"], True),          # compared as versions, not as strings
+    ("nightly", ["0.5.23", ">=0.5.0"], False),       # not a version: no finding is scoped to it
+    (5, [">=4"], True),                              # a number in a header's JSON
+])
+def test_versions_compare_as_pep_440_says(version, specs, want):
+    assert version_matches(version, specs) is want
+
+
+def test_a_leak_under_an_engine_version_that_is_not_pep_440_is_judged_and_stays_new():
+    """``nightly``: no traceback, no bad input; no finding applies, so a leak is NEW (red)."""
+    from kvchaos.policy import KNOWN
+
+    rng = random.Random(9)
+    recs = [{**HEADER, "engine": {"name": "sglang", "version": "nightly"}}]
+    a = canary.mint(rng, 1)
+    for i in range(30):
+        cs = a if i == 0 else canary.mint(rng, 1)
+        text = recital(cs) + (a[0][1:-1] + "][" if i == 9 else "")
+        recs += [{"ev": "plan", "rid": f"r{i}", "tenant": f"t{i}", "canaries": cs, "expect_echo": True},
+                 {"ev": "status", "rid": f"r{i}", "status": 200}, {"ev": "body", "rid": f"r{i}", "text": text},
+                 {"ev": "end", "rid": f"r{i}", "outcome": "ok"}]
+    h = History(recs)
+    j = Policy(accept_known=True).judge([oracles.isolation(h)], Context.of(h))
+    assert j.red and j.status == oracles.FAIL and j.status != KNOWN
 
 
 def test_finding_that_did_not_reproduce_is_reported():

@@ -25,7 +25,12 @@ class Context:
     def of(cls, events, engine_errors=(), registry=None) -> "Context":
         h = as_history(events)
         eng = h.header.get("engine") or {}
-        return cls(h, eng.get("name") or "sglang", eng.get("version"), list(engine_errors), registry)
+        ver = eng.get("version")
+        if isinstance(ver, (int, float)) and not isinstance(ver, bool):
+            ver = str(ver)  # a number in the header's JSON is the version it spells
+        elif not isinstance(ver, str):
+            ver = None  # an object, a list, a bool: no version is named (no finding applies)
+        return cls(h, eng.get("name") or "sglang", ver, list(engine_errors), registry)
 
     @property
     def events(self) -> list[dict]:

@@ -6,12 +6,15 @@ mechanism (:mod:`kvchaos.policy.signatures`)."""
 from __future__ import annotations
 
 import fnmatch
-import re
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from packaging.specifiers import InvalidSpecifier, SpecifierSet
+from packaging.version import InvalidVersion, Version
+
 from kvchaos import FINDINGS_FILE
+
 from kvchaos.oracles import FAIL, PASS, UNKNOWN, Verdict
 
 from .context import Context
@@ -19,29 +22,38 @@ from .core import PolicyError, is_leak_checker
 from .signatures import SIGNATURES, power_met
 
 
-def _vtuple(s: str) -> tuple:
-    parts = re.findall(r"\d+", s)
-    if not parts:
-        raise PolicyError(f"not a version: {s!r}")
-    return tuple(int(x) for x in parts)
+def engine_version(v) -> Version | None:
+    """An engine's version as PEP 440 reads it (``0.5.23``, ``0.5.23+cu128``, ``0.5.24rc1``,
+    ``0.5.23.dev4``); None for what is not one (``nightly``, a commit hash): no finding can be scoped to
+    it, so none applies — a leak under such an engine stays NEW."""
+    if isinstance(v, bool) or v is None:
+        return None
+    try:
+        return Version(str(v).strip())
+    except InvalidVersion:
+        return None
 
 
-def version_matches(version: str | None, specs: list[str]) -> bool:
-    """``specs``: exact versions ("0.5.23") or comma-joined ranges (">=0.5.20,<0.5.24")."""
-    if not version:
-        return False
-    v = _vtuple(version)
-    for spec in specs:
-        ok = True
-        for part in spec.split(","):
-            m = re.fullmatch(r"\s*(>=|<=|==|>|<)?\s*([\w.+-]+)\s*", part)
-            if not m:
-                raise PolicyError(f"bad version spec {spec!r}")
-            op, want = m.group(1) or "==", _vtuple(m.group(2))
-            ok &= {"==": v == want, ">=": v >= want, "<=": v <= want, ">": v > want, "<": v < want}[op]
-        if ok:
-            return True
-    return False
+def version_spec(spec: str) -> SpecifierSet:
+    """A findings entry's version spec: an exact version ("0.5.23") or PEP 440 specifiers joined by commas
+    (">=0.5.20,<0.5.24")."""
+    text = spec.strip()
+    if text and text[0].isdigit():
+        text = "==" + text
+    try:
+        return SpecifierSet(text)
+    except InvalidSpecifier:
+        raise PolicyError(f"bad version spec {spec!r} (a version, or PEP 440 specifiers such as >=0.5.20,<0.5.24)") \
+            from None
+
+
+def version_matches(version, specs: list[str]) -> bool:
+    """Does the engine's ``version`` fall in one of ``specs`` (:func:`version_spec`)? A local label
+    (``+cu128``: the same release built for a platform) matches its release; pre-releases compare as PEP
+    440 orders them; a version that is not PEP 440 matches nothing."""
+    v = engine_version(version)
+    sets = [version_spec(s) for s in specs]  # a bad spec is named whatever the version
+    return v is not None and any(ss.contains(v, prereleases=True) for ss in sets)
 
 
 @dataclass
@@ -135,7 +147,7 @@ class Registry:
                 if not f.get(k):
                     raise PolicyError(f"{where}: missing {k!r}")
             for spec in f["versions"]:
-                version_matches("0", [spec])  # a bad spec is named here, not at match time
+                version_spec(spec)  # a bad spec is named here, not at match time
             matches = []
             for m in f["match"]:
                 bad = sorted(set(m.get("signature", {})) - set(SIGNATURES))
