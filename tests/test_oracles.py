@@ -1,6 +1,7 @@
 """Every oracle on hand-made event logs: one log where it must FAIL, one where it must PASS, and
 the UNKNOWN cases in between."""
 
+import math
 import random
 
 import pytest
@@ -427,3 +428,18 @@ def test_a_history_whose_pace_would_stretch_liveness_without_limit_is_refused(pa
     from kvchaos.history import HistoryError, as_history
     with pytest.raises(HistoryError, match="pace must be a number from 1 to 64"):
         as_history(_paced(clean_log(), pace))
+
+
+def test_exposure_by_merged_spans_is_the_pairwise_overlap():
+    """Power's exposure (isolation.exposure_classes) looks windows up in merged fault spans (n log n): the
+    same set as testing every window against every span."""
+    from kvchaos.oracles.isolation import _overlapping
+
+    rng = random.Random(5)
+    for _ in range(300):
+        spans = [(a, a + rng.uniform(0, 5)) for a in (rng.uniform(0, 100) for _ in range(rng.randint(0, 8)))]
+        spans += [(rng.uniform(0, 100), math.inf)] if rng.random() < 0.2 else []
+        wins = {i: (a, a + rng.uniform(0, 3)) for i, a in enumerate(rng.uniform(0, 100) for _ in range(20))}
+        wins["never sent"] = None
+        brute = {r for r, w in wins.items() if w and any(w[0] <= b and a <= w[1] for a, b in spans)}
+        assert _overlapping(wins, spans) == brute, (spans, wins)
