@@ -10,7 +10,8 @@ never 0, a clean log 0, bad input 2.
 Classes (issue "A judge no rewriting of the log can fool"): what the client received read partly
 (reasoning_content, tool-call arguments, incremental /generate, logprob tokens, an error body, the
 runner's own leak_seen), logs that are not whole (cut at a line boundary, two experiments in one file, a
-newer schema), and engine versions PEP 440 reads (a local tag, a version that is not one). Prints one
+newer schema), a false alarm (a drained release and a write end within two hosts' clock skew), and engine
+versions PEP 440 reads (a local tag, a version that is not one). Prints one
 line per log and the count judged wrong; exits 1 when any is."""
 
 from __future__ import annotations
@@ -121,6 +122,14 @@ def cases(d: Path) -> list[tuple[str, str, list[Path], list[str], str]]:
     add("whole", "second-experiment-leaks-under-another-version",
         whole + _log(exp="v", leak=True, version="0.5.19", seed=3), "not 0", ["--accept-known"])
     add("whole", "newer-schema", _log(schema=99), "2")
+    # ---- false alarms
+    ag = {"ev": "agent", "source": "agent"}
+    skew = [{**ag, "agent_ev": "kv_released", "role": "decode", "room": 7, "rid": "e3", "wall": 1003.0},
+            {**ag, "agent_ev": "deferred_release", "role": "decode", "room": 7, "rid": "e3", "outcome": "drained",
+             "wall": 1003.0},
+            {**ag, "agent_ev": "write_end", "role": "prefill", "room": 7, "rid": "e3", "pages": 2, "wall_start": 1002.9,
+             "wall": 1003.004}]  # 4 ms after decode's drained release, on the other host's clock
+    add("false-alarm", "drained-release-4ms-before-write-end-across-hosts", _log(extra=skew), "0")
     # ---- versions
     add("versions", "local-version-tag-clean", _log(version="0.5.23+cu128"), "0")
     add("versions", "version-not-pep-440-leak", _log(version="nightly", leak=True), "not 0")

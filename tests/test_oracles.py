@@ -215,6 +215,26 @@ def test_liveness(case, status):
         assert v.witnesses
 
 
+@pytest.mark.parametrize("after_ms,outcome,status", [
+    (4, "drained", UNKNOWN),      # within two hosts' clock skew of a drained release: cannot be ordered
+    (-4, "drained", PASS),        # ended before it
+    (4, "timeout", FAIL),         # a release that did not wait: judged as stamped
+    (4, None, FAIL),
+    (300, "drained", FAIL),       # far past any skew: a write after a release decode called drained
+])
+def test_kv_lifecycle_orders_a_drained_release_and_a_write_only_beyond_the_clock_skew(after_ms, outcome, status):
+    ag = {"source": "agent", "ev": "agent"}
+    ev = [{**ag, "agent_ev": "kv_released", "room": 7, "rid": "r1", "wall": 100.0},
+          {**ag, "agent_ev": "write_end", "room": 7, "rid": "r1", "pages": 4, "wall_start": 99.0,
+           "wall": 100.0 + after_ms / 1000}]
+    if outcome:
+        ev.insert(1, {**ag, "agent_ev": "deferred_release", "room": 7, "rid": "r1", "outcome": outcome, "wall": 100.0})
+    v = oracles.kv_lifecycle(ev)
+    assert v.status == status, v
+    if status == UNKNOWN:
+        assert "cannot be ordered" in v.summary and v.stats["within_clock_skew"][0]["after_release_ms"] == 4.0
+
+
 @pytest.mark.parametrize("case,status", [
     ("write_before_release", PASS), ("write_after_release", FAIL), ("copied_into_test_log", FAIL),
     ("no_agent", UNKNOWN), ("nothing_released", UNKNOWN)])

@@ -9,9 +9,12 @@ given logs are known to all of them: another log's canary in a reply is a leak w
 ``session (<file>)``; a recital of a canary minted in none is of unknown origin. Known findings apply only when the log's ``experiment``
 header names the engine version. A log that cannot be read, a line that is not a JSON object
 (``file:line``), a key given twice in one record, a record without ``ev``, a second plan / send /
-body / end or final status for one rid, a plan without a rid or with a malformed canary, or a log
-without plans is bad input (exit 2, nothing judged). A cut LAST line (a crash mid-write) makes the log
-incomplete: it is judged, but nothing in it can PASS (a lost record could have been the leak).
+body / end or final status for one rid, a plan without a rid or with a malformed canary, a log
+without plans, or one of a history schema newer than this kvchaos reads is bad input (exit 2, nothing
+judged). A log that cannot show it is whole — a cut LAST line (a crash mid-write), a request sent and never
+ended, a missing or contradicted closing record (``experiment_end``, schema 3) — is incomplete: it is
+judged, but nothing in it can PASS (a lost record could have been the leak). A file holding several
+experiments (one appended to another) is judged as several logs, each under its own header.
 
 Exit status (:data:`kvchaos.policy.EXIT`): 0 every log PASS (or KNOWN accepted), 1 any log FAIL,
 3 otherwise (UNKNOWN, or KNOWN not accepted), 2 bad input.
@@ -33,7 +36,8 @@ HELP = "judge event logs on disk with the default checkers and print the verdict
 DESCRIPTION = " ".join("""
 Judge each event log (JSONL) on its own with the default checkers; the canaries minted in any of the
 logs are known to all of them. Exit 0 every log PASS (or KNOWN accepted), 1 any FAIL, 3 UNKNOWN or
-KNOWN not accepted, 2 bad input. A truncated last line is a warning; the rest of that log is judged.
+KNOWN not accepted, 2 bad input. A log that cannot show it is whole (a cut last line, no closing record) is
+judged, but nothing in it can PASS; a file holding several experiments is judged under each one's header.
 """.split())
 JUDGE_WITNESSES = 3  # witnesses printed per verdict (--json has them all)
 
