@@ -109,6 +109,16 @@ def test_short_transfer_leak_is_known_only_with_its_witness_and_red_unless_accep
     assert judge(ev, {"isolation": PASS}, accept_known=True).status == FAIL
 
 
+def test_an_owner_never_sent_cannot_have_left_its_bytes_in_the_victims_pages():
+    """KNOWN only on evidence that holds together: the pages' last holder named by decode is a request of this
+    log that was never sent — nothing of it reached any page, so the short transfer explains nothing."""
+    ev = _short_log()
+    ev = [e for e in ev if not (e.get("rid") == "c0" and e["ev"] in ("send", "status", "body", "end"))]
+    ev += [{"ev": "end", "rid": "c0", "outcome": "not_sent", "latency_s": 0.0}] + crowd(10, seed=9, prefix="x")
+    j = judge(ev, {"isolation": PASS}, accept_known=True)
+    assert j.status == FAIL and j.red and not known_for(j, "isolation"), j.message()
+
+
 def test_a_page_holder_under_the_engines_own_id_is_named_by_the_canaries_decode_read_in_its_input():
     """An OpenAI-route request through sglang-router reaches decode under a uuid of decode's, not the
     client's rid: the pages it left are held by that uuid, which no plan names. Decode's own record of

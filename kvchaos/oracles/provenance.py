@@ -257,6 +257,12 @@ def explains(h, witness: dict, registry=None) -> tuple[bool, str, dict | None]:
         return False, (f"none of the {sp['unwritten']} pages of {victim} its transfer left unwritten holds the bytes "
                        f"of a request that carried {witness.get('canary')} (they hold {sorted(sp['writers'])[:5]}'s, "
                        f"{sp['unknown_writer']} unknown)"), sp
+    # a request of this log that was never sent left nothing anywhere (one of an earlier experiment, known from
+    # the registry, has no send here: its pages are what this log's requests can inherit)
+    unsent = [r for r in hit if r in h.plans and r not in h.sends]
+    if unsent and len(unsent) == len(hit):
+        return False, f"{unsent[0]} was never sent: it cannot have left bytes in {victim}'s pages", sp
+    hit = [r for r in hit if r not in unsent]
     late = [r for r in hit if (h.sends.get(r) or {}).get("wall", 0) > (sp.get("prealloc_wall") or float("inf"))]
     if late and len(late) == len(hit):
         return False, f"{late[0]} was sent after decode gave {victim} its pages: it cannot have left bytes there", sp
