@@ -63,11 +63,11 @@ def agent(log, agent_ev, **fields):
     log.emit("agent", agent_ev=agent_ev, source="agent", **fields)
 
 
-def stale_leak(log, owner_rid, victim_rid, foreign, t_owner, t_victim, pages=10, sent=1, holder=None):
+def stale_leak(log, owner_rid, victim_rid, foreign, t_owner, t_victim, pages=13, sent=1, holder=None):
     """The short-transfer mechanism as the engines report it: the owner's transfer wrote decode pages
-    100..109, decode then pre-allocated them to the victim (their previous holder: ``holder``, the
-    owner by default), a short fault sent ``sent`` of ``pages`` pages, and the victim's reply recites
-    the owner's canary."""
+    100..112 (one token each: enough unwritten ones to hold the 12 characters of a canary), decode then
+    pre-allocated them to the victim (their previous holder: ``holder``, the owner by default), a short
+    fault sent ``sent`` of ``pages`` pages, and the victim's reply recites the owner's canary."""
     pg = list(range(100, 100 + pages))
     agent(log, "write_end", rid=owner_rid, room=1, pages=pages, dst_pages=pg, dst_pages_total=pages,
           dst_page_offset=0, ret=0, wall_start=t_owner, page_size=1)
@@ -116,7 +116,7 @@ def test_2_a_finding_matches_its_mechanism_not_its_victim(tmp_path, case):
             request(log, "late", "t9", ["[ZQ7KD3MXAP]"], "ZQ7KD3MXAP][", 500.0)
             stale_leak(log, "late", "v1", "[ZQ7KD3MXAP]", 500.0, 104.0)
         elif case == "every_page_sent":
-            stale_leak(log, "c0", "v1", owners[0][0], 100.0, 104.0, sent=10)
+            stale_leak(log, "c0", "v1", owners[0][0], 100.0, 104.0, sent=13)
         elif case == "holder_is_someone_else":
             stale_leak(log, "c0", "v1", owners[0][0], 100.0, 104.0, holder="c5")
         else:  # the old signature's evidence only: a short fault fired on the victim

@@ -119,6 +119,19 @@ def test_an_owner_never_sent_cannot_have_left_its_bytes_in_the_victims_pages():
     assert j.status == FAIL and j.red and not known_for(j, "isolation"), j.message()
 
 
+@pytest.mark.parametrize("page_size,unwritten,known", [(1, 1, False), (1, 9, False), (1, 10, True), (16, 1, True)])
+def test_the_stale_pages_must_be_able_to_hold_what_was_recited(page_size, unwritten, known):
+    """One one-token page holding the owner's bytes cannot explain a 10-character canary: the explanation
+    must cover the witness's characters (pages x tokens per page, decode's kv_prealloc.page_size)."""
+    ev = [e for e in _short_log() if not (e["ev"] == "agent" and e["agent_ev"] in ("kv_prealloc", "write_end"))]
+    ev += stale_pages("c0", "s1", unwritten + 1, 1)
+    for e in ev:
+        if e["ev"] == "agent" and e["agent_ev"] == "kv_prealloc":
+            e["page_size"] = page_size
+    j = judge(ev, {"isolation": PASS}, accept_known=True)
+    assert (j.status == "known") is known, j.message()
+
+
 def test_a_page_holder_under_the_engines_own_id_is_named_by_the_canaries_decode_read_in_its_input():
     """An OpenAI-route request through sglang-router reaches decode under a uuid of decode's, not the
     client's rid: the pages it left are held by that uuid, which no plan names. Decode's own record of

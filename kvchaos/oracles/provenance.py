@@ -185,7 +185,16 @@ def stale_pages(h, rid: str, registry=None) -> dict | None:
             "writers": dict(writers), "unknown_writer": len(unwritten) - sum(writers.values()),
             # writer -> how many of those pages hold its generated tokens (decode's own step evidence)
             "generated_by": {w: n for w, n in generated.items() if n},
-            "prealloc_wall": pre.get("wall")}
+            "prealloc_wall": pre.get("wall"), "page_size": _page_size(h, pre)}
+
+
+def _page_size(h: History, pre: dict) -> int | None:
+    """Tokens per decode page: decode's ``kv_prealloc`` says, else the header's layout; None unknown."""
+    for ps in (pre.get("page_size"), ((h.header.get("layout") or {}).get("spec") or {}).get("page_size")
+               if isinstance(h.header.get("layout"), dict) else None):
+        if isinstance(ps, int) and not isinstance(ps, bool) and ps > 0:
+            return ps
+    return None
 
 
 def shorted(h, rid: str) -> list[dict]:
@@ -266,6 +275,12 @@ def explains(h, witness: dict, registry=None) -> tuple[bool, str, dict | None]:
     late = [r for r in hit if (h.sends.get(r) or {}).get("wall", 0) > (sp.get("prealloc_wall") or float("inf"))]
     if late and len(late) == len(hit):
         return False, f"{late[0]} was sent after decode gave {victim} its pages: it cannot have left bytes there", sp
+    # the explanation must cover what was recited: pages of so few tokens cannot have held the characters
+    ps, shown = sp.get("page_size"), str(witness.get("matched") or "").strip("[]")
+    have = sum(sp["writers"].get(r, 0) for r in hit)  # their pages among the unwritten (prompt or generated)
+    if ps and shown and have * ps < len(shown):
+        return False, (f"the {have} unwritten page(s) of {ps} token(s) holding {', '.join(hit[:3])}'s bytes cannot hold "
+                       f"the {len(shown)} characters {victim} recited"), sp
     return True, (f"{victim} read {sp['unwritten']} of {sp['reserved']} pages its transfer never wrote; "
                   f"{sum(sp['writers'][r] for r in hit)} of them hold the bytes of {', '.join(hit[:3])}, "
                   f"which carried {witness.get('canary')}"), sp
