@@ -119,6 +119,18 @@ def test_an_owner_never_sent_cannot_have_left_its_bytes_in_the_victims_pages():
     assert j.status == FAIL and j.red and not known_for(j, "isolation"), j.message()
 
 
+def test_a_holder_decode_allocated_after_the_victims_pages_explains_nothing():
+    """Decode's events contradict themselves: the pages' holder was first pre-allocated after decode gave the
+    victim those pages. Evidence that does not hold together accepts nothing as KNOWN."""
+    ev = _short_log()
+    ev.append(agent("kv_prealloc", rid="c0", room=9, dst_pages=list(range(1000, 1010)), dst_pages_total=10,
+                    prev_holders=[[0, 10, None]], wall=100.9))  # the victim's came at 100.3
+    j = judge(ev, {"isolation": PASS}, accept_known=True)
+    assert j.status == FAIL and j.red and not known_for(j, "isolation"), j.message()
+    ev[-1]["wall"] = 100.0  # allocated before: consistent, KNOWN
+    assert judge(ev, {"isolation": PASS}, accept_known=True).status == "known"
+
+
 @pytest.mark.parametrize("page_size,unwritten,known", [(1, 1, False), (1, 9, False), (1, 10, True), (16, 1, True)])
 def test_the_stale_pages_must_be_able_to_hold_what_was_recited(page_size, unwritten, known):
     """One one-token page holding the owner's bytes cannot explain a 10-character canary: the explanation

@@ -272,9 +272,17 @@ def explains(h, witness: dict, registry=None) -> tuple[bool, str, dict | None]:
     if unsent and len(unsent) == len(hit):
         return False, f"{unsent[0]} was never sent: it cannot have left bytes in {victim}'s pages", sp
     hit = [r for r in hit if r not in unsent]
-    late = [r for r in hit if (h.sends.get(r) or {}).get("wall", 0) > (sp.get("prealloc_wall") or float("inf"))]
+    at = sp.get("prealloc_wall") or float("inf")
+    late = [r for r in hit if (h.sends.get(r) or {}).get("wall", 0) > at]
     if late and len(late) == len(hit):
         return False, f"{late[0]} was sent after decode gave {victim} its pages: it cannot have left bytes there", sp
+    # decode's own events must agree with themselves: a holder whose pages decode first allocated after it gave
+    # the victim those pages cannot be what the victim read
+    after = [r for r in hit if min((e.get("wall") for e in _preallocs(h, r) if isinstance(e.get("wall"), (int, float))),
+                                   default=-float("inf")) > at]
+    if after and len(after) == len(hit):
+        return False, (f"decode allocated {after[0]}'s pages after it gave {victim} its pages: its events contradict "
+                       "themselves, and explain nothing"), sp
     # the explanation must cover what was recited: pages of so few tokens cannot have held the characters
     ps, shown = sp.get("page_size"), str(witness.get("matched") or "").strip("[]")
     have = sum(sp["writers"].get(r, 0) for r in hit)  # their pages among the unwritten (prompt or generated)
