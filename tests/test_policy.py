@@ -119,6 +119,25 @@ def test_an_owner_never_sent_cannot_have_left_its_bytes_in_the_victims_pages():
     assert j.status == FAIL and j.red and not known_for(j, "isolation"), j.message()
 
 
+@pytest.mark.parametrize("ended_before_kill_s,known", [(40.0, False), (0.5, True), (-10.0, True)])
+def test_a_hang_is_the_decode_kill_only_if_it_was_in_flight_when_decode_died(ended_before_kill_s, known):
+    """sglang-decode-death-unanswered: every witness a timeout, in an experiment where decode was SIGKILLed —
+    and in flight when it was: a request that timed out 40 s before the kill is not the kill's."""
+    kill_at = 200.0
+    ev = [HEADER] + crowd()
+    ev += [plan("h1", "t3", canary.mint(random.Random(5), 2)), {"ev": "send", "rid": "h1", "wall": 100.0},
+           {"ev": "end", "rid": "h1", "outcome": "timeout", "latency_s": 60.0,
+            "wall": kill_at - ended_before_kill_s}]
+    ev += [{"ev": "fault", "action": "fired", "kind": "sigkill", "role": "decode", "injector": "process",
+            "at": kill_at, "wall": kill_at}]
+    v = oracles.liveness(ev, bound_s=30)
+    assert v.status == FAIL and {w.get("rid") for w in v.witnesses} == {"h1"}, v
+    j = Policy(accept_known=True).judge([v], Context.of(History(ev)), {"liveness": PASS})
+    assert (j.status == "known") is known, j.message()
+    if known:
+        assert j.known[0].finding.id == "sglang-decode-death-unanswered"
+
+
 def test_a_holder_decode_allocated_after_the_victims_pages_explains_nothing():
     """Decode's events contradict themselves: the pages' holder was first pre-allocated after decode gave the
     victim those pages. Evidence that does not hold together accepts nothing as KNOWN."""

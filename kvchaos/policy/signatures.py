@@ -257,11 +257,26 @@ def _sig_fault_armed(v, ctx, kind):
     return ok, f"no {kind!r} fault armed in this experiment"
 
 
+KILL_TIMING_SLACK_S = 1.0  # a request that ended this long before the kill was not in flight at it
+
+
 def _sig_process_fault_fired(v, ctx, what):
+    """A process fault of that kind (and role) fired in this experiment, and every request the verdict names
+    was still in flight when it first fired (or came after): a hang that ended before the kill is not the
+    kill's."""
     kind, _, role = str(what).partition(":")
-    ok = any(e.get("injector") == "process" and e.get("kind") == kind and (not role or e.get("role") == role)
-             for e in ctx.fault_events("fired"))
-    return ok, f"no {kind} of {role or 'any role'} fired in this experiment"
+    at = [float(e.get("at", e.get("wall"))) for e in ctx.fault_events("fired")
+          if e.get("injector") == "process" and e.get("kind") == kind and (not role or e.get("role") == role)
+          and isinstance(e.get("at", e.get("wall")), (int, float))]
+    if not at:
+        return False, f"no {kind} of {role or 'any role'} fired in this experiment"
+    before = []
+    for w in _rid_witnesses(v):
+        rid = w.get("rid") or w.get("victim_rid")
+        win = ctx.history.window(rid) if ctx.history is not None else None
+        if win is not None and win[1] < min(at) - KILL_TIMING_SLACK_S:
+            before.append(f"{rid} (ended {min(at) - win[1]:.1f} s before the {kind})")
+    return not before, f"requests that had ended before the {kind} of {role or 'any role'} fired: {before[:3]}"
 
 
 def _sig_salts_lost_before_engine(v, ctx, want):
