@@ -65,7 +65,7 @@ BESIDE ?= 1
 # cluster-free tests. SPLIT_K: what goes beside — the layout's tests, the cleanup tests that start
 # clusters of their own (test_teardown_real: ~75 s of the longer session; none uses the session's cluster),
 # and the two disruptive suites of the default layout, on a cluster of that layout of their own (its start
-# ~40 s of the shorter session): the fuzz smoke (its one-minute budget) and the prefill kill (the prefill's
+# ~40 s of the shorter session): the fuzz smoke (its budget, half a minute since 2026-12-08) and the prefill kill (the prefill's
 # restart) ran last in the longer session at 41-46 % busy, ~130 s of it after every other session had
 # ended (bench/RESULTS.md, 2026-12-07)
 SPLIT ?= 1

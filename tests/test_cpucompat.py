@@ -302,11 +302,18 @@ def _check_semantics(res):
 
 
 @pytest.fixture(scope="module")
-def paged_reference():
+def paged_reference(tmp_path_factory):
     """0.5.23 (this environment) on CPU: its own non-Triton path (``alloc_extend_naive`` /
-    ``alloc_decode_naive``), patch 6 a no-op."""
-    r, res = _paged(sys.executable, "on")
-    assert res, r.stderr[-3000:]
+    ``alloc_decode_naive``), patch 6 a no-op. Computed once per session (the module's tests may run on
+    both xdist workers)."""
+    from tests.util import once_per_session
+
+    def reference():
+        r, res = _paged(sys.executable, "on")
+        assert res, r.stderr[-3000:]
+        return res
+
+    res = once_per_session(tmp_path_factory, "paged-reference-0.5.23", reference)
     assert "paged-alloc-torch" not in res["applied"], res["applied"]
     return res
 

@@ -46,3 +46,21 @@ def agent_process_result(script: str, ctl_dir, role: str = "decode", timeout: fl
     line = next((x for x in r.stdout.splitlines() if x.startswith("RESULT ")), None)
     assert r.returncode == 0 and line, f"rc={r.returncode}\n{r.stdout[-2000:]}\n{r.stderr[-4000:]}"
     return json.loads(line[len("RESULT "):])
+
+
+def once_per_session(tmp_path_factory, name: str, compute):
+    """``compute()``'s JSON-able result, computed once per pytest session: under xdist the first worker to
+    ask computes it under a lock and the others read it (a module- or session-scoped fixture runs once per
+    worker, and a child that imports SGLang costs ~10 s of CPU each time)."""
+    import fcntl
+    import json
+
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return compute()
+    shared = tmp_path_factory.getbasetemp().parent  # this session's base directory, shared by its workers
+    with open(shared / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        done = shared / f"{name}.json"
+        if not done.exists():
+            done.write_text(json.dumps(compute()))
+        return json.loads(done.read_text())
