@@ -119,7 +119,7 @@ CHECKS = {
     "sensitivity": {"echo_rate": float},
     "http_semantics": {},
     "liveness": {"bound_s": float, "pool_tolerance_tokens": int},
-    "kv_lifecycle": {"tolerance_s": float},
+    "kv_lifecycle": {"tolerance_s": float, "skew_s": float},
     "page_ownership": {},
     "abort_semantics": {},
     "retraction": {"min_retractions": int},
