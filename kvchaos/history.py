@@ -52,7 +52,7 @@ from kvchaos.probe.kinds import PACE_MAX
 
 SCHEMA = 3
 # the record that closes an experiment (schema 3): what its writer wrote before it, so a log cut at a line
-# boundary, or with records dropped, added or changed, says so (:func:`close_record`, History.wholeness)
+# boundary, or with records dropped, added or changed, says so (:func:`close_record`, History._wholeness)
 CLOSE = "experiment_end"
 ONCE_PER_RID = ("plan", "send", "body", "end")
 # records that are not something the client received (the prompt is the harness's own text; faults
@@ -251,6 +251,7 @@ class History:
         self.by_ev: dict[str, list[dict]] = defaultdict(list)
         self.agent: list[dict] = []               # agent events (their kind: agent_kind(e))
         self._engine_rids: dict[str, str] | None = None  # engine_rids(), read once
+        self._replies: dict[str, str] = {}  # reply_text(), read once per request
         self._agent_kinds: list[str] = []
         for e in records:
             ev = e.get("ev")
@@ -402,13 +403,16 @@ class History:
         """The reply as the driver parsed it (the own-canary echo is read here); a /generate stream's from
         its raw chunks where they are not cumulative (``--incremental-streaming-output``: each chunk holds
         only its new text, and a driver that kept the last chunk kept only the reply's end)."""
+        if rid in self._replies:
+            return self._replies[rid]
         b = self.bodies.get(rid) or {}
         text = b.get("text") or ""
         raw = b.get("raw")
-        if isinstance(raw, str) and "data:" in raw:
+        if isinstance(raw, str) and "data:" in raw:  # read once: power, integrity and the report all ask
             whole = stream_reply_text(raw, incremental=self.incremental_streaming)
             if whole is not None and len(whole) > len(text) and whole.endswith(text):
-                return whole
+                text = whole
+        self._replies[rid] = text
         return text
 
     def finish_reason(self, rid: str):

@@ -262,7 +262,8 @@ def _leaks_seen(history) -> dict[str, list]:
     for e in (history.by_ev.get("leak_seen", ()) if history is not None else ()):
         oracle = e.get("oracle") if isinstance(e.get("oracle"), str) else "isolation"
         victims = e.get("victims") if isinstance(e.get("victims"), list) else []
+        owners = e.get("owners") if isinstance(e.get("owners"), list) else []
         out.setdefault(oracle, []).append(witness(problem="the runner's live judge saw a leak during the experiment",
-                                                  victims=victims[:20], owners=(e.get("owners") or [])[:20],
+                                                  victims=victims[:20], owners=owners[:20],
                                                   after_s=e.get("after_s"), record="leak_seen"))
     return out
