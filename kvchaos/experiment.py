@@ -681,17 +681,18 @@ def _heal_engine_errors(cluster) -> list[dict]:
 def _engine(cluster) -> dict:
     """Engine name and version, read from the servers (not assumed from the profile)."""
     out = {"name": getattr(getattr(cluster, "spec", None), "engine", "sglang"), "version": None, "roles": {}}
+    infos = {}
     for role in ("prefill", "decode"):
         try:
-            out["roles"][role] = server_field(cluster.server_info(role), "version")
+            infos[role] = cluster.server_info(role)
+            out["roles"][role] = server_field(infos[role], "version")
         except Exception as e:  # noqa: BLE001 - an unreachable server is recorded, judged by liveness
             out["roles"][role] = f"unreachable: {e!r}"[:200]
     vs = {v for v in out["roles"].values() if v and not str(v).startswith("unreachable")}
     out["version"] = vs.pop() if len(vs) == 1 else (sorted(vs)[0] if vs else None)
-    try:  # how decode streams /generate: each chunk the reply so far, or only its new text (History.reply_text)
-        inc = server_field(cluster.server_info("decode"), "incremental_streaming_output")
-    except Exception:  # noqa: BLE001 - unreachable: recorded above; the judge then reads the chunks as they are
-        inc = None
+    # how decode streams /generate: each chunk the reply so far, or only its new text (History.reply_text);
+    # unrecorded (decode unreachable), the judge reads the chunks as they are
+    inc = server_field(infos.get("decode"), "incremental_streaming_output")
     if isinstance(inc, bool):
         out["incremental_streaming_output"] = inc
     return out

@@ -23,8 +23,8 @@ or overwritten):
 
 Schema. An experiment's header (``ev: experiment``) carries ``schema`` (:data:`SCHEMA`). Logs written
 before the header carried it are schema 1 and read as they are (:func:`migrate`): a log on disk is
-never rejected for its age. A log of a newer schema is read as far as its records are understood,
-with a warning.
+never rejected for its age. A log of a newer schema is bad input: its records could mean what this
+kvchaos does not know.
 
 What the client received (:meth:`History.client_views`): every byte of every reply, error and stream,
 whatever the driver's parse made of it — the parsed text, the error, the raw body, every string of the
@@ -252,6 +252,7 @@ class History:
         self.agent: list[dict] = []               # agent events (their kind: agent_kind(e))
         self._engine_rids: dict[str, str] | None = None  # engine_rids(), read once
         self._replies: dict[str, str] = {}  # reply_text(), read once per request
+        self._docs: dict[str, tuple[list, list[str]]] = {}  # _body_docs(), parsed once per request
         self._agent_kinds: list[str] = []
         for e in records:
             ev = e.get("ev")
@@ -353,9 +354,7 @@ class History:
         """Everything the client received for ``rid``, every way it can be read (module doc)."""
         out: list[View] = []
         others: dict[str, list[dict]] = defaultdict(list)
-        layout = self.header.get("layout")
-        spec = layout.get("spec") if isinstance(layout, dict) else None
-        model = spec.get("model") if isinstance(spec, dict) else None
+        model = layout_spec(self.header).get("model")
         for r in self.received.get(rid, ()):
             ev = r.get("ev")
             if ev == "body":
@@ -363,7 +362,7 @@ class History:
                     if isinstance(r.get(k), str) and r[k]:
                         out.append(View(f"body.{k}", r[k]))
                 if isinstance(r.get("raw"), str) and r["raw"]:
-                    out += [View(f"body.raw by path: {n}", t) for n, t in raw_views(r["raw"]) if t]
+                    out += [View(f"body.raw by path: {n}", t) for n, t in docs_views(*self._body_docs(rid)) if t]
                 meta = _strings(r.get("meta"))
                 if meta:
                     out.append(View("body.meta", "\n".join(meta)))
@@ -391,6 +390,13 @@ class History:
         ``offsets`` index."""
         return "\n".join(v.text for v in self.client_views(rid))
 
+    def _body_docs(self, rid: str) -> tuple[list, list[str]]:
+        """:func:`body_docs` of ``rid``'s raw body, parsed once (its views and its reply text both read them)."""
+        if rid not in self._docs:
+            raw = (self.bodies.get(rid) or {}).get("raw")
+            self._docs[rid] = body_docs(raw) if isinstance(raw, str) else ([], [])
+        return self._docs[rid]
+
     @property
     def incremental_streaming(self) -> bool | None:
         """Does decode stream /generate chunks as each one's new text only (``--incremental-streaming-output``)?
@@ -409,7 +415,7 @@ class History:
         text = b.get("text") or ""
         raw = b.get("raw")
         if isinstance(raw, str) and "data:" in raw:  # read once: power, integrity and the report all ask
-            whole = stream_reply_text(raw, incremental=self.incremental_streaming)
+            whole = reply_of_chunks(self._body_docs(rid)[0], self.incremental_streaming)
             if whole is not None and len(whole) > len(text) and whole.endswith(text):
                 text = whole
         self._replies[rid] = text
@@ -660,9 +666,13 @@ def _fragments(data: str) -> list[str]:
 
 
 def raw_views(raw: str) -> list[tuple[str, str]]:
-    """What a raw body carried, read by path (:func:`joined_views`) across its documents (:func:`body_docs`),
-    plus the string literals of lines that are no JSON."""
-    docs, bad = body_docs(raw)
+    """What a raw body carried: :func:`docs_views` of its documents (:func:`body_docs`)."""
+    return docs_views(*body_docs(raw))
+
+
+def docs_views(docs: list, bad: list[str]) -> list[tuple[str, str]]:
+    """A body's documents read by path (:func:`joined_views`), plus the string literals of its lines that are
+    no JSON (``bad``)."""
     out = joined_views(docs)
     frags = [f for line in bad for f in _fragments(line)]
     if frags:
@@ -676,13 +686,21 @@ def stream_reply_text(raw: str, incremental: bool | None = None) -> str | None:
     experiment's header records), else the last chunk's; unrecorded, the last chunk's where every chunk
     reads as cumulative (:func:`cumulative_chunks`; SGLang's default), else the chunks' texts joined. None when the body
     holds no ``text`` chunks. (The reading decides only what the reply is held to: isolation scans both.)"""
-    docs, _ = body_docs(raw)
+    return reply_of_chunks(body_docs(raw)[0], incremental)
+
+
+def reply_of_chunks(docs: list, incremental: bool | None) -> str | None:
+    """:func:`stream_reply_text` of a body's documents (:func:`body_docs`)."""
     texts = [d["text"] for d in docs if isinstance(d, dict) and isinstance(d.get("text"), str)]
     if not texts:
         return None
-    if incremental is None:
-        incremental = not cumulative_chunks(texts)
-    return "".join(texts) if incremental else texts[-1]
+    return "".join(texts) if reads_incremental(texts, incremental) else texts[-1]
+
+
+def reads_incremental(texts: list[str], recorded: bool | None) -> bool:
+    """Are these /generate chunk texts each only its new text? What the header recorded of decode's
+    ``--incremental-streaming-output`` (``recorded``), else what the chunks say (:func:`cumulative_chunks`)."""
+    return recorded if isinstance(recorded, bool) else not cumulative_chunks(texts)
 
 
 def cumulative_chunks(texts: list[str]) -> bool:
@@ -719,16 +737,20 @@ def _decodes_probe_ids(model) -> bool:
     return model is None or str(model).startswith(("probe", "like:"))
 
 
+def layout_spec(header) -> dict:
+    """The header's ``layout.spec`` (the cluster spec the runner recorded); {} where absent or not an object."""
+    layout = header.get("layout") if isinstance(header, dict) else None
+    spec = layout.get("spec") if isinstance(layout, dict) else None
+    return spec if isinstance(spec, dict) else {}
+
+
 def serves_probe(header: dict) -> bool:
     """Does the experiment's served model answer by the probe's reply contract
     (:mod:`kvchaos.probe.contract`)? The header's ``layout.spec.probe`` where the runner recorded it (it
     reads the model directory's ``kvchaos-model.json``); else by the model's name: none named (a log
     written by hand), a layout's ``probe``/``probe:<kind>``, or a probe directory (``probe-<kind>-<digest>``,
     its long-context copies ``...-ctx<n>``: :func:`kvchaos.probe.reaching`)."""
-    layout = header.get("layout") if isinstance(header, dict) else None
-    spec = layout.get("spec") if isinstance(layout, dict) else None
-    if not isinstance(spec, dict):
-        return True
+    spec = layout_spec(header)
     if isinstance(spec.get("probe"), bool):
         return spec["probe"]
     model = spec.get("model")
@@ -754,9 +776,7 @@ def _num(x) -> bool:
 
 def _header_pace(head: dict):
     """The pace an experiment header records (``layout.spec.pace``), unchecked; None when absent."""
-    layout = head.get("layout")
-    spec = layout.get("spec") if isinstance(layout, dict) else None
-    return spec.get("pace") if isinstance(spec, dict) else None
+    return layout_spec(head).get("pace")
 
 
 def _check_types(e: dict, where: str) -> None:

@@ -52,7 +52,7 @@ import os
 import re
 
 from kvchaos.cluster.spec import DEFENCES_NEED_CUDA
-from kvchaos.history import as_history, witness
+from kvchaos.history import as_history, layout_spec, witness
 from kvchaos.workload.snapshots import server_field
 
 from .base import Checker, Verdict, ladder
@@ -447,8 +447,7 @@ def _arm_record(h) -> dict | None:
 
 def _device(h, arm) -> str | None:
     """The device the engines ran on: the experiment header's cluster spec, else what /server_info said."""
-    layout = h.header.get("layout") if isinstance(h.header.get("layout"), dict) else {}
-    spec = layout.get("spec") if isinstance(layout.get("spec"), dict) else {}
+    spec = layout_spec(h.header)
     devices = {spec.get("device")} | {(r or {}).get("device") for r in ((arm or {}).get("roles") or {}).values()
                                       if isinstance(r, dict)}
     devices = {str(d) for d in devices if d}

@@ -42,7 +42,7 @@ import json
 from collections import Counter
 
 from kvchaos import canary
-from kvchaos.history import History, Witness, as_history, cumulative_chunks, decode_probe_ids, serves_probe
+from kvchaos.history import History, Witness, as_history, decode_probe_ids, reads_incremental, serves_probe
 from kvchaos.probe import contract
 
 from .base import FAIL, PASS, UNKNOWN, Checker, Verdict
@@ -203,9 +203,7 @@ class _Judge:
             used = mi.get("prompt_tokens")
             if isinstance(used, int) and c.head is not None and used != c.head:
                 return self.meta_witness(rid, p, "prompt_tokens", c.head, used, view="a stream chunk's meta_info")
-        inc = self.h.incremental_streaming
-        if inc is None:  # not recorded (a log written before the header said): read from the chunks
-            inc = not cumulative_chunks(chunks)
+        inc = reads_incremental(chunks, self.h.incremental_streaming)
         if inc:  # --incremental-streaming-output: each chunk its new text only; joined, they are the reply
             deltas += chunks
         for t in chunks if not inc else ():  # the text so far: each must begin what it must be

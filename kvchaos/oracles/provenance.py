@@ -23,7 +23,7 @@ import weakref
 from collections import Counter, defaultdict
 
 from kvchaos import canary
-from kvchaos.history import History, as_history
+from kvchaos.history import History, as_history, layout_spec
 
 MAX_CHAIN = 16  # holders followed back through pages a holder's own transfer left unwritten
 
@@ -190,8 +190,7 @@ def stale_pages(h, rid: str, registry=None) -> dict | None:
 
 def _page_size(h: History, pre: dict) -> int | None:
     """Tokens per decode page: decode's ``kv_prealloc`` says, else the header's layout; None unknown."""
-    for ps in (pre.get("page_size"), ((h.header.get("layout") or {}).get("spec") or {}).get("page_size")
-               if isinstance(h.header.get("layout"), dict) else None):
+    for ps in (pre.get("page_size"), layout_spec(h.header).get("page_size")):
         if isinstance(ps, int) and not isinstance(ps, bool) and ps > 0:
             return ps
     return None

@@ -270,12 +270,12 @@ def _sig_process_fault_fired(v, ctx, what):
           and isinstance(e.get("at", e.get("wall")), (int, float))]
     if not at:
         return False, f"no {kind} of {role or 'any role'} fired in this experiment"
-    before = []
+    first, before = min(at), []
     for w in _rid_witnesses(v):
         rid = w.get("rid") or w.get("victim_rid")
         win = ctx.history.window(rid) if ctx.history is not None else None
-        if win is not None and win[1] < min(at) - KILL_TIMING_SLACK_S:
-            before.append(f"{rid} (ended {min(at) - win[1]:.1f} s before the {kind})")
+        if win is not None and win[1] < first - KILL_TIMING_SLACK_S:
+            before.append(f"{rid} (ended {first - win[1]:.1f} s before the {kind})")
     return not before, f"requests that had ended before the {kind} of {role or 'any role'} fired: {before[:3]}"
 
 
